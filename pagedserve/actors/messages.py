@@ -1,0 +1,265 @@
+"""THE wire schema: every msgspec Struct that crosses a socket.
+
+Rules: add fields only at the end; enums are IntEnum; every top-level message is a tagged
+Struct so that each channel decodes a typed union with one decoder. No pickle anywhere.
+
+Channels (see bus.py for addresses):
+  client     -> tokenizer : ClientInbound   (GenerateRequest, AbortRequest, StatsRequest)
+  tokenizer  -> client    : ClientOutbound  (RequestDelta, RequestError, SchedulerStats)
+  tokenizer  -> scheduler : SchedulerInbound (AddRequest, AbortRequest, StatsRequest)
+  worker 0   -> scheduler : SchedulerInbound (StepResult)
+  scheduler  -> tokenizer : TokenizerInbound (EngineOutputs, SchedulerStats)
+  scheduler  -> worker k  : WorkerInbound    (StepPlan, Shutdown)
+  actor      -> supervisor: SupervisorInbound (ActorReady, ActorFailed)
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2  # aborted by the client (or a disconnect)
+
+    @property
+    def openai_name(self) -> str:
+        return ("stop", "length", "abort")[self]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Sampling parameters; field names and defaults follow vLLM's public `SamplingParams`."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per output token (0: sampled only)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError("presence_penalty must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("frequency_penalty must be in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError("repetition_penalty must be positive")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [s for s in (self.stop or []) if s]  # type: ignore[union-attr]
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprob of the chosen token, its rank (1 = most likely) and the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str
+
+
+# ---------------------------------------------------------------- client <-> tokenizer
+
+
+class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
+    request_id: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None  # chat: the tokenizer applies the chat template
+    add_generation_prompt: bool = True
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class StatsRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class RequestDelta(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """What a client receives for a request: new text and tokens since the last delta."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    prompt_token_ids: list[int] | None = None  # sent with the first delta only
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first delta)
+
+
+class RequestError(msgspec.Struct, tag=True):
+    request_id: str
+    message: str
+    status_code: int = 400
+
+
+# ---------------------------------------------------------------- tokenizer <-> scheduler
+
+
+class AddRequest(msgspec.Struct, tag=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float = 0.0
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """Scheduler -> tokenizer, one per request that advanced in a step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: FinishReason | None
+    stop_reason: int | None
+    num_cached_tokens: int
+
+
+class EngineOutputs(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+
+
+class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
+    request_id: str = ""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+
+
+# ---------------------------------------------------------------- scheduler <-> workers
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """Full data for a request the worker has not seen (new, or resumed after preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # every token known now: the prompt, plus outputs when resumed
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Columnar diff for requests already in the worker's persistent batch."""
+
+    request_ids: list[str] = []
+    new_block_ids: list[list[int]] = []  # blocks appended to each block table this step
+    num_computed_tokens: list[int] = []
+
+
+class StepPlan(msgspec.Struct, tag=True, kw_only=True):
+    """One step for every worker. The batch order is `scheduled_ids`; a request samples a token
+    when its scheduled tokens reach the end of the tokens the worker knows for it."""
+
+    step_id: int
+    new_requests: list[NewRequestData] = []
+    cached_requests: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    scheduled_ids: list[str] = []
+    num_scheduled_tokens: list[int] = []
+    finished_ids: list[str] = []  # drop from the persistent batch before this step
+
+
+class StepResult(msgspec.Struct, tag=True, kw_only=True):
+    step_id: int
+    request_ids: list[str]  # the requests that sampled a token this step, batch order
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None  # per request, None if not asked
+    execute_ms: float = 0.0
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- actors -> supervisor
+
+
+class ActorReady(msgspec.Struct, tag=True, kw_only=True):
+    name: str
+    pid: int
+    num_kv_blocks: int = 0  # workers report how many KV blocks fit in their memory
+
+
+class ActorFailed(msgspec.Struct, tag=True):
+    name: str
+    error: str
+
+
+ClientInbound = GenerateRequest | AbortRequest | StatsRequest
+ClientOutbound = RequestDelta | RequestError | SchedulerStats
+SchedulerInbound = AddRequest | AbortRequest | StatsRequest | StepResult | Shutdown
+TokenizerInbound = EngineOutputs | SchedulerStats | Shutdown
+WorkerInbound = StepPlan | Shutdown
+SupervisorInbound = ActorReady | ActorFailed
+
+ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
+    GenerateRequest,
+    AbortRequest,
+    StatsRequest,
+    RequestDelta,
+    RequestError,
+    AddRequest,
+    EngineOutputs,
+    SchedulerStats,
+    StepPlan,
+    StepResult,
+    Shutdown,
+    ActorReady,
+    ActorFailed,
+)
