@@ -1,0 +1,185 @@
+"""Typed ZeroMQ channels: the only module that creates sockets.
+
+A channel is a socket plus the one message type (usually a tagged union from messages.py) it
+carries. Every frame is msgpack produced by msgspec; a frame that does not decode as the
+channel's type is logged and dropped, and the receiver keeps going. No pickle anywhere.
+
+Topology (same host: ipc:// sockets in a private run directory; `tcp://` works the same):
+  clients  --DEALER/ROUTER-->  tokenizer      (client requests in, deltas back by identity)
+  senders  --PUSH/PULL----->   each actor's inbox (bound by the inbox owner)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+class Codec(Generic[T]):
+    """Decodes frames of one channel type; rejects (and logs) what does not decode."""
+
+    def __init__(self, message_type: Any, channel: str) -> None:
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+        self.channel = channel
+        self.num_rejected = 0
+
+    def decode(self, frame: bytes) -> T | None:
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.num_rejected += 1
+            logger.error("%s: rejected a malformed frame (%d bytes): %s", self.channel, len(frame), exc)
+            return None
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Where every actor's sockets live. `base` is `ipc://<run_dir>` or `tcp://host:port0`."""
+
+    run_dir: str
+    tcp_host: str | None = None
+    tcp_base_port: int = 0
+
+    def _address(self, name: str, index: int) -> str:
+        if self.tcp_host is not None:
+            return f"tcp://{self.tcp_host}:{self.tcp_base_port + index}"
+        return f"ipc://{os.path.join(self.run_dir, name)}"
+
+    @property
+    def supervisor(self) -> str:
+        return self._address("supervisor.sock", 0)
+
+    @property
+    def tokenizer_clients(self) -> str:
+        return self._address("tokenizer-clients.sock", 1)
+
+    @property
+    def tokenizer_inbox(self) -> str:
+        return self._address("tokenizer-inbox.sock", 2)
+
+    @property
+    def scheduler_inbox(self) -> str:
+        return self._address("scheduler-inbox.sock", 3)
+
+    def worker_inbox(self, rank: int) -> str:
+        return self._address(f"worker-{rank}-inbox.sock", 16 + rank)
+
+
+def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+class Sender(Generic[T]):
+    """Async PUSH end of a channel."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, bind: bool = False) -> None:
+        self.socket = _socket(ctx, zmq.PUSH, address, bind)
+
+    async def send(self, message: T) -> None:
+        await self.socket.send(encode(message), copy=False)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class Receiver(Generic[T]):
+    """Async PULL end of a channel; `recv` skips (and logs) malformed frames."""
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, address: str, message_type: Any, bind: bool = True
+    ) -> None:
+        self.socket = _socket(ctx, zmq.PULL, address, bind)
+        self.codec: Codec[T] = Codec(message_type, address)
+
+    async def recv(self) -> T:
+        while True:
+            message = self.codec.decode(await self.socket.recv(copy=True))
+            if message is not None:
+                return message
+
+    def recv_ready(self) -> list[T]:
+        """Every message already queued, without waiting."""
+        messages: list[T] = []
+        while True:
+            try:
+                frame = self.socket.recv(flags=zmq.NOBLOCK, copy=True)
+                if not isinstance(frame, bytes):  # an asyncio socket hands back a done future
+                    frame = frame.result()
+            except zmq.Again:
+                return messages
+            message = self.codec.decode(frame)
+            if message is not None:
+                messages.append(message)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class Router(Generic[T]):
+    """The tokenizer's client-facing socket: receives (identity, message), replies by identity."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, message_type: Any) -> None:
+        self.socket = _socket(ctx, zmq.ROUTER, address, bind=True)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.codec: Codec[T] = Codec(message_type, address)
+
+    async def recv(self) -> tuple[bytes, T]:
+        while True:
+            frames = await self.socket.recv_multipart(copy=True)
+            if len(frames) != 2:
+                logger.error("%s: dropped a message of %d frames", self.codec.channel, len(frames))
+                continue
+            message = self.codec.decode(frames[1])
+            if message is not None:
+                return frames[0], message
+
+    async def send(self, identity: bytes, message: msgspec.Struct) -> None:
+        await self.socket.send_multipart([identity, encode(message)], copy=False)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def dealer_socket(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
+    """A client's end of the tokenizer's ROUTER (sync or asyncio context)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    return sock
+
+
+def pull_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """A synchronous bound PULL socket (the supervisor's inbox)."""
+    return _socket(ctx, zmq.PULL, address, bind=True)
+
+
+def push_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """A synchronous connecting PUSH socket (an actor's line to the supervisor)."""
+    return _socket(ctx, zmq.PUSH, address, bind=False)

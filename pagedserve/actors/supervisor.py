@@ -1,0 +1,137 @@
+"""Starts the actor topology, watches it, and tears it down without leaving anything behind.
+
+Start order: workers first (they load the model and report how many KV blocks fit), then the
+scheduler (sized by the smallest worker's report) and the tokenizer. Every actor says
+`ActorReady` once its sockets are bound. `stop()` sends SIGTERM, waits, kills stragglers and
+removes the private run directory with its socket files. A watcher thread notices an actor that
+dies and marks the engine dead, so clients fail fast instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.process
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from pagedserve.actors import bus
+from pagedserve.actors.actor import Actor, run_actor_process
+from pagedserve.actors.messages import ActorFailed, ActorReady, SupervisorInbound
+from pagedserve.config import EngineConfig, encode_config
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 10.0
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config.resolve()
+        self.run_dir = tempfile.mkdtemp(prefix="pagedserve-", dir=config.run_dir)
+        self.addresses = bus.Addresses(self.run_dir)
+        self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.num_kv_blocks = 0
+        self.dead_reason: str | None = None
+        self.on_death: list[Callable[[str], None]] = []
+        self._ctx = zmq.Context()
+        self._inbox = bus.pull_socket(self._ctx, self.addresses.supervisor)
+        self._codec: bus.Codec[ActorReady | ActorFailed] = bus.Codec(SupervisorInbound, "supervisor")
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def start(self, extra_actors: tuple[type[Actor], ...] = ()) -> None:
+        from pagedserve.actors.scheduler.actor import SchedulerActor
+        from pagedserve.actors.tokenizer import TokenizerActor
+        from pagedserve.actors.worker.actor import WorkerActor
+
+        try:
+            for rank in range(self.config.tensor_parallel_size):
+                self._spawn(WorkerActor, self.config, rank)
+            readies = self._wait_ready(self.config.tensor_parallel_size)
+            self.num_kv_blocks = min(r.num_kv_blocks for r in readies)
+            sized = msgspec.structs.replace(self.config, num_kv_blocks=self.num_kv_blocks)
+            for actor_cls in (SchedulerActor, TokenizerActor, *extra_actors):
+                self._spawn(actor_cls, sized, 0)
+            self._wait_ready(2 + len(extra_actors))
+        except BaseException:
+            self.stop()
+            raise
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="supervisor-watch")
+        self._watcher.start()
+
+    def _spawn(self, actor_cls: type[Actor], config: EngineConfig, rank: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        label = actor_cls.name if rank == 0 else f"{actor_cls.name}-{rank}"
+        process = ctx.Process(
+            target=run_actor_process,
+            args=(actor_cls, encode_config(config), self.addresses, rank),
+            name=f"pagedserve-{label}",
+            daemon=False,
+        )
+        process.start()
+        self.processes[label] = process
+
+    def _wait_ready(self, count: int) -> list[ActorReady]:
+        readies: list[ActorReady] = []
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(readies) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError("actors did not become ready in time")
+            self._raise_if_any_died()
+            if not self._inbox.poll(200):
+                continue
+            message = self._codec.decode(self._inbox.recv())
+            if isinstance(message, ActorFailed):
+                raise EngineDeadError(f"{message.name} failed to start:\n{message.error}")
+            if isinstance(message, ActorReady):
+                logger.info("%s ready (pid %d)", message.name, message.pid)
+                readies.append(message)
+        return readies
+
+    def _raise_if_any_died(self) -> None:
+        for label, process in self.processes.items():
+            if process.exitcode is not None:
+                raise EngineDeadError(f"{label} exited with code {process.exitcode}")
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.5):
+            for label, process in self.processes.items():
+                if process.exitcode is not None and not self._stopping.is_set():
+                    self._mark_dead(f"{label} died with exit code {process.exitcode}")
+                    return
+
+    def _mark_dead(self, reason: str) -> None:
+        logger.error("engine is dead: %s", reason)
+        self.dead_reason = reason
+        for callback in self.on_death:
+            callback(reason)
+
+    def stop(self) -> None:
+        """SIGTERM every actor, wait, kill what is left, remove the run directory."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        for process in self.processes.values():
+            if process.exitcode is None:
+                process.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes.values():
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        self._inbox.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self.run_dir, ignore_errors=True)

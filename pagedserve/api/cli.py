@@ -1,0 +1,97 @@
+"""`pagedserve generate | bench ...` (and, as they land, `serve` and `chat`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pagedserve.actors.messages import SamplingParams
+from pagedserve.config import DEFAULT_MODEL
+
+ENGINE_FLAGS: dict[str, tuple[type, str]] = {
+    "dtype": (str, "weights and activations dtype: auto, float32, bfloat16, float16"),
+    "load_format": (str, "auto (safetensors) or dummy (random weights of the real config)"),
+    "max_model_len": (int, "longest prompt + output in tokens (default: the model's limit)"),
+    "max_num_seqs": (int, "most requests running at once"),
+    "max_num_batched_tokens": (int, "token budget of one engine step"),
+    "block_size": (int, "tokens per KV-cache block"),
+    "num_kv_blocks": (int, "number of KV-cache blocks (default: from memory)"),
+    "gpu_memory_utilization": (float, "fraction of GPU memory for weights, activations and KV"),
+    "tensor_parallel_size": (int, "number of GPUs to shard the model over"),
+    "device": (str, "auto, cpu or cuda"),
+    "attention_backend": (str, "auto, torch, triton or cuda"),
+    "seed": (int, "engine seed (dummy weights, unseeded sampling)"),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory or cached hub id")
+    group = parser.add_argument_group("engine")
+    for name, (kind, help_text) in ENGINE_FLAGS.items():
+        group.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+    group.add_argument(
+        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        default=None, help="turn automatic prefix caching off",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = [*ENGINE_FLAGS, "enable_prefix_caching"]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.8)
+    group.add_argument("--top-p", type=float, default=0.95)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--seed", dest="sampling_seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve.api.llm import LLM
+
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        outputs = llm.generate(args.prompts, sampling_from(args))
+    for prompt, output in zip(args.prompts, outputs):
+        print(prompt + output.outputs[0].text)
+        print("-" * 40)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve",
+        description="A small, fast LLM inference and serving engine. With no model given, "
+        "commands use the embedded tiny Shakespeare model on the CPU.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts, offline")
+    gen.add_argument("prompts", nargs="+", help="prompt text(s)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

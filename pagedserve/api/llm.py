@@ -1,0 +1,178 @@
+"""Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+It starts the same actor processes as the server (tokenizer, scheduler, workers), submits every
+prompt at once through the ZeroMQ client and gathers the streamed deltas into vLLM-shaped
+`RequestOutput`s, in prompt order.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedserve.actors.messages import ChatMessage, RequestDelta, RequestError, SamplingParams
+from pagedserve.actors.supervisor import EngineDeadError, Supervisor
+from pagedserve.api.client import Client, EngineRequestError, Prompt, fan_out, make_request
+from pagedserve.config import DEFAULT_MODEL, EngineConfig
+from pagedserve.outputs import CompletionOutput, RequestOutput
+
+PromptInput = str | list[int] | dict[str, Any]
+POLL_MS = 500
+
+
+class LLM:
+    """Keyword arguments are EngineConfig fields, named like the CLI flags and vLLM's
+    (`tensor_parallel_size`, `max_model_len`, `block_size`, `max_num_seqs`, ...)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+        self.config = EngineConfig(model=model, **engine_args)
+        self.supervisor = Supervisor(self.config)
+        self.supervisor.start()
+        self.client = Client(self.supervisor.addresses.tokenizer_clients)
+        atexit.register(self.shutdown)
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        items = [_to_prompt(p) for p in _as_list(prompts)]
+        return self._run(items, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        items: list[tuple[str | None, Prompt]] = [
+            (None, [ChatMessage(m["role"], m["content"]) for m in conv])  # type: ignore[index]
+            for conv in conversations
+        ]
+        return self._run(items, sampling_params, use_tqdm)
+
+    def get_stats(self):  # -> SchedulerStats
+        return self.client.stats()
+
+    def _run(
+        self,
+        items: list[tuple[str | None, Prompt]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(items))
+        results, owners = self._submit(items, params)
+        bar = tqdm(total=len(results), desc="generate", disable=not use_tqdm or len(items) < 16)
+        try:
+            remaining = len(owners)
+            while remaining:
+                remaining -= self._apply(self._next_message(), results, owners, bar)
+        except BaseException:
+            self.client.abort(list(owners))
+            raise
+        finally:
+            bar.close()
+        return results
+
+    def _submit(
+        self, items: list[tuple[str | None, Prompt]], params: list[SamplingParams]
+    ) -> tuple[list[RequestOutput], dict[str, tuple[int, int]]]:
+        results: list[RequestOutput] = []
+        owners: dict[str, tuple[int, int]] = {}
+        for index, ((text, prompt), sampling) in enumerate(zip(items, params)):
+            request_id = self.client.next_request_id()
+            children = fan_out(request_id, sampling)
+            outputs = [CompletionOutput(index=i) for i in range(len(children))]
+            results.append(RequestOutput(request_id, text, [], outputs))
+            for child_index, (child_id, child_sampling) in enumerate(children):
+                owners[child_id] = (index, child_index)
+                self.client.submit(make_request(child_id, prompt, child_sampling))
+        return results, owners
+
+    def _next_message(self) -> RequestDelta | RequestError:
+        while True:
+            if self.supervisor.dead_reason is not None:
+                raise EngineDeadError(self.supervisor.dead_reason)
+            message = self.client.receive(POLL_MS)
+            if isinstance(message, (RequestDelta, RequestError)):
+                return message
+
+    @staticmethod
+    def _apply(
+        message: RequestDelta | RequestError,
+        results: list[RequestOutput],
+        owners: dict[str, tuple[int, int]],
+        bar: tqdm,
+    ) -> int:
+        """Fold one delta into its result; returns how many engine requests finished (0/1)."""
+        if message.request_id not in owners:
+            return 0
+        if isinstance(message, RequestError):
+            raise EngineRequestError(message.message, message.status_code)
+        index, child = owners[message.request_id]
+        result = results[index]
+        if message.prompt_token_ids is not None:
+            result.prompt_token_ids = message.prompt_token_ids
+            result.num_cached_tokens = message.num_cached_tokens
+        result.outputs[child].add(message)
+        if message.finish_reason is None:
+            return 0
+        del owners[message.request_id]
+        if result.finished:
+            bar.update(1)
+        return 1
+
+    def shutdown(self) -> None:
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+            self.client = None  # type: ignore[assignment]
+        if getattr(self, "supervisor", None) is not None:
+            self.supervisor.stop()
+        atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _to_prompt(prompt: PromptInput) -> tuple[str | None, Prompt]:
+    if isinstance(prompt, str):
+        return prompt, prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return None, list(prompt["prompt_token_ids"])
+        return prompt["prompt"], prompt["prompt"]
+    return None, list(prompt)
+
+
+def _per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if len(sampling_params) != count:
+        raise ValueError("give one SamplingParams, or one per prompt")
+    return list(sampling_params)

@@ -1,0 +1,62 @@
+"""Results of the offline API, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.actors.messages import RequestDelta, TokenLogprobs
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, delta: RequestDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = self.logprobs or []
+            self.cumulative_logprob = self.cumulative_logprob or 0.0
+            for entry in delta.logprobs:
+                self.logprobs.append(logprob_dict(entry))
+                self.cumulative_logprob += entry.logprob
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason.openai_name
+            self.stop_reason = delta.stop_reason
+
+
+def logprob_dict(entry: TokenLogprobs) -> dict[int, Logprob]:
+    """vLLM's per-token shape: the sampled token first, then the top alternatives."""
+    out = {entry.token_id: Logprob(entry.logprob, entry.rank)}
+    for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), 1):
+        out.setdefault(token_id, Logprob(logprob, rank))
+    return out
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished() for o in self.outputs)
