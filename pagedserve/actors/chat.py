@@ -1,0 +1,87 @@
+"""Tokenizer loading, chat templates and EOS ids for the tokenizer actor."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from jinja2 import TemplateError
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagedserve.actors.messages import ChatMessage
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The model's HF tokenizer, from local files only (a directory or the HF cache)."""
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], add_generation_prompt: bool
+) -> list[int]:
+    """Render `messages` with the tokenizer's chat template and tokenize the result."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the model's tokenizer has no chat template; use the completions API with a prompt"
+        )
+    if not messages:
+        raise ValueError("messages must not be empty")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        ids = tokenizer.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+        )
+    except TemplateError as exc:
+        raise ValueError(f"chat template error: {exc}") from exc
+    return _as_id_list(ids)
+
+
+def _as_id_list(ids: Any) -> list[int]:
+    if hasattr(ids, "keys"):  # a BatchEncoding from older/newer transformers
+        ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(i) for i in ids]
+
+
+def eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids from generation_config.json (int or list), else the tokenizer's EOS; may be []."""
+    config = _read_generation_config(model_path)
+    eos = config.get("eos_token_id")
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def _read_generation_config(model_path: str) -> dict[str, Any]:
+    """generation_config.json as a dict; {} when missing (local directory or HF cache)."""
+    path = _generation_config_path(model_path)
+    if path is None:
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _generation_config_path(model_path: str) -> str | None:
+    if os.path.isdir(model_path):
+        path = os.path.join(model_path, GENERATION_CONFIG)
+        return path if os.path.isfile(path) else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        path = try_to_load_from_cache(model_path, GENERATION_CONFIG)
+    except ValueError:  # not a valid repo id
+        return None
+    return path if isinstance(path, str) else None

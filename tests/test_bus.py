@@ -1,0 +1,122 @@
+"""The wire: every message round-trips through the codec; malformed frames are rejected."""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from pagedserve.actors import bus
+from pagedserve.actors import messages as m
+
+SAMPLING = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["\n"], logprobs=2)
+LOGPROBS = m.TokenLogprobs(7, -0.5, 1, [7, 8], [-0.5, -1.5])
+
+EXAMPLES: list[msgspec.Struct] = [
+    m.GenerateRequest(request_id="a", sampling=SAMPLING, prompt="hi"),
+    m.GenerateRequest(
+        request_id="b", sampling=m.SamplingParams(), messages=[m.ChatMessage("user", "hi")]
+    ),
+    m.AbortRequest(["a", "b"]),
+    m.StatsRequest("s"),
+    m.RequestDelta(
+        request_id="a", text="é", token_ids=[1], logprobs=[LOGPROBS],
+        finish_reason=m.FinishReason.STOP, stop_reason="\n", prompt_token_ids=[1, 2],
+        num_cached_tokens=16,
+    ),
+    m.RequestError("a", "bad", 400),
+    m.AddRequest(request_id="a", prompt_token_ids=[1, 2, 3], sampling=SAMPLING, eos_token_ids=[0]),
+    m.EngineOutputs([m.RequestOutput("a", [5], [LOGPROBS], m.FinishReason.LENGTH, None, 0)]),
+    m.SchedulerStats(request_id="s", num_running=2, num_free_blocks=9),
+    m.StepPlan(
+        step_id=4,
+        new_requests=[m.NewRequestData("a", [1, 2, 3], SAMPLING, [0, 5], 0)],
+        cached_requests=m.CachedRequestData(["b"], [[7]], [33]),
+        scheduled_ids=["a", "b"],
+        num_scheduled_tokens=[3, 1],
+        finished_ids=["c"],
+    ),
+    m.StepResult(step_id=4, request_ids=["a"], sampled_token_ids=[9], logprobs=[None]),
+    m.Shutdown("bye"),
+    m.ActorReady(name="worker", pid=1, num_kv_blocks=100),
+    m.ActorFailed("worker", "boom"),
+]
+
+CHANNEL_OF = {
+    m.GenerateRequest: m.ClientInbound,
+    m.AbortRequest: m.SchedulerInbound,
+    m.StatsRequest: m.ClientInbound,
+    m.RequestDelta: m.ClientOutbound,
+    m.RequestError: m.ClientOutbound,
+    m.AddRequest: m.SchedulerInbound,
+    m.EngineOutputs: m.TokenizerInbound,
+    m.SchedulerStats: m.TokenizerInbound,
+    m.StepPlan: m.WorkerInbound,
+    m.StepResult: m.SchedulerInbound,
+    m.Shutdown: m.WorkerInbound,
+    m.ActorReady: m.SupervisorInbound,
+    m.ActorFailed: m.SupervisorInbound,
+}
+
+
+def test_examples_cover_every_message_type() -> None:
+    assert {type(e) for e in EXAMPLES} == set(m.ALL_MESSAGES)
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda e: type(e).__name__)
+def test_every_message_round_trips_through_its_channel_codec(message: msgspec.Struct) -> None:
+    codec: bus.Codec = bus.Codec(CHANNEL_OF[type(message)], "test")
+    assert codec.decode(bus.encode(message)) == message
+
+
+def test_a_message_of_another_channel_is_rejected(caplog: pytest.LogCaptureFixture) -> None:
+    codec: bus.Codec = bus.Codec(m.WorkerInbound, "worker")
+    with caplog.at_level(logging.ERROR):
+        assert codec.decode(bus.encode(m.AbortRequest(["x"]))) is None
+    assert codec.num_rejected == 1
+    assert "rejected a malformed frame" in caplog.text
+
+
+def test_invalid_field_values_are_rejected_by_validation() -> None:
+    frame = msgspec.msgpack.encode(
+        {"type": "GenerateRequest", "request_id": "a", "sampling": {"temperature": -1.0}}
+    )
+    codec: bus.Codec = bus.Codec(m.ClientInbound, "client")
+    assert codec.decode(frame) is None
+
+
+async def test_receiver_logs_garbage_and_keeps_receiving(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    address = f"ipc://{tmp_path}/inbox.sock"
+    ctx = zmq.asyncio.Context()
+    receiver: bus.Receiver = bus.Receiver(ctx, address, m.SchedulerInbound)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(address)
+    try:
+        with caplog.at_level(logging.ERROR):
+            await push.send(b"\xc1 not msgpack")
+            await push.send(msgspec.msgpack.encode({"type": "NoSuchMessage"}))
+            await push.send(bus.encode(m.AbortRequest(["ok"])))
+            with anyio.fail_after(5):
+                received = await receiver.recv()
+        assert received == m.AbortRequest(["ok"])
+        assert receiver.codec.num_rejected == 2
+        assert caplog.text.count("rejected a malformed frame") == 2
+    finally:
+        push.close(0)
+        receiver.close()
+        ctx.term()
+
+
+def test_sampling_params_validate_like_vllm() -> None:
+    for bad in (dict(n=0), dict(temperature=-0.1), dict(top_p=0.0), dict(max_tokens=0),
+                dict(min_p=1.5), dict(top_k=-2), dict(logprobs=-1)):
+        with pytest.raises(ValueError):
+            m.SamplingParams(**bad)
+    assert m.SamplingParams(stop="x").stop == ["x"]
+    assert m.SamplingParams(top_k=-1).top_k == 0

@@ -1,0 +1,396 @@
+"""IncrementalDetokenizer and chat helpers, on tokenizers trained in-test (no downloads)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from pagedserve.actors import detokenizer as detok_mod
+from pagedserve.actors.chat import apply_chat_template, eos_token_ids, load_tokenizer
+from pagedserve.actors.detokenizer import IncrementalDetokenizer
+from pagedserve.actors.messages import ChatMessage, SamplingParams
+
+FFFD = "\ufffd"
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "héllo wörld 日本語 🙂 emoji",
+    "The quick brown fox jumps over the lazy dog. Hello world, hello again!",
+    "naïve café crème brûlée — “quotes” and ‘apostrophes’ …",
+    "日本語のテキストと中文文本，还有한국어 텍스트.",
+    "emoji: 🙂😀🎉👍🏽 and math ∑∫√∞ ≠ ≤ ≥",
+    "Straße, Ærø, Ελληνικά, русский текст",
+    "  leading spaces and\ttabs\nnewlines\n\n trailing  ",
+    "code: def f(x): return x ** 2  # comment",
+]
+TEXTS = CORPUS + [
+    "unseen: ĉu vi parolas Esperanton? 🦀🐍 ☃ 漢字",
+    " héllo",
+    "a  b   c    d",
+    "🙂🙂🙂",
+    "x",
+]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _wrap(tok: Tokenizer, **kwargs) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, clean_up_tokenization_spaces=False, **kwargs
+    )
+
+
+def _byte_level() -> PreTrainedTokenizerFast:
+    """GPT-2 / Qwen style byte-level BPE."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=SPECIALS,
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return _wrap(tok, eos_token="<|endoftext|>")
+
+
+def _byte_fallback_bpe(sp_style: str) -> PreTrainedTokenizerFast:
+    """SentencePiece style BPE with byte fallback: 'llama' (Llama-2 normalizer and decoder
+    with Strip) or 'metaspace' (Metaspace pre-tokenizer and decoder, Mistral style)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    if sp_style == "llama":
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, limit_alphabet=40, special_tokens=["<unk>", "<s>", "</s>"],
+        show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(CORPUS, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    spec["model"]["byte_fallback"] = True
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ],
+    }
+    if sp_style == "metaspace":
+        spec["decoder"]["decoders"] = [
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True},
+        ]
+    tok = Tokenizer.from_str(json.dumps(spec))
+    return _wrap(tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def tokenizers_by_name() -> dict[str, PreTrainedTokenizerFast]:
+    return {
+        "bytelevel": _byte_level(),
+        "llama": _byte_fallback_bpe("llama"),
+        "metaspace": _byte_fallback_bpe("metaspace"),
+    }
+
+
+@pytest.fixture(params=["bytelevel", "llama", "metaspace"])
+def tok(request, tokenizers_by_name) -> PreTrainedTokenizerFast:
+    return tokenizers_by_name[request.param]
+
+
+@pytest.fixture(scope="module")
+def bl(tokenizers_by_name) -> PreTrainedTokenizerFast:
+    return tokenizers_by_name["bytelevel"]
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _stream(tokenizer, prompt, out, chunks=None, finish=True, **sampling_kwargs):
+    """Feed `out` in chunks (default one token each); return (detokenizer, deltas, results)."""
+    sampling = SamplingParams(**sampling_kwargs)
+    d = IncrementalDetokenizer(tokenizer, prompt, sampling)
+    sizes = chunks or [1] * len(out)
+    results, pos = [], 0
+    for i, n in enumerate(sizes):
+        last = finish and i == len(sizes) - 1
+        results.append(d.update(out[pos : pos + n], finished=last))
+        pos += n
+    return d, [r.text_delta for r in results], results
+
+
+def _splits_a_char(tokenizer, ids: list[int]) -> bool:
+    """True if some single token of `ids` decodes to an incomplete character."""
+    return any(FFFD in tokenizer.decode([i]) for i in ids)
+
+
+# ---------------------------------------------------------------- streaming == decode
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stream_equals_decode_one_token_at_a_time(tok, skip):
+    for text in TEXTS:
+        ids = _encode(tok, text)
+        d, deltas, _ = _stream(tok, [], ids, skip_special_tokens=skip)
+        expected = tok.decode(ids, skip_special_tokens=skip)
+        assert "".join(deltas) == expected == d.output_text, text
+        if FFFD not in expected:
+            assert not any(FFFD in delta for delta in deltas), (text, deltas)
+
+
+def test_multibyte_characters_split_across_tokens(tok):
+    text = "a🦀b漢字 🙂 ☃"  # 🦀, 漢, 字 and ☃ are not in the training corpus
+    ids = _encode(tok, text)
+    assert _splits_a_char(tok, ids), "test needs a character split across tokens"
+    _, deltas, _ = _stream(tok, [], ids)
+    assert not any(FFFD in delta for delta in deltas)
+    assert "".join(deltas) == text
+    assert "🦀" in deltas  # emitted once, whole, when its last byte arrives
+    assert deltas.count("") >= 3  # the tokens holding 🦀's first bytes emit nothing
+
+
+def test_random_chunk_sizes(tok):
+    rng = random.Random(0)
+    for text in TEXTS:
+        ids = _encode(tok, text)
+        chunks, left = [], len(ids)
+        while left:
+            chunks.append(min(left, rng.randint(1, 4)))
+            left -= chunks[-1]
+        _, deltas, _ = _stream(tok, [], ids, chunks=chunks)
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_with_prompt_context(tok):
+    """Output text is what the output tokens add after the prompt."""
+    for text in TEXTS:
+        ids = _encode(tok, "Prompt: tell me. " + text)
+        full = tok.decode(ids)
+        for k in range(1, len(ids)):
+            prefix = tok.decode(ids[:k])
+            if not full.startswith(prefix) or prefix.endswith(FFFD):
+                continue  # the split falls inside a character
+            _, deltas, _ = _stream(tok, ids[:k], ids[k:])
+            assert "".join(deltas) == full[len(prefix) :], (text, k)
+
+
+def test_bytelevel_with_prompt_equals_decode_of_output(bl):
+    for text in TEXTS:
+        prompt = _encode(bl, "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n")
+        out = _encode(bl, text)
+        for skip in (True, False):
+            _, deltas, _ = _stream(bl, prompt, out, skip_special_tokens=skip)
+            assert "".join(deltas) == bl.decode(out, skip_special_tokens=skip)
+
+
+def test_sentencepiece_leading_space(tokenizers_by_name):
+    for name in ("llama", "metaspace"):
+        tok = tokenizers_by_name[name]
+        ids = _encode(tok, "hello world")
+        assert tok.decode(ids) == "hello world"
+        # The first output token is a word start after prompt text: it keeps its space.
+        _, deltas, _ = _stream(tok, ids[:1], ids[1:])
+        assert "".join(deltas) == tok.decode(ids)[len(tok.decode(ids[:1])) :]
+        assert "".join(deltas).startswith(" ")
+        # After only a BOS (skipped), nothing precedes it: like decode([bos] + out).
+        bos = [tok.bos_token_id]
+        _, deltas, _ = _stream(tok, bos, ids)
+        assert "".join(deltas) == "hello world" == tok.decode(bos + ids, skip_special_tokens=True)
+
+
+def test_random_token_ids_bytelevel(bl):
+    """Arbitrary ids (invalid UTF-8 included) still stream to exactly decode(ids)."""
+    rng = random.Random(1)
+    vocab = len(bl)
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        for skip in (True, False):
+            _, deltas, _ = _stream(bl, [], ids, skip_special_tokens=skip)
+            assert "".join(deltas) == bl.decode(ids, skip_special_tokens=skip)
+
+
+def test_random_word_sequences_never_emit_fffd(tok):
+    rng = random.Random(2)
+    words = " ".join(TEXTS).split()
+    for _ in range(50):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+        ids = _encode(tok, text)
+        _, deltas, _ = _stream(tok, [], ids)
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+        assert not any(FFFD in delta for delta in deltas)
+
+
+def test_special_tokens(bl):
+    im_end = bl.convert_tokens_to_ids("<|im_end|>")
+    eot = bl.convert_tokens_to_ids("<|endoftext|>")
+    out = _encode(bl, "hello") + [im_end] + _encode(bl, " wörld") + [eot]
+    _, deltas, _ = _stream(bl, [], out, skip_special_tokens=True)
+    assert "".join(deltas) == "hello wörld"
+    assert not any("<|" in delta for delta in deltas)
+    _, deltas, _ = _stream(bl, [], out, skip_special_tokens=False)
+    assert "".join(deltas) == "hello<|im_end|> wörld<|endoftext|>"
+
+
+def test_special_tokens_sentencepiece(tok):
+    eos = tok.eos_token_id
+    out = _encode(tok, "hello") + [eos] + _encode(tok, "wörld") + [eos]
+    for skip in (True, False):
+        _, deltas, _ = _stream(tok, [], out, skip_special_tokens=skip)
+        assert "".join(deltas) == tok.decode(out, skip_special_tokens=skip)
+
+
+def test_decode_window_stays_small(bl, monkeypatch):
+    """O(1) per token: each decode covers only a few tokens, however long the output."""
+    windows: list[int] = []
+    real = detok_mod.make_decoder
+
+    def spy(tokenizer, skip):
+        decode = real(tokenizer, skip)
+        return lambda ids: (windows.append(len(ids)), decode(ids))[1]
+
+    monkeypatch.setattr(detok_mod, "make_decoder", spy)
+    out = _encode(bl, " ".join(TEXTS) * 20)
+    assert len(out) > 2000
+    prompt = _encode(bl, "some prompt text here")
+    d, deltas, _ = _stream(bl, prompt, out)
+    assert d.output_text == bl.decode(out)
+    assert max(windows) <= 16
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def _check_stop(tokenizer, text, stop, expected, matched, include=False, prompt=()):
+    out = _encode(tokenizer, text)
+    d, deltas, results = _stream(
+        tokenizer, list(prompt), out, stop=stop, include_stop_str_in_output=include
+    )
+    streamed = ""
+    for delta in deltas:
+        streamed += delta
+        assert expected.startswith(streamed), "streamed text that the stop string removes"
+    assert streamed == expected == d.output_text
+    stops = [r.stop_string for r in results if r.stop_string is not None]
+    assert stops == ([matched] if matched else [])
+    assert d.stop_string == matched
+    return d
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_truncates(tok, include):
+    text = "héllo wörld 日本語 🙂 emoji"
+    expected = "héllo wörld" if include else "héllo "
+    d = _check_stop(tok, text, ["wörld"], expected, "wörld", include)
+    assert d.finished
+    assert d.update(_encode(tok, " more"), finished=False).text_delta == ""
+    assert d.output_text == expected
+
+
+def test_stop_string_split_across_tokens(bl):
+    stop = "quick brown fox"
+    ids = _encode(bl, "The quick brown fox jumps")
+    pieces = [bl.decode([i]) for i in ids]
+    assert not any(stop in p for p in pieces) and len(ids) > 3  # spans several tokens
+    _check_stop(bl, "The quick brown fox jumps", [stop], "The ", stop)
+    _check_stop(bl, "The quick brown fox jumps", [stop], "The quick brown fox", stop, True)
+
+
+def test_multibyte_stop_string(tok):
+    _check_stop(tok, "héllo wörld 日本語 🙂 emoji", ["本語"], "héllo wörld 日", "本語")
+    _check_stop(tok, "a🙂b🙂c", ["🙂c"], "a🙂b", "🙂c")
+    _check_stop(tok, "a🙂b🙂c", ["🙂"], "a🙂", "🙂", include=True)
+
+
+def test_earliest_stop_string_wins(tok):
+    text = "héllo wörld 日本語 🙂 emoji"
+    _check_stop(tok, text, ["語", "wör", "zzz"], "héllo ", "wör")
+    _check_stop(tok, text, ["emoji", "llo"], "hé", "llo")
+
+
+def test_held_back_text_flushed_when_finished(bl):
+    out = _encode(bl, "abc wörld x")
+    d = IncrementalDetokenizer(bl, [], SamplingParams(stop=["x marks", "wörld!"]))
+    streamed = "".join(d.update([i], finished=False).text_delta for i in out)
+    assert streamed == "abc wörld "  # "x" may start "x marks": held back
+    assert d.update([], finished=True).text_delta == "x"
+    assert d.output_text == "abc wörld x" and d.stop_string is None
+
+
+def test_only_possible_stop_prefixes_are_held(bl):
+    d = IncrementalDetokenizer(bl, [], SamplingParams(stop=["zzzz"]))
+    streamed = "".join(d.update([i], finished=False).text_delta for i in _encode(bl, "hello"))
+    assert streamed == "hello"  # no suffix of "hello" can start "zzzz"
+
+
+def test_stop_string_in_prompt_is_ignored(bl):
+    prompt = _encode(bl, "please stop here: wör")
+    _check_stop(bl, "ld and go", ["stop", "wörld"], "ld and go", None, prompt=prompt)
+
+
+def test_stop_string_matches_special_token_text(bl):
+    im_end = bl.convert_tokens_to_ids("<|im_end|>")
+    out = _encode(bl, "hello") + [im_end] + _encode(bl, " more")
+    d, deltas, results = _stream(bl, [], out, stop=["<|im_end|>"], skip_special_tokens=False)
+    assert "".join(deltas) == "hello" == d.output_text
+    assert [r.stop_string for r in results if r.stop_string] == ["<|im_end|>"]
+
+
+# ---------------------------------------------------------------- chat helpers
+
+
+def test_apply_chat_template(bl):
+    bl.chat_template = CHATML
+    try:
+        msgs = [ChatMessage("system", "be nice"), ChatMessage("user", "héllo 🙂")]
+        ids = apply_chat_template(bl, msgs, add_generation_prompt=True)
+        assert all(isinstance(i, int) for i in ids)
+        expected = "<|im_start|>system\nbe nice<|im_end|>\n<|im_start|>user\nhéllo 🙂<|im_end|>\n"
+        assert bl.decode(ids) == expected + "<|im_start|>assistant\n"
+        assert ids.count(bl.convert_tokens_to_ids("<|im_start|>")) == 3
+        ids = apply_chat_template(bl, msgs, add_generation_prompt=False)
+        assert bl.decode(ids) == expected
+    finally:
+        bl.chat_template = None
+
+
+def test_apply_chat_template_errors(bl):
+    with pytest.raises(ValueError, match="no chat template"):
+        apply_chat_template(bl, [ChatMessage("user", "hi")], add_generation_prompt=True)
+    bl.chat_template = "{{ raise_exception('roles must alternate') }}"
+    try:
+        with pytest.raises(ValueError, match="roles must alternate"):
+            apply_chat_template(bl, [ChatMessage("user", "hi")], add_generation_prompt=True)
+    finally:
+        bl.chat_template = None
+
+
+def test_load_tokenizer_and_eos_ids(bl, tmp_path):
+    bl.save_pretrained(tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    ids = _encode(loaded, "héllo wörld 日本語")
+    assert ids == _encode(bl, "héllo wörld 日本語")
+    assert eos_token_ids(str(tmp_path), loaded) == [loaded.eos_token_id]  # no generation config
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert eos_token_ids(str(tmp_path), loaded) == [2]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2, 0]}))
+    assert eos_token_ids(str(tmp_path), loaded) == [0, 2]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True}))
+    assert eos_token_ids(str(tmp_path), loaded) == [loaded.eos_token_id]
+    no_eos = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
+    assert eos_token_ids(str(tmp_path / "missing"), no_eos) == []

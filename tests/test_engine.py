@@ -1,0 +1,165 @@
+"""The whole engine through the public `LLM` API: real actor processes, real sockets.
+
+transformers is the oracle: greedy tokens must be identical and logprobs close.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from tests.tiny_models import hf_greedy, random_prompts, save_tiny_model
+
+PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 50, 90]  # inside a block, on a block edge, several blocks
+NEW_TOKENS = 32
+LOGPROB_ATOL = 1e-3  # float32 both sides; batched vs single-sequence matmuls differ slightly
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def arch_model(request, tmp_path_factory) -> tuple[str, Path]:
+    path = save_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, path
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("llama-shared"))
+
+
+@pytest.fixture(scope="module")
+def llama_engine(llama_path: Path):
+    # small token budget: the 90-token prompt is prefilled in chunks
+    with LLM(str(llama_path), max_num_batched_tokens=64, num_kv_blocks=256) as llm:
+        yield llm
+
+
+def assert_matches_transformers(path: Path, prompts: list[list[int]], outputs) -> None:
+    for prompt, output in zip(prompts, outputs):
+        expected_tokens, expected_logprobs = hf_greedy(path, prompt, NEW_TOKENS)
+        completion = output.outputs[0]
+        assert completion.token_ids == expected_tokens
+        got = [next(iter(lp.values())).logprob for lp in completion.logprobs]
+        assert got == pytest.approx(expected_logprobs, abs=LOGPROB_ATOL)
+        assert completion.finish_reason == "length"
+
+
+def test_greedy_parity_with_transformers(arch_model: tuple[str, Path]) -> None:
+    arch, path = arch_model
+    prompts = random_prompts(400, PROMPT_LENGTHS, seed=1)
+    with LLM(str(path), max_num_batched_tokens=64, num_kv_blocks=128) as llm:
+        outputs = llm.generate(prompts, GREEDY)
+        stats = llm.get_stats()
+    assert_matches_transformers(path, prompts, outputs)
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(llama_engine: LLM) -> None:
+    shared = random_prompts(400, [70], seed=2)[0]
+    first = llama_engine.generate([shared + [11, 12]], GREEDY)[0]
+    before = llama_engine.get_stats()
+    second = llama_engine.generate([shared + [11, 12]], GREEDY)[0]
+    other = llama_engine.generate([shared + [99]], GREEDY)[0]
+    after = llama_engine.get_stats()
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 64  # 4 full blocks of 16 of the 72-token prompt
+    assert other.num_cached_tokens == 64
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 128
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    expected, _ = hf_greedy(llama_engine.config.model, shared + [99], NEW_TOKENS)
+    assert other.outputs[0].token_ids == expected
+
+
+def test_preemption_under_kv_pressure_keeps_outputs(llama_path: Path) -> None:
+    prompts = random_prompts(400, PROMPT_LENGTHS, seed=3)
+    with LLM(str(llama_path), num_kv_blocks=256) as roomy:
+        expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, GREEDY)]
+    # 14 blocks of 16 tokens cannot hold the 8 requests (~330 tokens of prompt + 256 of output)
+    with LLM(str(llama_path), num_kv_blocks=14, enable_prefix_caching=False) as tight:
+        outputs = tight.generate(prompts, GREEDY)
+        stats = tight.get_stats()
+    assert stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_stop_strings_eos_and_max_tokens(llama_engine: LLM) -> None:
+    prompt = random_prompts(400, [12], seed=4)[0]
+    free = llama_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0]
+    text = free.outputs[0].text
+    assert len(free.outputs[0].token_ids) == 24 and free.outputs[0].finish_reason == "length"
+    stop = text[5:8]
+    assert stop and stop not in text[:5]
+    stopped = llama_engine.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=24, stop=[stop])
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == text[: text.index(stop)]
+    first_token = free.outputs[0].token_ids[3]
+    by_token = llama_engine.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first_token])
+    )[0].outputs[0]
+    assert by_token.token_ids == free.outputs[0].token_ids[: 4]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == first_token
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_several(llama_engine: LLM) -> None:
+    prompt = random_prompts(400, [9], seed=5)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=16, n=3)
+    a = llama_engine.generate([prompt], params)[0]
+    b = llama_engine.generate([prompt, prompt[:4]], params)[0]  # another batch composition
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+
+
+def test_text_prompts_and_token_prompts_agree(llama_engine: LLM) -> None:
+    text_out = llama_engine.generate("To be, or not", SamplingParams(temperature=0, max_tokens=8))
+    ids = text_out[0].prompt_token_ids
+    ids_out = llama_engine.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8))
+    assert text_out[0].prompt == "To be, or not"
+    assert text_out[0].outputs[0].token_ids == ids_out[0].outputs[0].token_ids
+
+
+def test_bad_requests_raise_and_engine_keeps_serving(llama_engine: LLM) -> None:
+    from pagedserve.api.client import EngineRequestError
+
+    with pytest.raises(EngineRequestError, match="maximum context length"):
+        llama_engine.generate([[5] * 600], GREEDY)
+    with pytest.raises(EngineRequestError):
+        llama_engine.generate([[10_000]], GREEDY)
+    assert len(llama_engine.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids) == NEW_TOKENS
+
+
+def test_malformed_frames_do_not_kill_the_engine(llama_engine: LLM) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        for address in (
+            llama_engine.supervisor.addresses.scheduler_inbox,
+            llama_engine.supervisor.addresses.worker_inbox(0),
+            llama_engine.supervisor.addresses.tokenizer_inbox,
+        ):
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(address)
+            sock.send(b"\x92garbage")
+            sock.close(linger=1000)
+    finally:
+        ctx.term()
+    assert len(llama_engine.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids) == NEW_TOKENS
+    assert llama_engine.supervisor.dead_reason is None
+
+
+def test_shutdown_leaves_no_processes_or_sockets(llama_path: Path) -> None:
+    llm = LLM(str(llama_path), num_kv_blocks=32)
+    run_dir = llm.supervisor.run_dir
+    pids = [p.pid for p in llm.supervisor.processes.values()]
+    assert len(pids) == 3 and os.listdir(run_dir)
+    llm.shutdown()
+    assert not os.path.exists(run_dir)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)

@@ -1,0 +1,93 @@
+"""Tiny random Hugging Face models (with a tokenizer) saved to disk, for tests that load them
+the way a user would: from a model directory."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CORPUS = [
+    "To be, or not to be, that is the question:",
+    "Whether 'tis nobler in the mind to suffer",
+    "The slings and arrows of outrageous fortune,",
+    "Or to take arms against a sea of troubles",
+    "And by opposing end them. To die: to sleep;",
+    "Friends, Romans, countrymen, lend me your ears; héllo wörld 日本語 🙂",
+] * 20
+
+CONFIGS = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+}
+
+
+def build_tokenizer(vocab_size: int = 400) -> transformers.PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+
+
+def save_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
+    """A 2-layer random model of `arch` with peaked logits (so greedy has no near-ties)."""
+    tokenizer = build_tokenizer()
+    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    config = CONFIGS[arch](
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' own greedy tokens and the raw-logit logprob of each chosen token."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(step_logits[0].float(), -1)[t].item()
+        for step_logits, t in zip(out.logits, tokens)
+    ]
+    return tokens, logprobs
