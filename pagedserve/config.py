@@ -18,6 +18,15 @@ DEFAULT_MODEL = "pagedserve/tiny-shakespeare"
 ASSETS_DIR = Path(__file__).parent / "assets"
 
 
+class ServerConfig(msgspec.Struct, kw_only=True):
+    """The HTTP server's settings (`pagedserve serve`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -39,6 +48,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enforce_eager: bool = False
     run_dir: str | None = None  # where ipc:// sockets live; a private temp dir by default
     log_level: str = "WARNING"
+    server: ServerConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -24,6 +24,7 @@ from pagedserve.actors.messages import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded as context for the first output tokens
+MAX_CONTEXT_EXTENSION = 8  # extra prompt tokens to reach the start of a character
 
 Decoder = Callable[[list[int]], str]
 
@@ -53,14 +54,20 @@ def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
 
 
 def prompt_context(
-    tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool
+    decode: Decoder, prompt_ids: list[int], special_ids: set[int], skip_special_tokens: bool
 ) -> list[int]:
-    """The last few prompt tokens that decode to text: the left context of the output."""
-    tail = prompt_token_ids[-4 * PROMPT_CONTEXT_TOKENS :]
+    """The last few prompt tokens that decode to text: the left context of the output.
+
+    Starts on a character boundary (a context that begins inside a UTF-8 character decodes
+    to U+FFFD, and byte-fallback decoders then garble the whole byte run)."""
+    tail = prompt_ids[-4 * (PROMPT_CONTEXT_TOKENS + MAX_CONTEXT_EXTENSION) :]
     if skip_special_tokens:
-        special = special_token_ids(tokenizer)
-        tail = [t for t in tail if t not in special]
-    return tail[-PROMPT_CONTEXT_TOKENS:]
+        tail = [t for t in tail if t not in special_ids]
+    start = max(len(tail) - PROMPT_CONTEXT_TOKENS, 0)
+    for begin in range(start, max(start - MAX_CONTEXT_EXTENSION, 0) - 1, -1):
+        if not decode(tail[begin:]).startswith(REPLACEMENT_CHAR):
+            return tail[begin:]
+    return tail[start:]
 
 
 class TokenStream:
@@ -141,8 +148,10 @@ class IncrementalDetokenizer:
         sampling: SamplingParams,
     ) -> None:
         skip = sampling.skip_special_tokens
-        context = prompt_context(tokenizer, prompt_token_ids, skip)
-        self._stream = TokenStream(make_decoder(tokenizer, skip), context)
+        decode = make_decoder(tokenizer, skip)
+        special = special_token_ids(tokenizer) if skip else set()
+        context = prompt_context(decode, prompt_token_ids, special, skip)
+        self._stream = TokenStream(decode, context)
         stops = sampling.stop_strings
         self._matcher = StopStringMatcher(stops, sampling.include_stop_str_in_output)
         self._pieces: list[str] = []
