@@ -15,6 +15,7 @@ import argparse
 import datetime
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import resolve_model_path, DEFAULT_MODEL
+from pagedserve.config import DEFAULT_MODEL, resolve_model_path
 
 RESULTS = Path(__file__).parent / "results" / "cpu_throughput.md"
 
@@ -64,8 +65,14 @@ def run_hf_static(model_path: str, requests, batch_size: int) -> tuple[float, in
             mask[row, width - len(prompt) :] = 1
         max_new = max(o for _, o in batch)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         useful += sum(o for _, o in batch)
     return time.perf_counter() - start, useful
 
@@ -81,7 +88,9 @@ def main() -> None:
     args = parser.parse_args()
     path = resolve_model_path(args.model)
     vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
-    requests = workload(args.requests, vocab, args.seed, tuple(args.prompt_len), tuple(args.output_len))
+    requests = workload(
+        args.requests, vocab, args.seed, tuple(args.prompt_len), tuple(args.output_len)
+    )
     rows = []
     t, n = run_pagedserve(args.model, requests, max_num_seqs=args.requests)
     rows.append(("pagedserve (continuous batching, paged KV)", t, n))
@@ -91,14 +100,14 @@ def main() -> None:
     best_hf = max(r[2] / r[1] for r in rows[1:])
     ours = rows[0][2] / rows[0][1]
     lines = [
-        f"# CPU throughput: pagedserve vs transformers\n",
+        "# CPU throughput: pagedserve vs transformers\n",
         f"- date: {datetime.date.today()}",
         f"- machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}, transformers {transformers.__version__}",
         f"- model: {args.model} ({path})",
         f"- workload: {args.requests} requests, prompt len U{tuple(args.prompt_len)}, "
         f"output len U{tuple(args.output_len)}, seed {args.seed}, greedy, EOS ignored",
-        f"- command: `python scripts/bench_cpu_throughput.py {' '.join(__import__('sys').argv[1:])}`\n",
+        f"- command: `python scripts/bench_cpu_throughput.py {' '.join(sys.argv[1:])}`\n",
         "| engine | wall s | useful output tokens | output tok/s |",
         "|---|---:|---:|---:|",
     ]

@@ -24,8 +24,13 @@ EXAMPLES: list[msgspec.Struct] = [
     m.AbortRequest(["a", "b"]),
     m.StatsRequest("s"),
     m.RequestDelta(
-        request_id="a", text="é", token_ids=[1], logprobs=[LOGPROBS],
-        finish_reason=m.FinishReason.STOP, stop_reason="\n", prompt_token_ids=[1, 2],
+        request_id="a",
+        text="é",
+        token_ids=[1],
+        logprobs=[LOGPROBS],
+        finish_reason=m.FinishReason.STOP,
+        stop_reason="\n",
+        prompt_token_ids=[1, 2],
         num_cached_tokens=16,
     ),
     m.RequestError("a", "bad", 400),
@@ -114,8 +119,15 @@ async def test_receiver_logs_garbage_and_keeps_receiving(
 
 
 def test_sampling_params_validate_like_vllm() -> None:
-    for bad in (dict(n=0), dict(temperature=-0.1), dict(top_p=0.0), dict(max_tokens=0),
-                dict(min_p=1.5), dict(top_k=-2), dict(logprobs=-1)):
+    for bad in (
+        dict(n=0),
+        dict(temperature=-0.1),
+        dict(top_p=0.0),
+        dict(max_tokens=0),
+        dict(min_p=1.5),
+        dict(top_k=-2),
+        dict(logprobs=-1),
+    ):
         with pytest.raises(ValueError):
             m.SamplingParams(**bad)
     assert m.SamplingParams(stop="x").stop == ["x"]

@@ -103,7 +103,7 @@ def test_stop_strings_eos_and_max_tokens(llama_engine: LLM) -> None:
     by_token = llama_engine.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first_token])
     )[0].outputs[0]
-    assert by_token.token_ids == free.outputs[0].token_ids[: 4]
+    assert by_token.token_ids == free.outputs[0].token_ids[:4]
     assert by_token.finish_reason == "stop" and by_token.stop_reason == first_token
 
 
@@ -120,7 +120,9 @@ def test_seeded_sampling_is_reproducible_and_n_gives_several(llama_engine: LLM) 
 def test_text_prompts_and_token_prompts_agree(llama_engine: LLM) -> None:
     text_out = llama_engine.generate("To be, or not", SamplingParams(temperature=0, max_tokens=8))
     ids = text_out[0].prompt_token_ids
-    ids_out = llama_engine.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8))
+    ids_out = llama_engine.generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8)
+    )
     assert text_out[0].prompt == "To be, or not"
     assert text_out[0].outputs[0].token_ids == ids_out[0].outputs[0].token_ids
 
@@ -162,4 +164,6 @@ def test_shutdown_leaves_no_processes_or_sockets(llama_path: Path) -> None:
     assert len(pids) == 3 and os.listdir(run_dir)
     llm.shutdown()
     assert not os.path.exists(run_dir)
-    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids
+    )

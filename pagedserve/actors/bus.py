@@ -44,7 +44,9 @@ class Codec(Generic[T]):
             return self._decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.num_rejected += 1
-            logger.error("%s: rejected a malformed frame (%d bytes): %s", self.channel, len(frame), exc)
+            logger.error(
+                "%s: rejected a malformed frame (%d bytes): %s", self.channel, len(frame), exc
+            )
             return None
 
 

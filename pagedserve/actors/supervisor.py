@@ -47,7 +47,9 @@ class Supervisor:
         self.on_death: list[Callable[[str], None]] = []
         self._ctx = zmq.Context()
         self._inbox = bus.pull_socket(self._ctx, self.addresses.supervisor)
-        self._codec: bus.Codec[ActorReady | ActorFailed] = bus.Codec(SupervisorInbound, "supervisor")
+        self._codec: bus.Codec[ActorReady | ActorFailed] = bus.Codec(
+            SupervisorInbound, "supervisor"
+        )
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
 

@@ -26,7 +26,6 @@ from pagedserve.actors.messages import (
     SchedulerInbound,
     SchedulerStats,
     Shutdown,
-    StatsRequest,
     TokenizerInbound,
 )
 
@@ -119,7 +118,9 @@ class TokenizerActor(Actor):
         if request.request_id in self.live:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.messages is not None:
-            ids = apply_chat_template(self.tokenizer, request.messages, request.add_generation_prompt)
+            ids = apply_chat_template(
+                self.tokenizer, request.messages, request.add_generation_prompt
+            )
         elif request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.prompt is not None:

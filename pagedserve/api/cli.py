@@ -1,10 +1,11 @@
-"""`pagedserve generate | bench ...` (and, as they land, `serve` and `chat`)."""
+"""`pagedserve serve | generate | chat` — the command line."""
 
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
+import time
 from typing import Any
 
 from pagedserve.actors.messages import SamplingParams
@@ -27,13 +28,18 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory or cached hub id")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="HF model directory or cached hub id"
+    )
     group = parser.add_argument_group("engine")
     for name, (kind, help_text) in ENGINE_FLAGS.items():
         group.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
     group.add_argument(
-        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-        default=None, help="turn automatic prefix caching off",
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="turn automatic prefix caching off",
     )
 
 
@@ -55,8 +61,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def sampling_from(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop,
     )
 
 
@@ -71,6 +82,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedserve.actors.supervisor import Supervisor
+    from pagedserve.api.openai_server import APIServerActor
+    from pagedserve.config import EngineConfig, ServerConfig
+
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+    )
+    config = EngineConfig(model=args.model_arg or args.model, server=server, **engine_kwargs(args))
+    supervisor = Supervisor(config)
+    supervisor.start(extra_actors=(APIServerActor,))
+    name = args.served_model_name or config.model
+    print(
+        f"pagedserve: serving {name} on http://{args.host}:{args.port}/v1 "
+        f"(ZeroMQ clients: {supervisor.addresses.tokenizer_clients})",
+        flush=True,
+    )
+    try:
+        while supervisor.dead_reason is None:
+            time.sleep(0.5)
+        print(f"pagedserve: engine died: {supervisor.dead_reason}", file=sys.stderr)
+        return 1
+    finally:
+        supervisor.stop()
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedserve.actors.messages import ChatMessage
+    from pagedserve.actors.supervisor import Supervisor
+    from pagedserve.api.client import Client
+    from pagedserve.config import EngineConfig
+
+    supervisor = Supervisor(EngineConfig(model=args.model, **engine_kwargs(args)))
+    supervisor.start()
+    history: list[ChatMessage] = []
+    try:
+        with Client(supervisor.addresses.tokenizer_clients) as client:
+            while True:
+                try:
+                    line = input("you> ")
+                except EOFError:
+                    return 0
+                history.append(ChatMessage("user", line))
+                print("bot> ", end="", flush=True)
+                reply = ""
+                for delta in client.generate(list(history), sampling_from(args)):
+                    reply += delta.text
+                    print(delta.text, end="", flush=True)
+                print()
+                history.append(ChatMessage("assistant", reply))
+    finally:
+        supervisor.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve",
@@ -83,6 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and ZeroMQ endpoint)")
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="model (default: embedded)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    serve.add_argument("--served-model-name", default=None, help="model name in the API")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="interactive streaming chat in the terminal")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 

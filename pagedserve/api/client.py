@@ -100,7 +100,9 @@ class Client:
     def abort(self, request_ids: list[str]) -> None:
         self._socket.send(bus.encode(AbortRequest(request_ids)))
 
-    def receive(self, timeout_ms: int | None = None) -> RequestDelta | RequestError | SchedulerStats | None:
+    def receive(
+        self, timeout_ms: int | None = None
+    ) -> RequestDelta | RequestError | SchedulerStats | None:
         """The next message for this client, or None after `timeout_ms`."""
         while True:
             if timeout_ms is not None and not self._socket.poll(timeout_ms):
@@ -109,7 +111,9 @@ class Client:
             if message is not None:
                 return message
 
-    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[RequestDelta]:
+    def generate(
+        self, prompt: Prompt, sampling: SamplingParams | None = None
+    ) -> Iterator[RequestDelta]:
         """Stream one request's deltas (n must be 1; use `submit` for many at once)."""
         request = make_request(self._ids.next(), prompt, sampling or SamplingParams())
         self.submit(request)

@@ -1,0 +1,75 @@
+"""Prometheus metrics of the HTTP server (names in vLLM's style, prefixed `pagedserve:`)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedserve.actors.messages import SchedulerStats
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("pagedserve:num_requests_running", "Requests running", registry=r)
+        self.waiting = Gauge("pagedserve:num_requests_waiting", "Requests waiting", registry=r)
+        self.kv_usage = Gauge(
+            "pagedserve:kv_cache_usage_perc", "KV blocks in use (0-1)", registry=r
+        )
+        self.free_blocks = Gauge("pagedserve:kv_cache_free_blocks", "Free KV blocks", registry=r)
+        self.total_blocks = Gauge("pagedserve:kv_cache_total_blocks", "KV blocks", registry=r)
+        self.prompt_tokens = Counter("pagedserve:prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "pagedserve:generation_tokens", "Generated tokens", registry=r
+        )
+        self.requests = Counter(
+            "pagedserve:request_success", "Finished requests", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "pagedserve:time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "pagedserve:time_per_output_token_seconds", "TPOT", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "pagedserve:e2e_request_latency_seconds", "E2E", buckets=LATENCY_BUCKETS, registry=r
+        )
+
+    def render(self, stats: SchedulerStats | None) -> bytes:
+        if stats is not None:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            total = max(stats.num_total_blocks, 1)
+            self.kv_usage.set(1.0 - stats.num_free_blocks / total)
+            self.free_blocks.set(stats.num_free_blocks)
+            self.total_blocks.set(stats.num_total_blocks)
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Times one engine request for the TTFT / TPOT / e2e histograms."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.num_tokens = 0
+
+    def on_tokens(self, count: int) -> None:
+        if count and self.first is None:
+            self.first = time.perf_counter()
+            self.metrics.ttft.observe(self.first - self.start)
+        self.num_tokens += count
+        self.metrics.generation_tokens.inc(count)
+
+    def on_finish(self, reason: str, num_prompt_tokens: int) -> None:
+        now = time.perf_counter()
+        self.metrics.e2e.observe(now - self.start)
+        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        self.metrics.requests.labels(reason).inc()
+        if self.first is not None and self.num_tokens > 1:
+            self.metrics.tpot.observe((now - self.first) / (self.num_tokens - 1))
