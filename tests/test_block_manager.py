@@ -11,7 +11,9 @@ from pagedserve.actors.scheduler.request import Request
 
 def make_request(tokens: list[int], rid: str = "r") -> Request:
     return Request.from_add(
-        AddRequest(request_id=rid, prompt_token_ids=tokens, sampling=SamplingParams(), eos_token_ids=[])
+        AddRequest(
+            request_id=rid, prompt_token_ids=tokens, sampling=SamplingParams(), eos_token_ids=[]
+        )
     )
 
 
@@ -32,6 +34,12 @@ def test_hash_is_stable_and_chained() -> None:
     assert hash_block(a, [5, 6, 7, 8]) != hash_block(b"", [5, 6, 7, 8])
     # fixed across processes: no Python hash() randomization
     assert a.hex() == hash_block(b"", [1, 2, 3, 4]).hex() and len(a) == 16
+
+
+def test_same_block_content_under_another_prefix_is_a_miss() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2)
+    admit(bm, make_request([1, 1, 2, 2, 3, 3, 0], "a"))
+    assert bm.find_cached_prefix(make_request([1, 1, 3, 3, 2, 2, 0], "b")) == [0]
 
 
 def test_shared_prefix_refcounts_then_freed_to_zero() -> None:

@@ -255,6 +255,6 @@ class Scheduler:
             new_token_ids,
             logprobs,
             req.finish_reason,
-            req.stop_reason if req.finish_reason is not None else None,
+            req.stop_reason,
             max(req.num_cached_tokens, 0),
         )

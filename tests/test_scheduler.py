@@ -1,0 +1,607 @@
+"""Scheduler: token budget, chunked prefill, prefix caching, preemption, async scheduling, stops.
+
+The randomized tests replay every plan on a fake worker that keeps its own token lists and block
+tables exactly as the real worker does, writes a fake KV cache (each slot holds a digest of the
+prefix up to that position) and "samples" next = f(prefix digest read back through its block
+table). Wrong block tables, prefix-cache hits or recompute after preemption change the outputs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from pagedserve.actors.messages import (
+    AddRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+from pagedserve.actors.scheduler.request import RequestStatus
+from pagedserve.actors.scheduler.scheduler import Scheduler
+from pagedserve.config import EngineConfig
+
+VOCAB = 50
+EOS = 1
+MASK = (1 << 64) - 1
+
+
+def digest(prev: int, token: int) -> int:
+    return ((prev ^ (token + 1)) * 1099511628211) & MASK
+
+
+def fake_model(tokens: list[int]) -> int:
+    """The deterministic "model": next token = f(all previous tokens)."""
+    d = 14695981039346656037
+    for t in tokens:
+        d = digest(d, t)
+    return d % VOCAB
+
+
+# ---------------------------------------------------------------- fake worker
+
+
+@dataclass
+class WorkerRequest:
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed: int
+    logprobs: bool
+
+
+class FakeWorker:
+    """Applies plans like the real worker: persistent batch, its own sampled tokens, KV cache."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.bs = block_size
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.reqs: dict[str, WorkerRequest] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for rid in plan.finished_ids:
+            del self.reqs[rid]
+        for new in plan.new_requests:
+            assert new.request_id not in self.reqs
+            req = WorkerRequest(
+                list(new.token_ids), list(new.block_ids), new.num_computed_tokens, False
+            )
+            req.logprobs = new.sampling.logprobs is not None
+            self._check_kv(req, new.num_computed_tokens)  # prefix hit: written by earlier steps
+            self.reqs[new.request_id] = req
+        cached = plan.cached_requests
+        for rid, blocks, num_computed in zip(
+            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            assert self.reqs[rid].num_computed == num_computed
+            self.reqs[rid].block_ids.extend(blocks)
+        ids, sampled, logprobs = [], [], []
+        for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens):
+            token = self._run(self.reqs[rid], n)
+            if token is not None:
+                ids.append(rid)
+                sampled.append(token)
+                lp = TokenLogprobs(token, -0.5, 1, [], [])
+                logprobs.append(lp if self.reqs[rid].logprobs else None)
+        return StepResult(
+            step_id=plan.step_id, request_ids=ids, sampled_token_ids=sampled, logprobs=logprobs
+        )
+
+    def _run(self, req: WorkerRequest, n: int) -> int | None:
+        start, end = req.num_computed, req.num_computed + n
+        assert n > 0 and end <= len(req.tokens), "scheduled tokens the worker does not know"
+        assert len(req.block_ids) * self.bs >= end, "block table too short"
+        digests = self._digests(req.tokens[:end])
+        for pos in range(start, end):
+            self.kv[req.block_ids[pos // self.bs]][pos % self.bs] = digests[pos]
+        req.num_computed = end
+        if end < len(req.tokens):
+            return None
+        self._check_kv(req, end)
+        token = self.kv[req.block_ids[(end - 1) // self.bs]][(end - 1) % self.bs] % VOCAB
+        req.tokens.append(token)
+        return token
+
+    def _check_kv(self, req: WorkerRequest, end: int) -> None:
+        digests = self._digests(req.tokens[:end])
+        for pos in range(end):
+            slot = self.kv[req.block_ids[pos // self.bs]][pos % self.bs]
+            assert slot == digests[pos], f"KV at position {pos} is not this request's prefix"
+
+    @staticmethod
+    def _digests(tokens: list[int]) -> list[int]:
+        d, out = 14695981039346656037, []
+        for t in tokens:
+            d = digest(d, t)
+            out.append(d)
+        return out
+
+
+# ---------------------------------------------------------------- driver
+
+
+@dataclass
+class Collected:
+    tokens: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+
+
+def collect(into: dict[str, Collected], outputs: list[RequestOutput]) -> None:
+    for out in outputs:
+        c = into.setdefault(out.request_id, Collected())
+        assert c.finish is None, f"output for {out.request_id} after it finished"
+        c.tokens.extend(out.new_token_ids)
+        c.finish, c.stop_reason = out.finish_reason, out.stop_reason
+        c.num_cached_tokens = out.num_cached_tokens
+
+
+def check_views(sched: Scheduler, worker: FakeWorker, plan: StepPlan) -> None:
+    """The worker's persistent batch agrees with the scheduler, right after a plan ran."""
+    cfg = sched.config
+    assert sum(plan.num_scheduled_tokens) <= cfg.max_num_batched_tokens
+    assert len(plan.scheduled_ids) == len(set(plan.scheduled_ids)) <= cfg.max_num_seqs
+    in_worker = {rid for rid, r in sched.requests.items() if r.in_worker}
+    assert set(worker.reqs) == in_worker
+    for rid in in_worker:
+        s, w = sched.requests[rid], worker.reqs[rid]
+        assert s.status is RequestStatus.RUNNING
+        assert w.block_ids == s.block_table
+        assert w.num_computed == s.num_computed_tokens
+        assert w.tokens[: s.num_tokens] == s.token_ids
+        assert len(w.tokens) == s.num_tokens_with_inflight
+
+
+def run_engine(
+    sched: Scheduler,
+    arrivals: list[tuple[int, AddRequest]],
+    depth: int,
+    rng: random.Random | None = None,
+    aborts: dict[int, list[str]] | None = None,
+    plans: list[StepPlan] | None = None,
+    track: dict[str, int] | None = None,
+    worker: FakeWorker | None = None,
+) -> dict[str, Collected]:
+    """Drive the scheduler like the actor does, with up to `depth` plans in flight."""
+    worker = worker or FakeWorker(sched.block_manager.num_total_blocks, sched.block_size)
+    arrivals = sorted(arrivals, key=lambda a: a[0])
+    results: dict[str, Collected] = {}
+    pending: deque[StepResult] = deque()
+    tick = 0
+    while arrivals or sched.has_unfinished():
+        while arrivals and arrivals[0][0] <= tick:
+            sched.add_request(arrivals.pop(0)[1])
+        collect(results, sched.abort_requests((aborts or {}).get(tick, [])))
+        plan = sched.schedule() if len(pending) < depth else None
+        if plan is not None:
+            pending.append(worker.execute(plan))
+            check_views(sched, worker, plan)
+            if track is not None:
+                most = max((r.num_inflight for r in sched.requests.values()), default=0)
+                track["max_inflight"] = max(track.get("max_inflight", 0), most)
+            if plans is not None:
+                plans.append(plan)
+        if pending and (plan is None or (rng is not None and rng.random() < 0.3)):
+            collect(results, sched.update_from_result(pending.popleft()))
+        elif plan is None:
+            assert arrivals or not sched.has_unfinished(), "deadlock: nothing to run or wait for"
+        tick += 1
+        assert tick < 100_000
+    for result in pending:  # results of requests finished meanwhile are ignored
+        assert sched.update_from_result(result) == []
+    assert_no_leak(sched)
+    return results
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not sched.running and not sched.waiting and not sched.requests
+
+
+def make_config(**kw: int | bool) -> EngineConfig:
+    base: dict = dict(block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def add(rid: str, prompt: list[int], **sampling: object) -> AddRequest:
+    sampling.setdefault("max_tokens", 8)
+    return AddRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(**sampling),  # type: ignore[arg-type]
+        eos_token_ids=[EOS],
+    )
+
+
+def solo(req: AddRequest, max_model_len: int = 64) -> Collected:
+    """Run one request alone, one plan at a time, with plenty of room."""
+    sched = Scheduler(make_config(max_model_len=max_model_len, max_num_batched_tokens=256), 64)
+    return run_engine(sched, [(0, req)], depth=1)[req.request_id]
+
+
+def step(sched: Scheduler, tokens: dict[str, int]) -> tuple[StepPlan, list[RequestOutput]]:
+    """Schedule one plan and feed back chosen tokens for the requests it samples."""
+    plan = sched.schedule()
+    assert plan is not None
+    ids = [rid for rid in plan.scheduled_ids if rid in tokens]
+    result = StepResult(
+        step_id=plan.step_id, request_ids=ids, sampled_token_ids=[tokens[r] for r in ids]
+    )
+    return plan, sched.update_from_result(result)
+
+
+# ---------------------------------------------------------------- budget and chunking
+
+
+def test_chunked_prefill_splits_a_long_prompt_within_the_budget() -> None:
+    sched = Scheduler(make_config(max_num_batched_tokens=16), 32)
+    prompt = [(7 * i) % VOCAB + 2 for i in range(50)]
+    plans: list[StepPlan] = []
+    out = run_engine(sched, [(0, add("a", prompt, max_tokens=3))], depth=1, plans=plans)
+    assert [p.num_scheduled_tokens for p in plans[:4]] == [[16], [16], [16], [2]]
+    assert plans[0].new_requests[0].token_ids == prompt
+    assert plans[0].new_requests[0].num_computed_tokens == 0
+    assert [p.cached_requests.num_computed_tokens for p in plans[1:4]] == [[16], [32], [48]]
+    assert plans[0].new_requests[0].block_ids == [0, 1, 2, 3]
+    assert plans[1].cached_requests.new_block_ids == [[4, 5, 6, 7]]
+    assert plans[3].cached_requests.new_block_ids == [[12]]
+    assert out["a"].tokens == solo(add("a", prompt, max_tokens=3)).tokens
+    assert sched.stats().num_prompt_tokens == 50 and sched.stats().num_generation_tokens == 3
+
+
+def test_budget_and_max_num_seqs_are_respected() -> None:
+    sched = Scheduler(make_config(max_num_batched_tokens=10, max_num_seqs=2), 64)
+    plans: list[StepPlan] = []
+    reqs = [(0, add(f"r{i}", [i + 2] * (5 + 3 * i), max_tokens=4)) for i in range(5)]
+    run_engine(sched, reqs, depth=2, plans=plans)
+    assert max(sum(p.num_scheduled_tokens) for p in plans) == 10
+    assert max(len(p.scheduled_ids) for p in plans) == 2
+    # FCFS: r0 and r1 are admitted first, the rest only once seats free up.
+    assert plans[0].scheduled_ids == ["r0", "r1"]
+    assert plans[0].num_scheduled_tokens == [5, 5]  # r1's 8-token prompt is chunked
+
+
+def test_waiting_request_is_admitted_into_leftover_budget() -> None:
+    sched = Scheduler(make_config(max_num_batched_tokens=12), 64)
+    sched.add_request(add("a", [5] * 10))
+    sched.add_request(add("b", [6] * 10))
+    plan = sched.schedule()
+    assert plan is not None
+    assert plan.scheduled_ids == ["a", "b"] and plan.num_scheduled_tokens == [10, 2]
+
+
+# ---------------------------------------------------------------- prefix caching
+
+
+def test_prefix_cache_hit_for_a_shared_prefix() -> None:
+    shared = [(3 * i) % VOCAB + 2 for i in range(16)]
+    sched = Scheduler(make_config(), 32)
+    sched.add_request(add("a", shared + [9, 9, 9], max_tokens=2))
+    plan_a = sched.schedule()
+    assert plan_a is not None and plan_a.new_requests[0].num_computed_tokens == 0
+    sched.add_request(add("b", shared + [8, 8], max_tokens=2))
+    plan_b = sched.schedule()
+    assert plan_b is not None
+    new_b = plan_b.new_requests[0]
+    assert new_b.request_id == "b" and new_b.num_computed_tokens == 16
+    assert plan_b.num_scheduled_tokens[plan_b.scheduled_ids.index("b")] == 2
+    a, b = sched.requests["a"], sched.requests["b"]
+    assert b.block_table[:4] == a.block_table[:4]
+    assert all(sched.block_manager.ref_count(x) == 2 for x in a.block_table[:4])
+    stats = sched.stats()
+    assert stats.prefix_cache_queries == 19 + 18 and stats.prefix_cache_hits == 16
+
+
+def test_prefix_hit_after_the_first_request_finished() -> None:
+    shared = [(5 * i) % VOCAB + 2 for i in range(12)]
+    sched, worker = Scheduler(make_config(), 32), FakeWorker(32, 4)
+    first = run_engine(sched, [(0, add("a", shared + [4], max_tokens=3))], 2, worker=worker)
+    assert first["a"].num_cached_tokens == 0
+    plans: list[StepPlan] = []
+    req = add("b", shared + [7, 7], max_tokens=5)
+    out = run_engine(sched, [(0, req)], depth=2, plans=plans, worker=worker)
+    assert plans[0].new_requests[0].num_computed_tokens == 12
+    assert out["b"].num_cached_tokens == 12
+    assert sched.stats().prefix_cache_hits == 12
+    assert out["b"].tokens == solo(req).tokens
+
+
+def test_prefix_caching_can_be_disabled() -> None:
+    shared = [2] * 12
+    sched, worker = Scheduler(make_config(enable_prefix_caching=False), 32), FakeWorker(32, 4)
+    run_engine(sched, [(0, add("a", shared + [4], max_tokens=2))], 1, worker=worker)
+    plans: list[StepPlan] = []
+    run_engine(sched, [(0, add("b", shared + [5], max_tokens=2))], 1, plans=plans, worker=worker)
+    assert plans[0].new_requests[0].num_computed_tokens == 0
+    assert sched.stats().prefix_cache_queries == 0
+
+
+# ---------------------------------------------------------------- leaks, aborts, validation
+
+
+def test_no_block_leaked_after_finish_and_abort() -> None:
+    sched = Scheduler(make_config(), 32)
+    arrivals = [
+        (0, add(f"r{i}", [i + 2] * (6 + i), max_tokens=10, ignore_eos=True)) for i in range(4)
+    ]
+    out = run_engine(sched, arrivals, depth=2, aborts={2: ["r1"], 3: ["r3", "nope"]})
+    assert out["r1"].finish is FinishReason.ABORT and out["r3"].finish is FinishReason.ABORT
+    assert out["r0"].finish is FinishReason.LENGTH and len(out["r0"].tokens) == 10
+
+
+def test_abort_output_and_finished_ids_sent_once() -> None:
+    sched = Scheduler(make_config(), 32)
+    sched.add_request(add("a", [3] * 5))
+    sched.add_request(add("b", [4] * 5))
+    plan = sched.schedule()
+    assert plan is not None
+    outs = sched.abort_requests(["a", "a", "zzz"])
+    assert len(outs) == 1 and outs[0].finish_reason is FinishReason.ABORT
+    assert outs[0].new_token_ids == []
+    # The in-flight result for "a" is ignored; "b" advances.
+    result = StepResult(step_id=plan.step_id, request_ids=["a", "b"], sampled_token_ids=[5, 6])
+    assert [o.request_id for o in sched.update_from_result(result)] == ["b"]
+    nxt = sched.schedule()
+    assert nxt is not None and nxt.finished_ids == ["a"] and nxt.scheduled_ids == ["b"]
+    later = sched.schedule()
+    assert later is not None and later.finished_ids == []
+    assert sched.abort_requests(["a"]) == []
+
+
+def test_invalid_requests_raise_value_error() -> None:
+    sched = Scheduler(make_config(max_model_len=16), 32)
+    with pytest.raises(ValueError):
+        sched.add_request(add("empty", []))
+    with pytest.raises(ValueError):
+        sched.add_request(add("long", [2] * 16))
+    sched.add_request(add("ok", [2] * 15))
+    with pytest.raises(ValueError):
+        sched.add_request(add("ok", [2] * 3))  # duplicate id
+    out = run_engine(sched, [], depth=1)
+    assert out["ok"].tokens and out["ok"].finish is FinishReason.LENGTH
+    assert len(out["ok"].tokens) == 1  # 15 + 1 = max_model_len
+
+
+# ---------------------------------------------------------------- preemption
+
+
+def test_preempts_newest_running_request_and_resumes_it() -> None:
+    # 6 blocks of 4: two 8-token prompts take 4 blocks; decoding exhausts the rest.
+    sched = Scheduler(make_config(max_model_len=24), 6)
+    reqs = [
+        add("old", [2 + i for i in range(8)], max_tokens=10, ignore_eos=True),
+        add("new", [30 + i for i in range(8)], max_tokens=10, ignore_eos=True),
+    ]
+    plans: list[StepPlan] = []
+    out = run_engine(sched, [(0, r) for r in reqs], depth=1, plans=plans)
+    assert sched.stats().num_preemptions >= 1
+    first = next(i for i, p in enumerate(plans) if p.finished_ids)
+    assert plans[first].finished_ids == ["new"]
+    assert "new" not in plans[first].scheduled_ids and "old" in plans[first].scheduled_ids
+    resumed = next(n for p in plans[first:] for n in p.new_requests if n.request_id == "new")
+    assert resumed.token_ids[:8] == reqs[1].prompt_token_ids and len(resumed.token_ids) > 8
+    for r in reqs:
+        assert out[r.request_id].tokens == solo(r, 24).tokens
+        assert len(out[r.request_id].tokens) == 10
+
+
+def test_preempted_request_keeps_inflight_token_and_waits_for_it() -> None:
+    sched = Scheduler(make_config(max_model_len=24, max_num_seqs=2), 5)
+    sched.add_request(add("old", [2] * 8, max_tokens=10, ignore_eos=True))
+    sched.add_request(add("new", [3] * 8, max_tokens=10, ignore_eos=True))
+    sched.add_request(add("late", [4] * 3, max_tokens=10, ignore_eos=True))  # no seat yet
+    p0 = sched.schedule()  # both prefills (4 blocks), both sample
+    assert p0 is not None and p0.scheduled_ids == ["old", "new"]
+    p1 = sched.schedule()  # decodes need 2 new blocks, 1 free: "new" is preempted
+    assert p1 is not None and p1.finished_ids == ["new"]
+    assert p1.scheduled_ids == ["old"]  # a step that preempts admits nobody
+    assert [r.request_id for r in sched.waiting] == ["new", "late"]  # back at the front
+    new = sched.requests["new"]
+    assert new.status is RequestStatus.WAITING and new.block_table == [] and new.num_inflight == 1
+    assert sched.stats().num_preemptions == 1
+    assert sched.abort_requests(["old"])[0].finish_reason is FinishReason.ABORT
+    p2 = sched.schedule()  # "new" must not resume while its token is in flight
+    assert p2 is not None and p2.scheduled_ids == ["late"] and p2.finished_ids == ["old"]
+    outs = sched.update_from_result(
+        StepResult(step_id=p0.step_id, request_ids=["old", "new"], sampled_token_ids=[7, 8])
+    )
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("new", [8])]  # token kept
+    assert new.token_ids == [3] * 8 + [8] and new.num_inflight == 0
+    p3 = sched.schedule()
+    assert p3 is not None and p3.scheduled_ids == ["late", "new"]
+    assert p3.new_requests[0].token_ids == [3] * 8 + [8]
+    # Its first block is still cached; its second was the oldest free block, taken by "late".
+    assert p3.new_requests[0].num_computed_tokens == 4
+
+
+# ---------------------------------------------------------------- async scheduling
+
+
+def test_async_two_plans_in_flight_match_one_at_a_time() -> None:
+    reqs = [
+        add(f"r{i}", [(i * 11 + j) % VOCAB + 2 for j in range(3 + 5 * i)], max_tokens=12)
+        for i in range(5)
+    ]
+    outputs = {}
+    for depth in (1, 2):
+        sched = Scheduler(make_config(max_num_batched_tokens=16), 40)
+        track: dict[str, int] = {}
+        outputs[depth] = run_engine(sched, [(0, r) for r in reqs], depth=depth, track=track)
+        # depth 2: some request had two sampled tokens in flight at once
+        assert track["max_inflight"] == depth
+    assert outputs[1] == outputs[2]
+    for r in reqs:
+        assert outputs[2][r.request_id].tokens == solo(r).tokens
+
+
+def test_async_plan_before_result_schedules_one_decode() -> None:
+    sched = Scheduler(make_config(), 32)
+    sched.add_request(add("a", [2, 3, 4, 5, 6], max_tokens=3, ignore_eos=True))
+    p0, p1 = sched.schedule(), sched.schedule()  # no result in between
+    assert p0 is not None and p1 is not None
+    assert p0.num_scheduled_tokens == [5] and p1.num_scheduled_tokens == [1]
+    assert p1.cached_requests.num_computed_tokens == [5]
+    assert sched.requests["a"].num_inflight == 2
+    o0 = sched.update_from_result(StepResult(step_id=0, request_ids=["a"], sampled_token_ids=[9]))
+    p2 = sched.schedule()  # third and last token
+    assert p2 is not None and p2.num_scheduled_tokens == [1]
+    assert sched.schedule() is None  # a fourth sample would pass max_tokens
+    o1 = sched.update_from_result(StepResult(step_id=1, request_ids=["a"], sampled_token_ids=[8]))
+    o2 = sched.update_from_result(StepResult(step_id=2, request_ids=["a"], sampled_token_ids=[7]))
+    assert [o.new_token_ids for o in o0 + o1 + o2] == [[9], [8], [7]]
+    assert o2[0].finish_reason is FinishReason.LENGTH
+    assert_no_leak(sched)
+
+
+def test_async_no_decode_past_max_tokens_or_max_model_len() -> None:
+    sched = Scheduler(make_config(max_model_len=8), 32)
+    sched.add_request(add("a", [2] * 5, max_tokens=1))
+    sched.add_request(add("b", [2] * 6, max_tokens=None))  # may reach 8 tokens: 2 outputs
+    p0, p1 = sched.schedule(), sched.schedule()
+    assert p0 is not None and p1 is not None
+    assert p1.scheduled_ids == ["b"]
+    assert sched.schedule() is None
+
+
+def test_results_after_finish_are_ignored() -> None:
+    sched = Scheduler(make_config(), 32)
+    sched.add_request(add("a", [2] * 5))
+    p0, p1 = sched.schedule(), sched.schedule()
+    assert p0 is not None and p1 is not None
+    outs = sched.update_from_result(
+        StepResult(step_id=0, request_ids=["a"], sampled_token_ids=[EOS])
+    )
+    assert outs[0].finish_reason is FinishReason.STOP
+    sched.add_request(add("a", [3] * 5))  # the id is reused while step 1 is in flight
+    p2 = sched.schedule()
+    assert p2 is not None and p2.finished_ids == ["a"] and p2.new_requests[0].token_ids == [3] * 5
+    stale = StepResult(step_id=1, request_ids=["a"], sampled_token_ids=[5])
+    assert sched.update_from_result(stale) == []
+    fresh = StepResult(step_id=2, request_ids=["a"], sampled_token_ids=[6])
+    assert [o.new_token_ids for o in sched.update_from_result(fresh)] == [[6]]
+    sched.abort_requests(["a"])
+    assert_no_leak(sched)
+
+
+# ---------------------------------------------------------------- stop conditions
+
+
+def run_tokens(sched: Scheduler, rid: str, tokens: list[int]) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    for t in tokens:
+        outs += step(sched, {rid: t})[1]
+        if outs[-1].finish_reason is not None:
+            break
+    return outs
+
+
+def test_stop_conditions() -> None:
+    def finish(tokens: list[int], **kw: object) -> tuple[int, FinishReason | None, int | None]:
+        sched = Scheduler(make_config(max_model_len=12), 32)
+        sched.add_request(add("a", [2, 3, 4], **kw))
+        outs = run_tokens(sched, "a", tokens)
+        last = outs[-1]
+        return len(outs), last.finish_reason, last.stop_reason
+
+    assert finish([5, EOS, 6]) == (2, FinishReason.STOP, None)
+    assert finish([5, EOS, 6], ignore_eos=True, max_tokens=3) == (3, FinishReason.LENGTH, None)
+    assert finish([5, 7, 6], stop_token_ids=[7]) == (2, FinishReason.STOP, 7)
+    assert finish([EOS, 7, EOS], min_tokens=3) == (3, FinishReason.STOP, None)
+    assert finish([7, 7, 5], min_tokens=2, stop_token_ids=[7]) == (2, FinishReason.STOP, 7)
+    assert finish([5, 6], max_tokens=2) == (2, FinishReason.LENGTH, None)
+    assert finish([5, EOS], max_tokens=2) == (2, FinishReason.STOP, None)  # EOS before LENGTH
+    assert finish([5] * 9, max_tokens=None) == (9, FinishReason.LENGTH, None)  # 3 + 9 = 12
+
+
+def test_outputs_carry_logprobs_and_cached_tokens() -> None:
+    sched = Scheduler(make_config(), 32)
+    sched.add_request(add("lp", [2] * 5, logprobs=2))
+    sched.add_request(add("no", [3] * 5))
+    plan = sched.schedule()
+    assert plan is not None
+    lp = TokenLogprobs(6, -0.1, 1, [6, 7], [-0.1, -2.0])
+    outs = sched.update_from_result(
+        StepResult(step_id=0, request_ids=["lp", "no"], sampled_token_ids=[6, 6], logprobs=[lp, lp])
+    )
+    assert outs[0].new_logprobs == [lp] and outs[1].new_logprobs is None
+    assert outs[0].num_cached_tokens == 0 and outs[0].finish_reason is None
+
+
+def test_stats() -> None:
+    sched = Scheduler(make_config(), 20)
+    sched.add_request(add("a", [2] * 9))
+    sched.add_request(add("b", [3] * 3))
+    sched.schedule()
+    s = sched.stats()
+    assert (s.num_running, s.num_waiting, s.num_total_blocks) == (2, 0, 20)
+    assert s.num_free_blocks == 20 - 3 - 1 and s.num_steps == 1 and s.num_prompt_tokens == 12
+
+
+# ---------------------------------------------------------------- randomized against solo runs
+
+
+def random_workload(rng: random.Random, n: int) -> list[tuple[int, AddRequest]]:
+    prefixes = [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
+    arrivals = []
+    for i in range(n):
+        prompt = rng.choice(prefixes) if rng.random() < 0.6 else []
+        prompt = prompt + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 12))]
+        sampling = dict(
+            max_tokens=rng.choice([None, 1, 2, 5, 9, 16, 25]),
+            min_tokens=rng.choice([0, 0, 2]),
+            ignore_eos=rng.random() < 0.2,
+            stop_token_ids=rng.sample(range(2, VOCAB), 2) if rng.random() < 0.3 else None,
+            logprobs=0 if rng.random() < 0.2 else None,
+        )
+        arrivals.append((rng.randrange(0, 30), add(f"q{i}", prompt, **sampling)))
+    return arrivals
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("pressure", [False, True])
+def test_randomized_against_solo(seed: int, depth: int, pressure: bool) -> None:
+    rng = random.Random(seed * 10 + depth)
+    arrivals = random_workload(rng, 20)
+    num_blocks = 10 if pressure else 200  # 10 blocks * 4 = 40 = max_model_len
+    cfg = make_config(
+        max_model_len=40,
+        max_num_batched_tokens=rng.choice([8, 20, 64]),
+        max_num_seqs=rng.choice([3, 8]),
+        enable_prefix_caching=rng.random() < 0.85,
+    )
+    aborts = {rng.randrange(5, 60): [f"q{rng.randrange(20)}"] for _ in range(3)}
+    sched = Scheduler(cfg, num_blocks)
+    out = run_engine(sched, arrivals, depth=depth, rng=rng, aborts=aborts)
+    for _, req in arrivals:
+        got, want = out[req.request_id], solo(req, 40)
+        if got.finish is FinishReason.ABORT:
+            assert want.tokens[: len(got.tokens)] == got.tokens
+        else:
+            assert (got.tokens, got.finish, got.stop_reason) == (
+                want.tokens,
+                want.finish,
+                want.stop_reason,
+            ), req.request_id
+    stats = sched.stats()
+    assert stats.num_generation_tokens == sum(len(c.tokens) for c in out.values())
+    if pressure:
+        assert stats.num_preemptions > 0
+
+
+def test_fake_model_matches_worker_sampling() -> None:
+    """The fake worker's KV digests implement next = fake_model(prefix)."""
+    req = add("a", [2, 9, 4, 13], max_tokens=5, ignore_eos=True)
+    tokens = list(req.prompt_token_ids)
+    for _ in range(5):
+        tokens.append(fake_model(tokens))
+    assert solo(req).tokens == tokens[4:]
