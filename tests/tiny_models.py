@@ -19,6 +19,11 @@ CORPUS = [
     "Friends, Romans, countrymen, lend me your ears; héllo wörld 日本語 🙂",
 ] * 20
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
 CONFIGS = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
@@ -36,9 +41,11 @@ def build_tokenizer(vocab_size: int = 400) -> transformers.PreTrainedTokenizerFa
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
-    return transformers.PreTrainedTokenizerFast(
+    tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def save_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:

@@ -50,7 +50,7 @@ def _as_id_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
-def eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
     """EOS ids from generation_config.json (int or list), else the tokenizer's EOS; may be []."""
     config = _read_generation_config(model_path)
     eos = config.get("eos_token_id")

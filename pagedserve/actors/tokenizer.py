@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pagedserve.actors import bus
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.chat import apply_chat_template, eos_token_ids, load_tokenizer
-from pagedserve.actors.detokenizer import IncrementalDetokenizer
+from pagedserve.actors.detokenizer import DetokenizeResult, IncrementalDetokenizer
 from pagedserve.actors.messages import (
     AbortRequest,
     AddRequest,
@@ -28,14 +28,22 @@ from pagedserve.actors.messages import (
     Shutdown,
     TokenizerInbound,
 )
+from pagedserve.config import read_hf_config
 
 logger = logging.getLogger(__name__)
+
+
+class NullDetokenizer:
+    """For engines without a tokenizer: token ids only, no text, no stop strings."""
+
+    def update(self, new_token_ids: list[int], finished: bool) -> DetokenizeResult:
+        return DetokenizeResult("")
 
 
 @dataclass
 class LiveRequest:
     client: bytes
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NullDetokenizer
     prompt_token_ids: list[int]
     first_delta_sent: bool = False
 
@@ -44,9 +52,14 @@ class TokenizerActor(Actor):
     name = "tokenizer"
 
     async def setup(self) -> dict:
-        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
-        self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
-        self.vocab_size = len(self.tokenizer)
+        if self.config.skip_tokenizer_init:
+            self.tokenizer = None
+            self.eos_token_ids = eos_token_ids(self.config.model_path, None)
+            self.vocab_size = int(read_hf_config(self.config.model_path)["vocab_size"])
+        else:
+            self.tokenizer = load_tokenizer(self.config.tokenizer_path)
+            self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
+            self.vocab_size = len(self.tokenizer)
         self.clients: bus.Router[ClientInbound] = bus.Router(
             self.ctx, self.addresses.tokenizer_clients, ClientInbound
         )
@@ -98,11 +111,12 @@ class TokenizerActor(Actor):
         except ValueError as exc:
             await self.clients.send(client, RequestError(request.request_id, str(exc), 400))
             return
-        self.live[request.request_id] = LiveRequest(
-            client=client,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, request.sampling),
-            prompt_token_ids=prompt_ids,
+        detokenizer = (
+            NullDetokenizer()
+            if self.tokenizer is None
+            else IncrementalDetokenizer(self.tokenizer, prompt_ids, request.sampling)
         )
+        self.live[request.request_id] = LiveRequest(client, detokenizer, prompt_ids)
         await self.to_scheduler.send(
             AddRequest(
                 request_id=request.request_id,
@@ -117,6 +131,8 @@ class TokenizerActor(Actor):
         """Tokenize and validate; every ValueError becomes a 400 for the client."""
         if request.request_id in self.live:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.tokenizer is None and request.prompt_token_ids is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): send token ids")
         if request.messages is not None:
             ids = apply_chat_template(
                 self.tokenizer, request.messages, request.add_generation_prompt

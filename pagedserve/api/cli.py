@@ -44,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [*ENGINE_FLAGS, "enable_prefix_caching"]
+    names = [*ENGINE_FLAGS, "enable_prefix_caching", "skip_tokenizer_init"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
@@ -55,7 +55,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=0.95)
     group.add_argument("--top-k", type=int, default=0)
     group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--seed", dest="sampling_seed", type=int, default=None)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -139,6 +139,102 @@ def cmd_chat(args: argparse.Namespace) -> int:
         supervisor.stop()
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pagedserve.api import bench
+
+    engine_args = {"model": args.model, **engine_kwargs(args)}
+    if args.bench == "latency":
+        return _bench_latency(args, engine_args)
+    vocab = _vocab_size(args.model)
+    workload = bench.random_workload(
+        args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.workload_seed
+    )
+    results = []
+    for backend in args.backend:
+        if backend == "pagedserve":
+            results.append(bench.run_pagedserve(workload, engine_args))
+            continue
+        model = bench.load_hf_model(
+            args.model,
+            args.load_format or "auto",
+            args.dtype or "auto",
+            args.device or "cpu",
+            args.hf_attn,
+        )
+        subset = workload[: args.hf_num_prompts or len(workload)]
+        if backend == "hf":
+            results.append(bench.run_hf_static(subset, model, args.hf_batch_size))
+        else:
+            results.append(bench.run_hf_continuous(subset, model, args.hf_max_batch_tokens))
+    bench.print_json([r.row() for r in results])
+    return 0
+
+
+def _bench_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    from pagedserve.api import bench
+
+    rows = {}
+    for backend in args.backend:
+        if backend == "pagedserve":
+            rows[backend] = bench.latency_pagedserve(
+                engine_args, args.input_len[0], args.output_len[0], args.iters
+            )
+        else:
+            model = bench.load_hf_model(
+                args.model,
+                args.load_format or "auto",
+                args.dtype or "auto",
+                args.device or "cpu",
+                args.hf_attn,
+            )
+            rows[backend] = bench.latency_hf(
+                model, args.input_len[0], args.output_len[0], args.iters
+            )
+    bench.print_json(rows)
+    return 0
+
+
+def _vocab_size(model: str) -> int:
+    from pagedserve.config import read_hf_config, resolve_model_path
+
+    return int(read_hf_config(resolve_model_path(model))["vocab_size"])
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="throughput / latency benchmarks (vllm bench style)")
+    bench.add_argument("bench", choices=["throughput", "latency"])
+    bench.add_argument(
+        "--backend",
+        nargs="+",
+        default=["pagedserve"],
+        choices=["pagedserve", "hf", "hf-cb"],
+        help="engines to run on the same workload, in this order",
+    )
+    bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument(
+        "--input-len",
+        type=int,
+        nargs="+",
+        default=[100, 1024],
+        help="MIN MAX (uniform) or one fixed length",
+    )
+    bench.add_argument("--output-len", type=int, nargs="+", default=[100, 1024])
+    bench.add_argument("--workload-seed", type=int, default=0)
+    bench.add_argument("--iters", type=int, default=3, help="latency: timed repetitions")
+    bench.add_argument("--hf-batch-size", type=int, default=64)
+    bench.add_argument("--hf-num-prompts", type=int, default=0, help="hf: first N only")
+    bench.add_argument("--hf-max-batch-tokens", type=int, default=8192)
+    bench.add_argument("--hf-attn", default=None, help="hf attn_implementation (sdpa, paged...)")
+    bench.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        default=True,
+        help="always on: every request produces its output length",
+    )
+    add_engine_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve",
@@ -165,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    add_bench_parser(sub)
     return parser
 
 
@@ -174,6 +271,10 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name in ("input_len", "output_len"):
+        value = getattr(args, name, None)
+        if value is not None and len(value) == 1:
+            setattr(args, name, [value[0], value[0]])
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return args.func(args)

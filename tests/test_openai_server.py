@@ -1,0 +1,276 @@
+"""The HTTP server, driven by the official `openai` client against real processes on a free
+localhost port; the ZeroMQ client and the offline LLM on the same model as the reference."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import anyio
+import httpx
+import openai
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.actors.supervisor import Supervisor
+from pagedserve.api.client import AsyncClient, Client
+from pagedserve.api.openai_server import APIServerActor
+from pagedserve.config import EngineConfig, ServerConfig
+from tests.tiny_models import save_tiny_model
+
+MODEL_NAME = "tiny"
+MAX_MODEL_LEN = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path):
+    port = free_port()
+    config = EngineConfig(
+        model=str(model_path),
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=512,
+        server=ServerConfig(port=port, served_model_name=MODEL_NAME),
+    )
+    supervisor = Supervisor(config)
+    supervisor.start(extra_actors=(APIServerActor,))
+    try:
+        yield supervisor, f"http://127.0.0.1:{port}"
+    finally:
+        supervisor.stop()
+
+
+@pytest.fixture
+def api(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="none", max_retries=0)
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_models_health_and_metrics(server, api: openai.OpenAI) -> None:
+    assert [m.id for m in api.models.list().data] == [MODEL_NAME]
+    assert httpx.get(server[1] + "/health").status_code == 200
+    text = httpx.get(server[1] + "/metrics").text
+    assert metric(text, "pagedserve:kv_cache_total_blocks") == 512
+    assert "pagedserve:time_to_first_token_seconds_bucket" in text
+
+
+def test_completion_usage_logprobs_and_n(api: openai.OpenAI) -> None:
+    out = api.completions.create(
+        model=MODEL_NAME,
+        prompt="To be, or not",
+        max_tokens=12,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 12 == len(choice.logprobs.tokens)
+    assert out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs)
+    many = api.completions.create(
+        model=MODEL_NAME,
+        prompt=["a", "b c"],
+        max_tokens=5,
+        n=3,
+        seed=1,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in many.choices) == list(range(6))
+    assert many.usage.completion_tokens == 30
+
+
+def test_streaming_completion_equals_non_streaming(api: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL_NAME, prompt="Friends, Romans", max_tokens=16, temperature=0)
+    full = api.completions.create(**kwargs)
+    chunks = list(
+        api.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage == full.usage
+
+
+def test_stop_string_is_not_in_the_output(api: openai.OpenAI) -> None:
+    kwargs = dict(
+        model=MODEL_NAME,
+        prompt="The slings",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = api.completions.create(**kwargs).choices[0].text
+    stop = text[6:9]
+    assert stop not in text[:6]
+    stopped = api.completions.create(stop=[stop], **kwargs).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[: text.index(stop)]
+    streamed = api.completions.create(stop=[stop], stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in streamed) == stopped.text
+
+
+def test_chat_completion_streaming_and_not(api: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Who art thou?"}]
+    full = api.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    choice = full.choices[0]
+    assert choice.message.role == "assistant"
+    assert full.usage.completion_tokens == len(choice.logprobs.content)
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    chunks = list(
+        api.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_http_zmq_and_offline_agree_with_the_same_seed(server, api, model_path: Path) -> None:
+    params = dict(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
+    http_text = "".join(
+        c.choices[0].text
+        for c in api.completions.create(model=MODEL_NAME, prompt="O Romeo", stream=True, **params)
+    )
+    with Client(server[0].addresses.tokenizer_clients) as client:
+        zmq_text = "".join(d.text for d in client.generate("O Romeo", SamplingParams(**params)))
+
+    async def async_zmq() -> str:
+        async with AsyncClient(server[0].addresses.tokenizer_clients) as client:
+            return "".join(
+                [d.text async for d in client.generate("O Romeo", SamplingParams(**params))]
+            )
+
+    async_text = anyio.run(async_zmq)
+    with LLM(str(model_path), max_model_len=MAX_MODEL_LEN, num_kv_blocks=64) as llm:
+        offline = llm.generate("O Romeo", SamplingParams(**params))[0].outputs[0].text
+    assert http_text == zmq_text == async_text == offline
+    assert len(http_text) > 0
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        ({"model": "nope", "prompt": "x"}, 404),
+        ({"model": MODEL_NAME, "prompt": "x", "max_tokens": -1}, 400),
+        ({"model": MODEL_NAME, "prompt": [7] * (MAX_MODEL_LEN + 5)}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "temperature": -0.5}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "n": 0}, 400),
+        ({"model": MODEL_NAME, "prompt": 12.5}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "max_tokens": "many"}, 400),
+        ({"model": MODEL_NAME}, 400),
+    ],
+)
+def test_bad_input_is_an_openai_4xx_and_the_engine_keeps_serving(server, body, status) -> None:
+    response = httpx.post(server[1] + "/v1/completions", json=body)
+    assert response.status_code == status
+    assert set(response.json()["error"]) >= {"message", "type", "code"}
+    ok = httpx.post(
+        server[1] + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
+    )
+    assert ok.status_code == 200
+
+
+def test_malformed_json_and_bad_chat_are_400(server) -> None:
+    bad = httpx.post(
+        server[1] + "/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert bad.status_code == 400
+    chat = httpx.post(
+        server[1] + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": "hello"}
+    )
+    assert chat.status_code == 400
+
+
+async def test_many_streams_with_disconnects_free_every_block(server) -> None:
+    base = server[1]
+    done: list[str] = []
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> None:
+        stream = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=f"request {i}",
+            max_tokens=24,
+            stream=True,
+            temperature=1.0,
+            seed=i,
+            extra_body={"ignore_eos": True},
+        )
+        count = 0
+        async for chunk in stream:
+            count += 1
+            if i % 4 == 0 and count == 2:  # 50 of 200 walk away mid-stream
+                await stream.close()
+                return
+            if chunk.choices[0].finish_reason is not None:
+                done.append(chunk.choices[0].finish_reason)
+
+    async with openai.AsyncOpenAI(
+        base_url=base + "/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=120,
+        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=300)),
+    ) as client:
+        async with anyio.create_task_group() as tg:
+            for i in range(200):
+                tg.start_soon(one, client, i)
+    assert done == ["length"] * 150
+    async with httpx.AsyncClient() as http:
+        for _ in range(50):
+            text = (await http.get(base + "/metrics")).text
+            if metric(text, "pagedserve:kv_cache_free_blocks") == 512:
+                break
+            await anyio.sleep(0.1)
+    assert metric(text, "pagedserve:kv_cache_free_blocks") == 512
+    assert metric(text, "pagedserve:num_requests_running") == 0
+
+
+def test_api_key_is_enforced(model_path: Path) -> None:
+    port = free_port()
+    config = EngineConfig(
+        model=str(model_path), num_kv_blocks=32, server=ServerConfig(port=port, api_key="sekrit")
+    )
+    supervisor = Supervisor(config)
+    supervisor.start(extra_actors=(APIServerActor,))
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).completions.create(
+                model=str(model_path), prompt="x", max_tokens=2
+            )
+        ok = openai.OpenAI(base_url=base, api_key="sekrit").completions.create(
+            model=str(model_path), prompt="x", max_tokens=2
+        )
+        assert len(ok.choices) == 1
+    finally:
+        supervisor.stop()
