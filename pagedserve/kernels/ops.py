@@ -27,9 +27,7 @@ def fused_add_rms_norm(
     return rms_norm(new_residual, weight, eps), new_residual
 
 
-def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding (the Hugging Face / GPT-NeoX layout).
 
     x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim // 2].

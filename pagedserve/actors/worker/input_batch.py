@@ -1,0 +1,188 @@
+"""The worker's persistent batch: per-request state kept across steps, one row per request.
+
+Rows are preallocated (max_num_seqs x max_model_len tokens, a block table of the matching
+width, sampling settings) and updated in place from each StepPlan's diff; a step gathers the
+rows of its scheduled requests by index. Token ids include the tokens this worker sampled.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.actors.messages import NewRequestData, SamplingParams
+from pagedserve.actors.worker.sampler import PenaltyState, SamplingMetadata
+from pagedserve.kernels.attention import cdiv
+
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class _SamplingColumns:
+    """Sampling settings per row, as numpy columns."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    presence: np.ndarray
+    frequency: np.ndarray
+    repetition: np.ndarray
+    num_logprobs: np.ndarray  # -1: not asked
+
+    @classmethod
+    def allocate(cls, rows: int) -> _SamplingColumns:
+        f32 = np.float32
+        return cls(
+            np.ones(rows, f32), np.zeros(rows, np.int64), np.ones(rows, f32), np.zeros(rows, f32),
+            np.zeros(rows, f32), np.zeros(rows, f32), np.ones(rows, f32),
+            np.full(rows, -1, np.int64),
+        )  # fmt: skip
+
+    def set_row(self, row: int, params: SamplingParams) -> None:
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+        self.repetition[row] = params.repetition_penalty
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+
+
+class InputBatch:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device
+    ) -> None:
+        self.max_num_reqs, self.block_size, self.device = max_num_reqs, block_size, device
+        self.token_capacity = max_model_len + 1  # room for a token sampled past the limit
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs))
+        self.token_ids = np.zeros((max_num_reqs, self.token_capacity), np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
+        max_blocks = cdiv(self.token_capacity, block_size)
+        self.block_table = torch.zeros((max_num_reqs, max_blocks), dtype=torch.int32)
+        self.block_table_np = self.block_table.numpy()
+        self.num_blocks = np.zeros(max_num_reqs, np.int64)
+        self.sampling = _SamplingColumns.allocate(max_num_reqs)
+        self.generators: dict[int, torch.Generator] = {}
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def add_request(self, data: NewRequestData) -> int:
+        """A new (or resumed) request; its token_ids all count as prompt tokens."""
+        self.remove_request(data.request_id)
+        if not self._free_rows:
+            raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} requests)")
+        num_tokens = len(data.token_ids)
+        if num_tokens > self.token_capacity:
+            raise ValueError(f"request {data.request_id} has {num_tokens} tokens, over the limit")
+        row = heapq.heappop(self._free_rows)
+        self.row_of[data.request_id] = row
+        self.token_ids[row, :num_tokens] = data.token_ids
+        self.num_tokens[row] = self.num_prompt_tokens[row] = num_tokens
+        self.num_computed_tokens[row] = data.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_block_ids(row, data.block_ids)
+        self.sampling.set_row(row, data.sampling)
+        if data.sampling.seed is not None:
+            generator = torch.Generator(device=self.device)
+            self.generators[row] = generator.manual_seed(data.sampling.seed)
+        return row
+
+    def remove_request(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.generators.pop(row, None)
+            heapq.heappush(self._free_rows, row)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        self.block_table_np[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one sampled token to each row (dropped where a row is already full)."""
+        positions = self.num_tokens[rows]
+        fits = positions < self.token_capacity
+        self.token_ids[rows[fits], positions[fits]] = token_ids[fits]
+        self.num_tokens[rows[fits]] += 1
+
+    def sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
+        """Settings of the given rows, in order, as device tensors."""
+        cols = self.sampling
+        temperature = cols.temperature[rows]
+        greedy = temperature < GREEDY_TEMPERATURE
+        num_logprobs = cols.num_logprobs[rows].tolist()
+        metadata = SamplingMetadata(
+            temperature=self._to_device(np.where(greedy, 1.0, temperature).astype(np.float32)),
+            greedy=self._to_device(greedy),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            penalties=self._penalties(rows, vocab_size),
+            num_logprobs=[None if n < 0 else n for n in num_logprobs],
+        )
+        if not metadata.all_greedy:
+            self._set_filters(metadata, rows, greedy, vocab_size)
+            metadata.generators = {
+                i: self.generators[row]
+                for i, row in enumerate(rows.tolist())
+                if row in self.generators and not greedy[i]
+            }
+        return metadata
+
+    def _set_filters(
+        self, metadata: SamplingMetadata, rows: np.ndarray, greedy: np.ndarray, vocab_size: int
+    ) -> None:
+        top_k = self.sampling.top_k[rows]
+        top_k = np.where((top_k <= 0) | greedy, vocab_size, np.minimum(top_k, vocab_size))
+        if (top_k < vocab_size).any():
+            metadata.top_k = self._to_device(top_k)
+        top_p = np.where(greedy, 1.0, self.sampling.top_p[rows]).astype(np.float32)
+        if (top_p < 1.0).any():
+            metadata.top_p = self._to_device(top_p)
+        min_p = np.where(greedy, 0.0, self.sampling.min_p[rows]).astype(np.float32)
+        if (min_p > 0.0).any():
+            metadata.min_p = self._to_device(min_p)
+
+    def _penalties(self, rows: np.ndarray, vocab_size: int) -> PenaltyState | None:
+        cols = self.sampling
+        presence, frequency = cols.presence[rows], cols.frequency[rows]
+        repetition = cols.repetition[rows]
+        if not (presence.any() or frequency.any() or (repetition != 1.0).any()):
+            return None
+        output_counts, prompt_mask = self._token_histograms(rows, vocab_size)
+        return PenaltyState(
+            presence=self._to_device(presence),
+            frequency=self._to_device(frequency),
+            repetition=self._to_device(repetition),
+            output_counts=output_counts,
+            prompt_mask=prompt_mask,
+        )
+
+    def _token_histograms(
+        self, rows: np.ndarray, vocab_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, vocab] output-token counts (float32) and prompt-token presence (bool)."""
+        num_tokens = self.num_tokens[rows]
+        width = int(num_tokens.max())
+        tokens = self._to_device(self.token_ids[rows, :width]).long()
+        columns = torch.arange(width, device=self.device).unsqueeze(0)
+        prompt_len = self._to_device(self.num_prompt_tokens[rows]).unsqueeze(1)
+        in_prompt = columns < prompt_len
+        in_output = ~in_prompt & (columns < self._to_device(num_tokens).unsqueeze(1))
+        batch = len(rows)
+        counts = torch.zeros(batch, vocab_size + 1, device=self.device)
+        counts.scatter_add_(1, torch.where(in_output, tokens, vocab_size), in_output.float())
+        mask = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=self.device)
+        mask.scatter_(1, torch.where(in_prompt, tokens, vocab_size), True)
+        return counts[:, :vocab_size], mask[:, :vocab_size]
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

@@ -1,0 +1,262 @@
+"""ModelRunner: owns the model shard, the paged KV cache and the persistent batch of a worker.
+
+`execute(plan)` applies the StepPlan's diff to the persistent batch, builds the flattened
+inputs of the scheduled requests (token ids, positions, KV slots, attention metadata), runs the
+model, computes logits only for the last token of each request that samples this step (its
+scheduled tokens reach the end of the tokens the worker knows for it), samples, and appends the
+sampled tokens to the worker's own copy of each request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.actors.messages import NewRequestData, SamplingParams, StepPlan, StepResult
+from pagedserve.actors.worker.input_batch import InputBatch
+from pagedserve.actors.worker.sampler import Sampler, SamplerOutput
+from pagedserve.config import EngineConfig
+from pagedserve.kernels.attention import (
+    AttentionMetadata,
+    build_attention_metadata,
+    cdiv,
+    resolve_attention_backend,
+)
+from pagedserve.models.layers import Attention
+from pagedserve.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+# The most expensive sampling settings, for the memory-profiling step.
+_PROFILE_SAMPLING = SamplingParams(
+    temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.1,
+    frequency_penalty=0.1, repetition_penalty=1.1, logprobs=5,
+)  # fmt: skip
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64, device
+    positions: torch.Tensor  # [num_tokens] int64, device
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling] token rows whose logits are needed
+    sampling_rows: np.ndarray  # [num_sampling] persistent-batch rows of the sampling requests
+    sampling_ids: list[str]
+
+
+def select_device(name: str, rank: int) -> torch.device:
+    if name == "cuda":
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        if config.max_model_len is None:
+            raise ValueError("ModelRunner needs a resolved EngineConfig (call config.resolve())")
+        self.config, self.rank = config, rank
+        self.device = select_device(config.device, rank)
+        self.block_size = config.block_size
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        self.input_batch = InputBatch(
+            config.max_num_seqs, config.max_model_len, config.block_size, self.device
+        )
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.model: nn.Module | None = None
+        self.attention_layers: list[Attention] = []
+        self.kv_cache: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def load_model(self) -> None:
+        self.model = load_model(self.config, self.device)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.dtype = next(self.model.parameters()).dtype
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """[layers, 2 (k, v), num_blocks, block_size, kv_heads_per_rank, head_dim]."""
+        layer = self.attention_layers[0]
+        num_layers = len(self.attention_layers)
+        return (num_layers, 2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+
+    def bytes_per_block(self) -> int:
+        return int(np.prod(self.kv_cache_shape(1))) * self.dtype.itemsize
+
+    def num_kv_blocks(self) -> int:
+        """config.num_kv_blocks if set; else what fits in cpu_kv_cache_gib (CPU) or in
+        gpu_memory_utilization of the GPU after a profiling forward pass (CUDA)."""
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            budget = self._profile_cuda_kv_budget()
+        else:
+            budget = int(self.config.cpu_kv_cache_gib * 2**30)
+        num_blocks = budget // self.bytes_per_block()
+        if num_blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache (budget {budget} bytes)")
+        return num_blocks
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = torch.zeros(
+            self.kv_cache_shape(num_blocks), dtype=self.dtype, device=self.device
+        )
+        self._bind_kv_cache(self.kv_cache)
+
+    def _bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        for layer_index, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = kv_cache[layer_index, 0], kv_cache[layer_index, 1]
+
+    # ------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        self._apply_plan(plan)
+        result = StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
+        if plan.scheduled_ids:
+            self._run_step(plan, result)
+        result.execute_ms = (time.perf_counter() - start) * 1e3
+        return result
+
+    def _run_step(self, plan: StepPlan, result: StepResult) -> None:
+        assert self.model is not None, "load_model() first"
+        inputs = self._prepare_inputs(plan)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if not inputs.sampling_ids:
+            return
+        output = self._sample(hidden, inputs)
+        sampled = output.token_ids.cpu().numpy()
+        self.input_batch.append_sampled(inputs.sampling_rows, sampled)
+        result.request_ids = inputs.sampling_ids
+        result.sampled_token_ids = sampled.tolist()
+        result.logprobs = output.logprobs
+
+    def _apply_plan(self, plan: StepPlan) -> None:
+        batch = self.input_batch
+        for request_id in plan.finished_ids:
+            batch.remove_request(request_id)
+        for new_request in plan.new_requests:
+            batch.add_request(new_request)
+        cached = plan.cached_requests
+        for request_id, block_ids, num_computed in zip(
+            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            row = batch.row_of[request_id]
+            if block_ids:
+                batch.append_block_ids(row, block_ids)
+            batch.num_computed_tokens[row] = num_computed
+
+    def _prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        batch, block_size = self.input_batch, self.block_size
+        rows = np.fromiter((batch.row_of[r] for r in plan.scheduled_ids), np.int64)
+        query_lens = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        if len(query_lens) != len(rows) or (query_lens < 1).any():
+            raise ValueError(f"step {plan.step_id} needs >= 1 token per scheduled request")
+        computed = batch.num_computed_tokens[rows]
+        seq_lens = computed + query_lens
+        self._check_plan(plan, rows, seq_lens)
+        request_of_token = np.repeat(np.arange(len(rows)), query_lens)
+        query_starts = np.cumsum(query_lens) - query_lens
+        offsets = np.arange(len(request_of_token)) - query_starts[request_of_token]
+        positions = computed[request_of_token] + offsets
+        token_rows = rows[request_of_token]
+        input_ids = batch.token_ids[token_rows, positions]
+        blocks = batch.block_table_np[token_rows, positions // block_size].astype(np.int64)
+        slot_mapping = blocks * block_size + positions % block_size
+        width = cdiv(int(seq_lens.max()), block_size)
+        block_tables = batch.block_table[torch.from_numpy(rows), :width]
+        metadata = build_attention_metadata(
+            torch.from_numpy(query_lens), torch.from_numpy(seq_lens), block_tables,
+            torch.from_numpy(slot_mapping), block_size, self.device, self.attention_backend,
+        )  # fmt: skip
+        batch.num_computed_tokens[rows] = seq_lens
+        samples = seq_lens >= batch.num_tokens[rows]
+        logits_indices = (query_starts + query_lens - 1)[samples]
+        return StepInputs(
+            input_ids=self._to_device(input_ids.astype(np.int64)),
+            positions=self._to_device(positions),
+            attn_metadata=metadata,
+            logits_indices=self._to_device(logits_indices),
+            sampling_rows=rows[samples],
+            sampling_ids=[r for r, s in zip(plan.scheduled_ids, samples.tolist()) if s],
+        )
+
+    def _check_plan(self, plan: StepPlan, rows: np.ndarray, seq_lens: np.ndarray) -> None:
+        batch = self.input_batch
+        if (seq_lens > batch.num_tokens[rows]).any():
+            raise ValueError(f"step {plan.step_id} schedules tokens the worker does not know")
+        if (seq_lens > batch.num_blocks[rows] * self.block_size).any():
+            raise ValueError(f"step {plan.step_id} schedules tokens beyond the block tables")
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
+        assert self.model is not None
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        metadata = self.input_batch.sampling_metadata(inputs.sampling_rows, self.vocab_size)
+        return self.sampler(logits, metadata)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    # ------------------------------------------------------------------ memory profiling
+
+    def _profile_cuda_kv_budget(self) -> int:
+        """Bytes for the KV cache: gpu_memory_utilization of the device, minus what is in use
+        now (weights, other processes) and the peak of a worst-case step's activations."""
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run()
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        torch.cuda.empty_cache()
+        return int(total * self.config.gpu_memory_utilization) - (total - free) - activation_peak
+
+    def profile_run(self) -> None:
+        """One step at the token budget through the real path: the longest prefill that fits,
+        plus one-token requests up to max_num_seqs, all sampling with every filter on."""
+        config = self.config
+        assert config.max_model_len is not None
+        budget = config.max_num_batched_tokens
+        num_requests = min(config.max_num_seqs, budget)
+        lengths = [min(config.max_model_len, budget - num_requests + 1)] + [1] * (num_requests - 1)
+        plan, num_blocks = self._profile_plan(lengths)
+        self._bind_kv_cache(torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.dtype,
+                                        device=self.device))  # fmt: skip
+        try:
+            self.execute(plan)
+        finally:
+            for request in plan.new_requests:
+                self.input_batch.remove_request(request.request_id)
+            if self.kv_cache is not None:
+                self._bind_kv_cache(self.kv_cache)
+            self.sampler.generator = torch.Generator(device=self.device)
+            self.sampler.generator.manual_seed(config.seed)
+
+    def _profile_plan(self, lengths: list[int]) -> tuple[StepPlan, int]:
+        requests, next_block = [], 0
+        for index, length in enumerate(lengths):
+            num_blocks = cdiv(length, self.block_size)
+            block_ids = list(range(next_block, next_block + num_blocks))
+            next_block += num_blocks
+            tokens = [index % self.vocab_size] * length
+            requests.append(
+                NewRequestData(f"profile-{index}", tokens, _PROFILE_SAMPLING, block_ids, 0)
+            )
+        plan = StepPlan(
+            step_id=-1,
+            new_requests=requests,
+            scheduled_ids=[r.request_id for r in requests],
+            num_scheduled_tokens=lengths,
+        )
+        return plan, next_block

@@ -1,0 +1,175 @@
+"""Token sampling, vectorised over the batch (vLLM V1 semantics).
+
+Order: raw log-softmax (for the logprobs, before anything else) -> penalties (repetition over
+prompt + output, frequency/presence over the output) -> greedy argmax for rows with temperature
+< 1e-5 -> temperature -> top-k / top-p -> softmax -> min-p -> an exponential race
+argmax(p / q), q ~ Exp(1), which samples from p. A seeded request draws its q row from its own
+torch.Generator, so its tokens do not depend on which other requests share the batch; the other
+rows share the runner's generator (seeded from EngineConfig.seed, so tensor-parallel ranks agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.actors.messages import TokenLogprobs
+
+# q ~ Exp(1) can be exactly 0 on some backends; p / 0 would pick a zero-probability token.
+_MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class PenaltyState:
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    repetition: torch.Tensor  # [B] float32 (1.0: off)
+    output_counts: torch.Tensor  # [B, vocab] float32: occurrences in the output so far
+    prompt_mask: torch.Tensor  # [B, vocab] bool: token occurs in the prompt
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings of one step; optional parts are None when no row uses them."""
+
+    temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None = None  # [B] int64; >= vocab on rows without top-k
+    top_p: torch.Tensor | None = None  # [B] float32; 1.0 on rows without top-p
+    min_p: torch.Tensor | None = None  # [B] float32
+    penalties: PenaltyState | None = None
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> own generator
+    num_logprobs: list[int | None] = field(default_factory=list)  # per row; None: not asked
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return any(n is not None for n in self.num_logprobs)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: list[TokenLogprobs | None] | None
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator  # shared by the rows without a seed
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits: [B, vocab] (any float dtype; computed in float32)."""
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.wants_logprobs else None
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
+        token_ids = self._sample(logits, metadata)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, token_ids, metadata.num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            assert greedy_ids is not None
+            return greedy_ids
+        logits = logits / metadata.temperature.unsqueeze(1)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)
+        if metadata.min_p is not None:
+            probs = apply_min_p(probs, metadata.min_p)
+        sampled = exponential_race(probs, metadata.generators, self.generator)
+        if greedy_ids is None:
+            return sampled
+        return torch.where(metadata.greedy, greedy_ids, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyState) -> torch.Tensor:
+    """Repetition (divide positive / multiply negative logits of seen tokens), then
+    logits -= frequency * count + presence * [count > 0] over the output tokens."""
+    in_output = penalties.output_counts > 0
+    seen = in_output | penalties.prompt_mask
+    repetition = penalties.repetition.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - penalties.frequency.unsqueeze(1) * penalties.output_counts
+    return logits - penalties.presence.unsqueeze(1) * in_output
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (-inf) logits outside each row's top-k / top-p nucleus. Only top-p sorts the
+    whole vocabulary; top-k alone uses torch.topk up to the largest k in the batch."""
+    if top_p is None:
+        return logits if top_k is None else apply_top_k_only(logits, top_k)
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth_index = (logits.shape[1] - top_k.clamp(1, logits.shape[1])).unsqueeze(1)
+        kth = sorted_logits.gather(1, kth_index)
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cumulative <= (1.0 - top_p).unsqueeze(1)
+    outside[:, -1] = False  # the most likely token always stays
+    sorted_logits.masked_fill_(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    enabled = (top_k > 0) & (top_k < vocab_size)
+    if not bool(enabled.any()):
+        return logits
+    k = torch.where(enabled, top_k, 1)
+    max_k = int(k.max())
+    top_values = logits.topk(max_k, dim=-1).values
+    kth = top_values.gather(1, (k - 1).unsqueeze(1))
+    kth = torch.where(enabled.unsqueeze(1), kth, float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens whose probability is below min_p * (the row's top probability)."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    shared_generator: torch.Generator | None,
+) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exp(1) per entry: a sample from each row of probs."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_(generator=shared_generator)
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    noise.clamp_(min=_MIN_EXPONENTIAL)
+    return probs.div(noise).argmax(dim=-1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
+) -> list[TokenLogprobs | None]:
+    """The sampled token's logprob and rank (1 = most likely; ties rank below) and the top-n."""
+    rows = [i for i, n in enumerate(num_logprobs) if n is not None]
+    index = torch.tensor(rows, device=logprobs.device)
+    row_logprobs, row_tokens = logprobs.index_select(0, index), token_ids.index_select(0, index)
+    token_logprobs = row_logprobs.gather(1, row_tokens.unsqueeze(1))
+    ranks = (row_logprobs >= token_logprobs).sum(dim=-1)
+    max_n = max(num_logprobs[i] or 0 for i in rows)
+    values: list[list[float]] = [[] for _ in rows]
+    ids: list[list[int]] = [[] for _ in rows]
+    if max_n:
+        top_values, top_ids = row_logprobs.topk(max_n, dim=-1)
+        values, ids = top_values.tolist(), top_ids.tolist()
+    token_list, logprob_list = row_tokens.tolist(), token_logprobs.squeeze(1).tolist()
+    out: list[TokenLogprobs | None] = [None] * len(num_logprobs)
+    for j, (row, rank) in enumerate(zip(rows, ranks.tolist())):
+        n = num_logprobs[row] or 0
+        out[row] = TokenLogprobs(token_list[j], logprob_list[j], rank, ids[j][:n], values[j][:n])
+    return out

@@ -1,0 +1,161 @@
+"""Llama (2, 3, 3.1 rope scaling) and Mistral, written against the shared layer set.
+
+The decoder pieces here are reused by the other architectures: a model subclass swaps the
+attention class (`attention_cls`) or overrides one of its small hooks (biases, q/k norm).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.models.layers import (
+    Attention,
+    LMHead,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabEmbedding,
+    get_rope,
+)
+
+
+def model_head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict) from transformers 5 `rope_parameters` or the older fields."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = dict(params or {})
+    theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
+    return float(theta), params or None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.head_dim = head_dim = model_head_dim(config)
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, num_heads, num_kv_heads, bias=self.qkv_bias(config)
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim, config.hidden_size, bias=self.o_proj_bias(config)
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
+
+    def qkv_bias(self, config: PretrainedConfig) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    def o_proj_bias(self, config: PretrainedConfig) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook on q [T, heads, dim] and k [T, kv_heads, dim] before rotary (Qwen3: RMSNorm)."""
+        return q, k
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.normalize_qk(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
+        bias = bool(getattr(config, "mlp_bias", False))
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attention_cls) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    # HF checkpoint name -> (fused parameter's module name, shard id for its weight_loader)
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_cls)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,146 @@
+"""Build a model from a Hugging Face config.json and fill its weights.
+
+Weights come from `model.safetensors`, a sharded `model.safetensors.index.json`, or any
+`*.safetensors` in the directory; or, with `load_format='dummy'`, from a seeded normal
+distribution (benchmarks). HF names map onto the fused parameters through each model's
+`packed_modules_mapping` (q/k/v -> qkv_proj, gate/up -> gate_up_proj); each parameter's
+`weight_loader` slices its tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from pagedserve.config import EngineConfig
+from pagedserve.models.layers import default_weight_loader
+from pagedserve.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DUMMY_WEIGHT_STD = 0.02
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_config(model_path: str) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(model_path)
+
+
+def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """'auto': float32 off CUDA; on CUDA bfloat16, unless the checkpoint says float16."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected auto or one of {list(_DTYPES)}")
+        return _DTYPES[dtype]
+    if device.type != "cuda":
+        return torch.float32
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return torch.float16 if saved in (torch.float16, "float16") else torch.bfloat16
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The architecture's model with uninitialised parameters of `dtype` on `device`."""
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        logger.warning("sliding_window=%s is ignored: attention is full over the context", window)
+    with default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config)
+    return model.eval()
+
+
+def load_model(config: EngineConfig, device: torch.device) -> nn.Module:
+    hf_config = load_hf_config(config.model_path)
+    model = build_model(hf_config, resolve_dtype(config.dtype, hf_config, device), device)
+    with torch.no_grad():
+        if config.load_format == "dummy":
+            init_dummy_weights(model, config.seed)
+        else:
+            load_weights(model, iterate_safetensors(config.model_path))
+    return model
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    index_path = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(model_path, name) for name in sorted(set(weight_map.values()))]
+    single = os.path.join(model_path, "model.safetensors")
+    files = [single] if os.path.exists(single) else sorted(glob.glob(f"{model_path}/*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_path}")
+    return files
+
+
+def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def _target_name(
+    name: str, mapping: dict[str, tuple[str, str | int]]
+) -> tuple[str, str | int | None]:
+    for hf_part, (fused_part, shard_id) in mapping.items():
+        if f".{hf_part}." in name:
+            return name.replace(f".{hf_part}.", f".{fused_part}."), shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model; every parameter must be filled exactly."""
+    params = dict(model.named_parameters())
+    mapping = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        target, shard_id = _target_name(name, mapping)
+        if target not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+        param = params[target]
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        if shard_id is None:
+            weight_loader(param, tensor)
+        else:
+            weight_loader(param, tensor, shard_id)
+        loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise KeyError(f"parameters missing from the checkpoint: {missing}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Deterministic random weights: N(0, 0.02) matrices, unit norms, zero biases."""
+    generator: torch.Generator | None = None
+    for name, param in model.named_parameters():
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.data.zero_()
+        else:
+            param.data.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)

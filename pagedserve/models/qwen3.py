@@ -1,0 +1,24 @@
+"""Qwen3 (dense): the Llama decoder with a per-head RMSNorm on q and k before rotary, no bias
+by default (`attention_bias`), and head_dim read from the config."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from pagedserve.models.layers import RMSNorm
+from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention

@@ -1,0 +1,30 @@
+"""Hugging Face `architectures` name -> pagedserve model class (imported on first use)."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    """The class for the first supported name in a config's `architectures` list."""
+    for name in architectures or []:
+        if name in _MODELS:
+            module_name, class_name = _MODELS[name]
+            module = importlib.import_module(f"pagedserve.models.{module_name}")
+            return getattr(module, class_name)
+    raise ValueError(
+        f"unsupported architectures {architectures}; supported: {supported_architectures()}"
+    )

@@ -1,0 +1,182 @@
+"""Sampler: greedy, filters restrict the support, seeded determinism, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.actors.messages import NewRequestData, SamplingParams
+from pagedserve.actors.worker.input_batch import InputBatch
+from pagedserve.actors.worker.sampler import (
+    PenaltyState,
+    Sampler,
+    SamplingMetadata,
+    apply_penalties,
+)
+
+VOCAB = 50
+CPU = torch.device("cpu")
+
+
+def make_batch(params: list[SamplingParams], prompts: list[list[int]] | None = None) -> InputBatch:
+    batch = InputBatch(
+        max_num_reqs=max(8, len(params)), max_model_len=64, block_size=16, device=CPU
+    )
+    for i, p in enumerate(params):
+        prompt = prompts[i] if prompts else [1, 2, 3]
+        batch.add_request(NewRequestData(f"r{i}", prompt, p, [i], 0))
+    return batch
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], seed: int = 0
+) -> tuple[list[int], InputBatch]:
+    batch = make_batch(params)
+    rows = np.arange(len(params))
+    metadata = batch.sampling_metadata(rows, logits.shape[1])
+    out = Sampler(torch.Generator().manual_seed(seed))(logits, metadata)
+    return out.token_ids.tolist(), batch
+
+
+def peaked_logits(rows: int, probs: list[float]) -> torch.Tensor:
+    """Rows of log(probs) padded with near-impossible tokens up to VOCAB."""
+    logits = torch.full((rows, VOCAB), -30.0)
+    logits[:, : len(probs)] = torch.tensor(probs).log()
+    return logits
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    tokens, _ = sample(logits, [SamplingParams(temperature=0.0)] * 6)
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_mixed_greedy_and_random_rows() -> None:
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    tokens, _ = sample(logits, params)
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+PROBS = [0.45, 0.3, 0.15, 0.06, 0.04]
+
+
+@pytest.mark.parametrize(
+    "params,support",
+    [
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_p=0.7), {0, 1}),  # 0.45 + 0.3 >= 0.7: the nucleus is two tokens
+        (SamplingParams(top_p=0.8), {0, 1, 2}),
+        (SamplingParams(min_p=0.3), {0, 1, 2}),  # threshold 0.135
+        (SamplingParams(min_p=0.5), {0, 1}),
+        (SamplingParams(top_k=3, top_p=0.6), {0, 1}),  # top-p after top-k renormalises
+        (SamplingParams(), {0, 1, 2, 3, 4}),
+    ],
+)
+def test_filters_restrict_support(params: SamplingParams, support: set[int]) -> None:
+    rows = 3000
+    tokens, _ = sample(peaked_logits(rows, PROBS), [params] * rows)
+    assert set(tokens) == support
+
+
+def test_top_k_rows_differ_within_a_batch() -> None:
+    params = [SamplingParams(top_k=1), SamplingParams(), SamplingParams(top_k=2)] * 500
+    tokens, _ = sample(peaked_logits(len(params), PROBS), params)
+    assert set(tokens[0::3]) == {0}
+    assert set(tokens[1::3]) == {0, 1, 2, 3, 4}
+    assert set(tokens[2::3]) == {0, 1}
+
+
+def test_sampling_frequencies_follow_probabilities() -> None:
+    rows = 20000
+    tokens, _ = sample(peaked_logits(rows, PROBS), [SamplingParams(temperature=1.0)] * rows)
+    frequencies = np.bincount(tokens, minlength=VOCAB)[: len(PROBS)] / rows
+    np.testing.assert_allclose(frequencies, PROBS, atol=0.015)
+
+
+def test_seeded_request_ignores_batch_composition() -> None:
+    """A seeded request draws from its own generator: same tokens alone or in any batch."""
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2))
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+
+    def run(params: list[SamplingParams], row: int, shared_seed: int) -> list[int]:
+        batch = make_batch(params)
+        sampler = Sampler(torch.Generator().manual_seed(shared_seed))
+        rows = np.arange(len(params))
+        steps = []
+        for _ in range(20):  # the request's generator advances step after step
+            metadata = batch.sampling_metadata(rows, VOCAB)
+            steps.append(sampler(logits.expand(len(params), -1), metadata).token_ids[row].item())
+        return steps
+
+    alone = run([seeded], 0, shared_seed=0)
+    others = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, seed=5)]
+    crowded = run(others + [seeded] + others, 2, shared_seed=99)
+    assert alone == crowded
+    assert len(set(alone)) > 1  # it does sample
+    assert run([SamplingParams(temperature=1.0, seed=4321)], 0, 0) != alone
+
+
+def test_penalties_formula() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, -1.0]])
+    counts = torch.tensor([[2.0, 1.0, 0.0, 0.0, 0.0]])
+    prompt = torch.tensor([[False, False, True, False, False]])
+    one = torch.ones(1)
+    state = PenaltyState(0.5 * one, 0.25 * one, 2.0 * one, counts, prompt)
+    expected = [2.0 / 2 - 0.25 * 2 - 0.5, -2.0 * 2 - 0.25 - 0.5, 1.0 / 2, 0.5, -1.0]
+    assert apply_penalties(logits, state).tolist() == [expected]
+
+
+def test_penalty_histograms_split_prompt_and_output() -> None:
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0)
+    batch = make_batch([params, SamplingParams()], prompts=[[3, 4, 3], [5]])
+    batch.append_sampled(np.array([0, 1]), np.array([7, 8]))
+    batch.append_sampled(np.array([0]), np.array([7]))
+    metadata = batch.sampling_metadata(np.array([0, 1]), 10)
+    penalties = metadata.penalties
+    assert penalties is not None
+    assert penalties.output_counts[0].tolist() == [0, 0, 0, 0, 0, 0, 0, 2, 0, 0]
+    assert penalties.output_counts[1].tolist() == [0, 0, 0, 0, 0, 0, 0, 0, 1, 0]
+    assert penalties.prompt_mask[0].nonzero().squeeze(1).tolist() == [3, 4]
+    assert penalties.repetition.tolist() == [2.0, 1.0] and penalties.frequency.tolist() == [1, 0]
+
+
+def test_penalties_change_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0] + [-5.0] * (VOCAB - 3)])
+    params = SamplingParams(temperature=0.0, presence_penalty=0.5)
+    batch = make_batch([params], prompts=[[1]])
+    batch.append_sampled(np.array([0]), np.array([0]))  # token 0 was already generated
+    metadata = batch.sampling_metadata(np.array([0]), VOCAB)
+    assert Sampler()(logits, metadata).token_ids.tolist() == [1]
+
+
+def test_logprobs_from_raw_logits_with_ranks() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0] + [-10.0] * (VOCAB - 5)] * 3)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0),
+        SamplingParams(temperature=0.5, top_k=1, logprobs=0),
+        SamplingParams(temperature=0.0),
+    ]
+    batch = make_batch(params, prompts=[[1], [1], [1]])
+    metadata = batch.sampling_metadata(np.arange(3), VOCAB)
+    out = Sampler()(logits, metadata)
+    raw = torch.log_softmax(logits[0], -1)
+    assert out.logprobs is not None and out.logprobs[2] is None
+    first, second = out.logprobs[0], out.logprobs[1]
+    assert first is not None and second is not None
+    assert first.token_id == 2 and first.rank == 2  # the penalty moved greedy off token 1
+    assert math.isclose(first.logprob, raw[2].item(), rel_tol=1e-6)  # raw, not penalised
+    assert first.top_token_ids == [1, 2, 0]
+    np.testing.assert_allclose(first.top_logprobs, raw[[1, 2, 0]].numpy(), rtol=1e-6)
+    assert (second.token_id, second.rank, second.top_token_ids) == (1, 1, [])
+
+
+def test_metadata_skips_unused_filters() -> None:
+    batch = make_batch([SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)])
+    metadata = batch.sampling_metadata(np.arange(2), VOCAB)
+    assert isinstance(metadata, SamplingMetadata)
+    assert metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
+    assert metadata.penalties is None and not metadata.wants_logprobs
