@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from tests.tiny_models import hf_greedy, random_prompts, save_tiny_model
+from tests.tiny_models import hf_greedy, pick_stop_string, random_prompts, save_tiny_model
 
 PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 50, 90]  # inside a block, on a block edge, several blocks
 NEW_TOKENS = 32
@@ -92,8 +92,7 @@ def test_stop_strings_eos_and_max_tokens(llama_engine: LLM) -> None:
     free = llama_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0]
     text = free.outputs[0].text
     assert len(free.outputs[0].token_ids) == 24 and free.outputs[0].finish_reason == "length"
-    stop = text[5:8]
-    assert stop and stop not in text[:5]
+    stop = pick_stop_string(text)
     stopped = llama_engine.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=24, stop=[stop])
     )[0].outputs[0]

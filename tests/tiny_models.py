@@ -98,3 +98,13 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[
         for step_logits, t in zip(out.logits, tokens)
     ]
     return tokens, logprobs
+
+
+def pick_stop_string(text: str, length: int = 3) -> str:
+    """A substring of `text` (past its start) whose first occurrence is where we take it, with
+    no replacement characters: text before it is exactly what a stop at it must leave."""
+    for start in range(3, len(text) - length):
+        candidate = text[start : start + length]
+        if "\ufffd" not in candidate and candidate.strip() and text.index(candidate) == start:
+            return candidate
+    raise AssertionError(f"no usable stop string in {text!r}")

@@ -188,8 +188,12 @@ class AsyncClient:
             if message is None:
                 continue
             stream = self._streams.get(message.request_id)
-            if stream is not None:
-                await stream.send(message)
+            if stream is None:
+                continue
+            try:
+                stream.send_nowait(message)  # the buffer is unbounded in practice
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass  # its consumer left (an abort is on its way)
 
     async def _open(self, request_id: str) -> anyio.abc.ObjectReceiveStream:
         send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=1 << 20)

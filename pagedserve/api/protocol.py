@@ -79,7 +79,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str | int | list[int]]  # text, texts, token ids, or lists of ids
     logprobs: int | None = None
     echo: bool = False
 
@@ -91,7 +91,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             raise ValueError("prompt must not be empty")
         if all(isinstance(t, int) for t in p):
             return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        if all(isinstance(t, str) for t in p) or all(isinstance(t, list) for t in p):
+            return list(p)  # type: ignore[arg-type]
+        raise ValueError("prompt must be a string, a list of strings, token ids or id lists")
 
     def to_sampling(self) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

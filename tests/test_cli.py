@@ -1,0 +1,68 @@
+"""The command line as a user runs it: the embedded model out of the box, and clean stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx2 as httpx
+import psutil
+import pytest
+
+from tests.test_openai_server import free_port
+
+PAGEDSERVE = [sys.executable, "-m", "pagedserve.api.cli"]
+
+
+def test_generate_with_the_embedded_model_writes_english(tmp_path) -> None:
+    result = subprocess.run(
+        [*PAGEDSERVE, "generate", "ROMEO:", "--max-tokens", "40", "--temperature", "0",
+         "--sampling-seed", "0"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text = result.stdout.split("-" * 40)[0]
+    assert text.startswith("ROMEO:")
+    words = text.split()
+    assert len(words) >= 10
+    common = {"the", "and", "i", "to", "of", "a", "my", "you", "that", "is", "not", "me", "in"}
+    assert sum(w.lower().strip(",.;:!?'") in common for w in words) >= 3, text
+    assert os.listdir(tmp_path) == []  # the run directory and its sockets are gone
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_stops_cleanly_on_ctrl_c_and_sigterm(tmp_path, sig: signal.Signals) -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [*PAGEDSERVE, "serve", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": "JULIET:", "max_tokens": 8},
+            timeout=60,
+        )
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+        children = psutil.Process(server.pid).children(recursive=True)
+        assert len(children) >= 4  # worker, scheduler, tokenizer, api server
+        assert os.listdir(tmp_path)  # the run directory with its ipc sockets
+        server.send_signal(sig)
+        assert server.wait(timeout=30) in (0, 128 + sig, -sig, 130)
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == []
+        assert os.listdir(tmp_path) == []
+    finally:
+        if server.poll() is None:
+            server.kill()
