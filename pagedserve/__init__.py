@@ -1,9 +1,34 @@
-"""pagedserve: a small, fast LLM inference and serving engine."""
+"""pagedserve: a small, fast LLM inference and serving engine.
 
-from pagedserve.actors.messages import SamplingParams
-from pagedserve.api.llm import LLM
-from pagedserve.config import EngineConfig
-from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+Names are imported lazily so that actor processes, which import submodules only, start fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedserve.actors.messages import SamplingParams
+    from pagedserve.api.llm import LLM
+    from pagedserve.config import EngineConfig
+    from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
+
+_HOMES = {
+    "LLM": "pagedserve.api.llm",
+    "SamplingParams": "pagedserve.actors.messages",
+    "EngineConfig": "pagedserve.config",
+    "RequestOutput": "pagedserve.outputs",
+    "CompletionOutput": "pagedserve.outputs",
+    "Logprob": "pagedserve.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

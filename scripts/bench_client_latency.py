@@ -22,7 +22,6 @@ import openai
 from pagedserve import SamplingParams
 from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import Client
-from pagedserve.api.openai_server import APIServerActor
 from pagedserve.config import DEFAULT_MODEL, EngineConfig, ServerConfig
 
 RESULTS = Path(__file__).parent / "results" / "client_latency.md"
@@ -93,7 +92,7 @@ def main() -> None:
         model=args.model, server=ServerConfig(port=port, served_model_name="bench")
     )
     supervisor = Supervisor(config)
-    supervisor.start(extra_actors=(APIServerActor,))
+    supervisor.start(extra_actors=("api-server",))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [f"ROMEO: speak, number {i}" for i in range(args.requests)]
     try:

@@ -15,7 +15,6 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import AsyncClient, Client
-from pagedserve.api.openai_server import APIServerActor
 from pagedserve.config import EngineConfig, ServerConfig
 from tests.tiny_models import pick_stop_string, save_tiny_model
 
@@ -44,7 +43,7 @@ def server(model_path: Path):
         server=ServerConfig(port=port, served_model_name=MODEL_NAME),
     )
     supervisor = Supervisor(config)
-    supervisor.start(extra_actors=(APIServerActor,))
+    supervisor.start(extra_actors=("api-server",))
     try:
         yield supervisor, f"http://127.0.0.1:{port}"
     finally:
@@ -260,7 +259,7 @@ def test_api_key_is_enforced(model_path: Path) -> None:
         model=str(model_path), num_kv_blocks=32, server=ServerConfig(port=port, api_key="sekrit")
     )
     supervisor = Supervisor(config)
-    supervisor.start(extra_actors=(APIServerActor,))
+    supervisor.start(extra_actors=("api-server",))
     try:
         base = f"http://127.0.0.1:{port}/v1"
         with pytest.raises(openai.AuthenticationError):

@@ -10,9 +10,8 @@ dies and marks the engine dead, so clients fail fast instead of hanging.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.process
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -21,8 +20,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from pagedserve.actors import bus
-from pagedserve.actors.actor import Actor, run_actor_process
+from pagedserve.actors import bus, launch
 from pagedserve.actors.messages import ActorFailed, ActorReady, SupervisorInbound
 from pagedserve.config import EngineConfig, encode_config
 
@@ -41,7 +39,7 @@ class Supervisor:
         self.config = config.resolve()
         self.run_dir = tempfile.mkdtemp(prefix="pagedserve-", dir=config.run_dir)
         self.addresses = bus.Addresses(self.run_dir)
-        self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.processes: dict[str, subprocess.Popen] = {}
         self.num_kv_blocks = 0
         self.dead_reason: str | None = None
         self.on_death: list[Callable[[str], None]] = []
@@ -53,19 +51,17 @@ class Supervisor:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
 
-    def start(self, extra_actors: tuple[type[Actor], ...] = ()) -> None:
-        from pagedserve.actors.scheduler.actor import SchedulerActor
-        from pagedserve.actors.tokenizer import TokenizerActor
-        from pagedserve.actors.worker.actor import WorkerActor
-
+    def start(self, extra_actors: tuple[str, ...] = ()) -> None:
+        """Start the engine; `extra_actors` names more actors (see launch.ACTORS), e.g. the
+        HTTP server."""
         try:
             for rank in range(self.config.tensor_parallel_size):
-                self._spawn(WorkerActor, self.config, rank)
+                self._spawn("worker", self.config, rank)
             readies = self._wait_ready(self.config.tensor_parallel_size)
             self.num_kv_blocks = min(r.num_kv_blocks for r in readies)
             sized = msgspec.structs.replace(self.config, num_kv_blocks=self.num_kv_blocks)
-            for actor_cls in (SchedulerActor, TokenizerActor, *extra_actors):
-                self._spawn(actor_cls, sized, 0)
+            for name in ("scheduler", "tokenizer", *extra_actors):
+                self._spawn(name, sized, 0)
             self._wait_ready(2 + len(extra_actors))
         except BaseException:
             self.stop()
@@ -73,16 +69,12 @@ class Supervisor:
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="supervisor-watch")
         self._watcher.start()
 
-    def _spawn(self, actor_cls: type[Actor], config: EngineConfig, rank: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        label = actor_cls.name if rank == 0 else f"{actor_cls.name}-{rank}"
-        process = ctx.Process(
-            target=run_actor_process,
-            args=(actor_cls, encode_config(config), self.addresses, rank),
-            name=f"pagedserve-{label}",
-            daemon=False,
-        )
-        process.start()
+    def _spawn(self, name: str, config: EngineConfig, rank: int) -> None:
+        label = name if rank == 0 else f"{name}-{rank}"
+        process = subprocess.Popen(launch.command(name, rank, self.run_dir), stdin=subprocess.PIPE)
+        assert process.stdin is not None
+        process.stdin.write(encode_config(config))
+        process.stdin.close()
         self.processes[label] = process
 
     def _wait_ready(self, count: int) -> list[ActorReady]:
@@ -104,14 +96,14 @@ class Supervisor:
 
     def _raise_if_any_died(self) -> None:
         for label, process in self.processes.items():
-            if process.exitcode is not None:
-                raise EngineDeadError(f"{label} exited with code {process.exitcode}")
+            if process.poll() is not None:
+                raise EngineDeadError(f"{label} exited with code {process.returncode}")
 
     def _watch(self) -> None:
         while not self._stopping.wait(0.5):
             for label, process in self.processes.items():
-                if process.exitcode is not None and not self._stopping.is_set():
-                    self._mark_dead(f"{label} died with exit code {process.exitcode}")
+                if process.poll() is not None and not self._stopping.is_set():
+                    self._mark_dead(f"{label} died with exit code {process.returncode}")
                     return
 
     def _mark_dead(self, reason: str) -> None:
@@ -126,14 +118,15 @@ class Supervisor:
             return
         self._stopping.set()
         for process in self.processes.values():
-            if process.exitcode is None:
+            if process.poll() is None:
                 process.terminate()
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for process in self.processes.values():
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.exitcode is None:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 process.kill()
-                process.join()
+                process.wait()
         self._inbox.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)

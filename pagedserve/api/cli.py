@@ -84,7 +84,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.actors.supervisor import Supervisor
-    from pagedserve.api.openai_server import APIServerActor
     from pagedserve.config import EngineConfig, ServerConfig
 
     server = ServerConfig(
@@ -95,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     config = EngineConfig(model=args.model_arg or args.model, server=server, **engine_kwargs(args))
     supervisor = Supervisor(config)
-    supervisor.start(extra_actors=(APIServerActor,))
+    supervisor.start(extra_actors=("api-server",))
     name = args.served_model_name or config.model
     print(
         f"pagedserve: serving {name} on http://{args.host}:{args.port}/v1 "

@@ -1,0 +1,41 @@
+"""Entry point of every actor process:
+
+    python -m pagedserve.actors.launch NAME RANK RUN_DIR   < encoded EngineConfig
+
+Actors start as fresh interpreters rather than through multiprocessing, so a user's script is
+never re-imported in them (no `if __name__ == "__main__"` needed) and nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from pagedserve.actors import bus
+from pagedserve.actors.actor import Actor, run_actor_process
+
+ACTORS = {
+    "worker": ("pagedserve.actors.worker.actor", "WorkerActor"),
+    "scheduler": ("pagedserve.actors.scheduler.actor", "SchedulerActor"),
+    "tokenizer": ("pagedserve.actors.tokenizer", "TokenizerActor"),
+    "api-server": ("pagedserve.api.openai_server", "APIServerActor"),
+}
+
+
+def actor_class(name: str) -> type[Actor]:
+    module, attribute = ACTORS[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def command(name: str, rank: int, run_dir: str) -> list[str]:
+    return [sys.executable, "-m", "pagedserve.actors.launch", name, str(rank), run_dir]
+
+
+def main() -> None:
+    name, rank, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    config_bytes = sys.stdin.buffer.read()
+    run_actor_process(actor_class(name), config_bytes, bus.Addresses(run_dir), rank)
+
+
+if __name__ == "__main__":
+    main()
