@@ -1,0 +1,160 @@
+"""The issue's GPU workloads W1-W3 and start-up time, pagedserve and transformers in the same run
+(bf16, dummy weights from the real configs in scripts/gpu/configs). One markdown table per
+workload, written to --out.
+
+    python scripts/gpu/bench_workloads.py --out FILE [--only W1 W3] [--hf-prompts 64]
+
+W1 offline: Qwen3-0.6B, 256 requests, input and output lengths U[100, 1024].
+W2 offline: Llama-3.1-8B, 1000 requests, input U[100, 300], output U[80, 280].
+   (per request: input length, output length, then the prompt ids, from random.Random(0))
+W3 latency: batch 1, 128-token prompt, 256 output tokens, time per output token.
+Start-up: from LLM(...) to the first request accepted (Qwen3-0.6B dummy, CUDA graphs on).
+transformers runs only the first --hf-prompts requests of W1/W2 (it needs minutes where
+pagedserve needs seconds); its tok/s are over the tokens it was asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from pagedserve.api import bench  # noqa: E402
+from pagedserve.config import read_hf_config  # noqa: E402
+
+CONFIGS = ROOT / "scripts" / "gpu" / "configs"
+QWEN = str(CONFIGS / "qwen3-0.6b")
+LLAMA = str(CONFIGS / "llama-3.1-8b")
+WORKLOADS = {
+    "W1": (QWEN, 256, (100, 1024), (100, 1024)),
+    "W2": (LLAMA, 1000, (100, 300), (80, 280)),
+}
+
+
+def engine_args(model: str, **extra) -> dict:
+    return dict(
+        model=model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=4096,
+        device="cuda",
+        **extra,
+    )
+
+
+def free_gpu() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def offline(name: str, hf_prompts: int, args: argparse.Namespace) -> list[str]:
+    model, num, input_len, output_len = WORKLOADS[name]
+    vocab = int(read_hf_config(model)["vocab_size"])
+    workload = bench.random_workload(num, input_len, output_len, vocab, seed=0)
+    rows = [bench.run_pagedserve(workload, engine_args(model, max_num_seqs=args.max_num_seqs))]
+    free_gpu()
+    if hf_prompts:
+        subset = workload[:hf_prompts]
+        hf = bench.load_hf_model(model, "dummy", "bfloat16", "cuda", "sdpa")
+        rows.append(bench.run_hf_static(subset, hf, batch_size=hf_prompts))
+        if args.hf_cb:
+            try:
+                cb = bench.load_hf_model(model, "dummy", "bfloat16", "cuda", "paged|sdpa")
+                rows.append(bench.run_hf_continuous(subset, cb, max_batch_tokens=8192))
+                del cb
+            except Exception:
+                traceback.print_exc()
+        del hf
+        free_gpu()
+    lines = [
+        f"### {name}: {Path(model).name}, {num} requests, input U{input_len}, "
+        f"output U{output_len}\n",
+        "| engine | requests | wall s | output tok/s | req/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.backend} | {r.num_requests} | {r.elapsed_s:.2f} | "
+            f"{r.output_tok_s:,.0f} | {r.req_s:.2f} |"
+        )
+    ours = rows[0].output_tok_s
+    for r in rows[1:]:
+        lines.append(f"\npagedserve / {r.backend} = {ours / r.output_tok_s:.1f}x (output tok/s)")
+    print(json.dumps([r.row() for r in rows]), flush=True)
+    return lines
+
+
+def latency(args: argparse.Namespace) -> list[str]:
+    lines = [
+        "### W3: batch 1, 128-token prompt, 256 output tokens\n",
+        "| model | engine | time per output token ms |",
+        "|---|---|---:|",
+    ]
+    for model in (QWEN, LLAMA):
+        ours = bench.latency_pagedserve(engine_args(model, max_num_seqs=8), 128, 256, iters=3)
+        free_gpu()
+        lines.append(f"| {Path(model).name} | pagedserve | {ours['tpot_ms']:.2f} |")
+        if args.hf_latency:
+            hf = bench.load_hf_model(model, "dummy", "bfloat16", "cuda", "sdpa")
+            theirs = bench.latency_hf(hf, 128, 256, iters=1)
+            lines.append(
+                f"| {Path(model).name} | transformers generate | {theirs['tpot_ms']:.2f} |"
+            )
+            del hf
+            free_gpu()
+        print(lines[-1], flush=True)
+    return lines
+
+
+def startup(args: argparse.Namespace) -> list[str]:
+    from pagedserve import LLM, SamplingParams
+
+    start = time.perf_counter()
+    with LLM(**engine_args(QWEN, max_num_seqs=args.max_num_seqs)) as llm:
+        ready = time.perf_counter() - start
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    return ["### Start-up\n", f"LLM(Qwen3-0.6B dummy, CUDA graphs on) ready in {ready:.1f} s"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="+", default=["startup", "W1", "W2", "W3"])
+    parser.add_argument("--hf-prompts", type=int, default=64)
+    parser.add_argument("--hf-cb", action="store_true")
+    parser.add_argument("--hf-latency", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    args = parser.parse_args()
+    sections = [
+        f"# GPU workloads ({datetime.date.today()}, {torch.cuda.get_device_name()})\n",
+        f"command: `python scripts/gpu/bench_workloads.py {' '.join(sys.argv[1:])}`\n",
+    ]
+    for name in args.only:
+        try:
+            if name == "startup":
+                sections += startup(args)
+            elif name == "W3":
+                sections += latency(args)
+            else:
+                sections += offline(name, args.hf_prompts, args)
+        except Exception:
+            traceback.print_exc()
+            sections.append(f"### {name}: FAILED (see log)")
+        sections.append("")
+        Path(args.out).write_text("\n".join(sections))
+        print("\n".join(sections), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
