@@ -1,4 +1,5 @@
-# `make run`: install and generate with the embedded model. `make test`: install and run the tests.
+# `make serve`: install and serve the embedded model. `make run`: generate offline.
+# `make test`: install and run the tests (CI runs this).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,6 +18,9 @@ install: $(VENV)/.installed
 
 run: install
 	$(VENV)/bin/pagedserve generate "$(PROMPT)"
+
+serve: install
+	$(VENV)/bin/pagedserve serve
 
 test: install
 	$(VENV)/bin/ruff check pagedserve tests scripts

@@ -76,7 +76,8 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(llama_engine: LLM) -> None:
 
 def test_preemption_under_kv_pressure_keeps_outputs(llama_path: Path) -> None:
     prompts = random_prompts(400, PROMPT_LENGTHS, seed=3)
-    with LLM(str(llama_path), num_kv_blocks=256) as roomy:
+    # the reference run also turns async scheduling off (one step in flight at a time)
+    with LLM(str(llama_path), num_kv_blocks=256, max_inflight_steps=1) as roomy:
         expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, GREEDY)]
     # 14 blocks of 16 tokens cannot hold the 8 requests (~330 tokens of prompt + 256 of output)
     with LLM(str(llama_path), num_kv_blocks=14, enable_prefix_caching=False) as tight:
