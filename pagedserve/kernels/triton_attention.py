@@ -1,0 +1,701 @@
+"""Triton paged attention: the KV-cache write and varlen paged attention (prefill + decode).
+
+Layout and math are those of `pagedserve.kernels.attention` (the pure-torch reference, the
+CPU path): caches [num_blocks, block_size, num_kv_heads, head_dim], token t of request b at
+slot block_tables[b, t // block_size] * block_size + t % block_size; query i of request b
+(q_len_b new tokens, seq_len_b tokens in context including them) attends keys
+0 .. seq_len_b - q_len_b + i of kv head h // G, G = num_heads / num_kv_heads.
+
+Kernels (all fp32 accumulation, an online softmax in base 2 with the scale folded in):
+
+- `_write_kv_cache_kernel`: one program per token, copies its k and v rows into their slot.
+- `_prefill_kernel` (requests with q_len > 1): a program owns BLOCK_Q consecutive
+  queries of one request times the G query heads of one kv head, i.e. a [BLOCK_M = BLOCK_Q * G,
+  head_dim] query tile, so every K/V tile loaded from the cache serves all G heads (GQA). The
+  grid is (num_tokens // BLOCK_Q + batch, num_kv_heads): an upper bound on the query blocks
+  that needs no host sync; each program finds its request by a binary search over
+  query_start_loc and exits if it has no queries.
+- `_decode_kernel` + `_decode_reduce_kernel` (requests with q_len 1, i.e. every request when
+  `max_query_len == 1`, and the decodes of a mixed batch): flash-decoding. The context of
+  each (request, kv head) is cut into num_splits partitions handled by separate programs,
+  each writing a partial output and its log-sum-exp; the reduce kernel merges them. With one
+  split the decode kernel writes the output directly.
+
+Tiles of TILE_N keys may span several cache blocks (any block size works): each key's block
+id is gathered from the block table. Triton's `tl.dot` needs every dimension >= 16, so the
+head group is padded to BLOCK_H >= 16 rows and head_dim to a power of two (masked).
+
+Step metadata (shared by all layers of a step): block_tables [batch, max_blocks] int32,
+seq_lens [batch] int32, query_start_loc [batch + 1] int32, the host ints max_query_len and
+(optional, decode split sizing) max_seq_len; write_kv_cache also takes slot_mapping [num_tokens]
+(int32 or int64; slot < 0 = padding, skipped). Nothing syncs with the host: the grids depend
+only on shapes and those host ints, so the launchers can be captured in CUDA graphs (the
+decode split count derives from max_seq_len, else the block-table width: keep it fixed per
+captured graph). Padding requests (q_len 0, seq_len 0) are skipped / give zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.attention import paged_attention as reference_paged_attention
+from pagedserve.kernels.attention import write_kv_cache as reference_write_kv_cache
+
+__all__ = [
+    "paged_attention",
+    "paged_attention_backend",
+    "reference_paged_attention",
+    "reference_write_kv_cache",
+    "write_kv_cache",
+]
+
+LOG2E = 1.4426950408889634
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_MAX_HEAD_DIM = 256
+_MAX_SPLITS = 64
+# Launch tuning (H200 measurements in scripts/gpu/bench_kernels.py): prefill BLOCK_M ->
+# (TILE_N, num_warps, num_stages); decode (TILE_N, num_warps, num_stages).
+PREFILL_TUNING: dict[int, tuple[int, int, int]] = {
+    16: (64, 4, 2),
+    32: (64, 4, 2),
+    64: (64, 4, 2),
+    128: (64, 4, 3),
+}
+DECODE_TUNING: tuple[int, int, int] = (64, 4, 3)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+):
+    """k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = key[t] (and v) with slot = slot[t];
+    nothing when slot < 0. Program t copies token t's [num_kv_heads, head_dim] rows."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_P)[:, None]
+    dims = tl.arange(0, HEAD_DIM_P)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    token64 = token.to(tl.int64)
+    k = tl.load(key_ptr + token64 * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + token64 * stride_vt + heads * stride_vh + dims, mask=mask)
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kco + heads * stride_kch + dims
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + heads * stride_vch + dims
+    tl.store(k_dst, k, mask=mask)
+    tl.store(v_dst, v, mask=mask)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b accumulated in fp32. UPCAST (CPU interpreter only): the interpreter multiplies
+    bf16 as raw integers, so operands go through fp32 (exact for bf16/fp16 products)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_base,
+    v_base,
+    table_row,
+    start_n,
+    kv_len,
+    query_pos,
+    offs_d,
+    dim_mask,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One online-softmax step over keys start_n .. start_n + TILE_N (those < kv_len).
+
+    s = qk_scale * q @ K^T (qk_scale = scale * log2 e), masked to -inf for keys >= kv_len or,
+    if CAUSAL, keys > query_pos[row]; then with m' = max(m, rowmax s), p = 2^(s - m'):
+    l' = l * 2^(m - m') + rowsum p, acc' = acc * 2^(m - m') + p @ V.
+    """
+    offs_n = start_n + tl.arange(0, TILE_N)
+    kv_mask = offs_n < kv_len
+    block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+    in_block = offs_n % BLOCK_SIZE
+    k_ptrs = k_base + block[None, :] * stride_kb + in_block[None, :] * stride_kt + offs_d[:, None]
+    k = tl.load(k_ptrs, mask=dim_mask[:, None] & kv_mask[None, :], other=0.0)  # [D, TILE_N]
+    s = _dot(q, k, PRECISION, UPCAST) * qk_scale
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= query_pos[:, None], s, float("-inf"))
+    else:
+        s = tl.where(kv_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_ptrs = v_base + block[:, None] * stride_vb + in_block[:, None] * stride_vt + offs_d[None, :]
+    v = tl.load(v_ptrs, mask=kv_mask[:, None] & dim_mask[None, :], other=0.0)  # [TILE_N, D]
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, qblock, num_seqs, BLOCK_Q: tl.constexpr):
+    """The request b owning query block `qblock`: the largest b with
+    query_start_loc[b] // BLOCK_Q + b <= qblock (request b owns the query blocks
+    [query_start_loc[b] // BLOCK_Q + b, query_start_loc[b + 1] // BLOCK_Q + b + 1))."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= qblock:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    qk_scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Causal varlen attention for the query tile (BLOCK_Q queries x GROUP heads) of program
+    (query block, kv head). Row r is query qi = first + r // GROUP at position
+    ctx + qi (ctx = seq_len - q_len), head kv_head * GROUP + r % GROUP; it attends keys
+    0 .. ctx + qi. Key tiles entirely at or before the tile's first query position need no
+    causal mask; the rest (up to ctx + the last query) are masked. SKIP_DECODES: requests with
+    one query are left to `_decode_kernel` (launched with MIXED)."""
+    qblock = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_request(query_start_loc_ptr, qblock, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first = (qblock - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first >= q_len:
+        return
+    if SKIP_DECODES:
+        if q_len == 1:
+            return
+    ctx = tl.load(seq_lens_ptr + seq) - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    query = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (query < q_len)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    dim_mask = offs_d < HEAD_DIM
+    token = (q_start + query).to(tl.int64)
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    query_pos = ctx + query
+    last = tl.minimum(first + BLOCK_Q, q_len) - 1
+    kv_len = ctx + last + 1
+    full_end = (ctx + first + 1) // TILE_N * TILE_N  # keys < full_end: visible to every row
+    for start_n in range(0, full_end, TILE_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_len, query_pos,
+            offs_d, dim_mask, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+            BLOCK_SIZE, TILE_N, False, PRECISION, UPCAST,
+        )  # fmt: skip
+    for start_n in range(full_end, kv_len, TILE_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_len, query_pos,
+            offs_d, dim_mask, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+            BLOCK_SIZE, TILE_N, True, PRECISION, UPCAST,
+        )  # fmt: skip
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _decode_token(query_start_loc_ptr, seq, MIXED: tl.constexpr):
+    """The token row of decode request `seq`: `seq` itself in a decode-only batch; in a mixed
+    batch (MIXED) query_start_loc[seq], or -1 if the request has more than one query."""
+    token = seq
+    if MIXED:
+        token = tl.load(query_start_loc_ptr + seq)
+        if tl.load(query_start_loc_ptr + seq + 1) - token != 1:
+            token = -1
+    return token
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    tiles_per_split,
+    num_splits,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    MIXED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One decode query (token b of request b; MIXED: token query_start_loc[b], and only
+    requests with one query) x the GROUP heads of one kv head over split
+    `split` of the context: keys [split * tiles_per_split * TILE_N, ...) below seq_len.
+
+    DIRECT (num_splits == 1): writes out = acc / l. Otherwise writes the partial output acc / l to
+    part_out[b, head, split, :] and lse = m + log2(l) (base 2, scaled scores) to
+    part_lse[b, head, split] (-inf for an empty split) for `_decode_reduce_kernel`."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = _decode_token(query_start_loc_ptr, seq, MIXED)
+    if token < 0:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, tl.cdiv(seq_len, TILE_N))
+
+    rows = tl.arange(0, BLOCK_H)
+    row_mask = rows < GROUP
+    head = kv_head * GROUP + rows
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    dim_mask = offs_d < HEAD_DIM
+    seq64 = seq.to(tl.int64)
+    token64 = token.to(tl.int64)
+    q_ptrs = q_ptr + token64 * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_P], tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    table_row = block_tables_ptr + seq64 * stride_bt
+    for tile in range(tile_start, tile_end):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, v_base, table_row, tile * TILE_N, seq_len, rows,
+            offs_d, dim_mask, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+            BLOCK_SIZE, TILE_N, False, PRECISION, UPCAST,
+        )  # fmt: skip
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    mask = row_mask[:, None] & dim_mask[None, :]
+    if DIRECT:
+        o_ptrs = out_ptr + token64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (seq64 * num_heads + head) * num_splits + split  # [BLOCK_H]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], out, mask=mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.maximum(l_i, 1e-30)))
+        tl.store(part_lse_ptr + part, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    MIXED: tl.constexpr,
+):
+    """out[b, h] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse) over the splits
+    of program (b, h); empty splits have lse = -inf and weigh 0."""
+    token = _decode_token(query_start_loc_ptr, tl.program_id(0), MIXED)
+    if token < 0:
+        return
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P)
+    split_mask = splits < num_splits
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    dim_mask = offs_d < HEAD_DIM
+    part = (seq * num_heads + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)
+    o_ptrs = part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :]
+    o = tl.load(o_ptrs, mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(o * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    o_dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(o_dst, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k_cache.view(-1, kv_heads, dim)[slot_mapping[i]] = key[i] (and v) for slot >= 0.
+
+    key, value: [num_tokens, num_kv_heads, head_dim] (token/head strides free, dim contiguous);
+    caches: [num_blocks, block_size, num_kv_heads, head_dim], same dtype; slot_mapping:
+    [num_tokens] int32/int64, negative = skip (padding)."""
+    _check_cache_pair(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    for name, t in (("key", key), ("value", value)):
+        _check(t.dim() == 3, f"{name} must be [num_tokens, num_kv_heads, head_dim]")
+        _check(t.shape[1:] == (num_kv_heads, head_dim), f"{name} {tuple(t.shape)} vs cache")
+        _check(t.dtype == k_cache.dtype, f"{name} dtype {t.dtype} != cache {k_cache.dtype}")
+        _check(t.device == k_cache.device, f"{name} is on {t.device}, cache on {k_cache.device}")
+        _check(t.stride(-1) == 1, f"{name} must be contiguous in head_dim")
+    _check(key.shape[0] == value.shape[0], "key and value token counts differ")
+    _check(slot_mapping.shape == (key.shape[0],), "slot_mapping must be [num_tokens]")
+    _check(slot_mapping.dtype in _INDEX_DTYPES, "slot_mapping must be int32 or int64")
+    _check(slot_mapping.device == key.device, "slot_mapping is on another device")
+    if key.shape[0] == 0:
+        return
+    _write_kv_cache_kernel[(key.shape[0],)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P=_head_dim_padded(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )  # fmt: skip
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Varlen causal paged attention over a mixed batch; returns out [num_tokens, heads, dim].
+
+    q: [num_tokens, num_heads, head_dim], request b's queries at rows
+    query_start_loc[b] : query_start_loc[b + 1]; seq_lens[b] counts its context including
+    this step's tokens (already in the cache); block_tables [batch, max_blocks] int32.
+    max_query_len == 1 (all decodes: token b is request b): the split-K decode kernels only.
+    Otherwise the prefill kernel takes the requests with more than one query and the decode
+    kernels (token query_start_loc[b]) those with one. max_seq_len (host int, optional)
+    bounds the context to size the splits, else max_blocks * block_size does; num_splits
+    forces the split count (tests, tuning)."""
+    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    _check(max_query_len >= 1, "max_query_len must be >= 1")
+    if out is None:
+        out = torch.empty_like(q)
+    _check(out.shape == q.shape and out.dtype == q.dtype, "out must match q's shape and dtype")
+    _check(out.device == q.device and out.stride(-1) == 1, "out: q's device, dim contiguous")
+    if q.shape[0] == 0:
+        return out
+    mixed = max_query_len > 1
+    if not mixed:
+        _check(q.shape[0] == seq_lens.shape[0], "decode (max_query_len 1): one token a request")
+    else:
+        _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                        max_query_len, out, scale)  # fmt: skip
+    _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale,
+                   max_seq_len, num_splits, mixed)  # fmt: skip
+    return out
+
+
+def paged_attention_backend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The reference backend's signature (`ATTENTION_BACKENDS["triton"]`)."""
+    return paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        metadata.max_query_len,
+        scale,
+        max_seq_len=metadata.max_seq_len,
+    )
+
+
+def _launch_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    block_m = _prefill_block_m(group, max_query_len, q.device)
+    block_q = block_m // group
+    batch = seq_lens.shape[0]
+    grid = (num_tokens // block_q + batch, num_kv_heads)
+    tile_n, num_warps, num_stages = PREFILL_TUNING[block_m] if block_m in PREFILL_TUNING \
+        else (64, 4, 2)  # fmt: skip
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2E, batch,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        HEAD_DIM_P=_head_dim_padded(head_dim), BLOCK_SIZE=block_size, TILE_N=tile_n,
+        SKIP_DECODES=True, PRECISION=_precision(q.dtype), UPCAST=_upcast(q),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+
+
+def _launch_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None,
+    num_splits: int | None,
+    mixed: bool,
+) -> None:
+    """Flash-decoding for the one-query requests (all of them unless `mixed`)."""
+    _, num_heads, head_dim = q.shape
+    batch = seq_lens.shape[0]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    tile_n, num_warps, num_stages = DECODE_TUNING
+    max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+    num_tiles = max(1, triton.cdiv(max_ctx, tile_n))
+    if num_splits is None:
+        num_splits = _decode_num_splits(batch * num_kv_heads, num_tiles, q.device)
+    _check(num_splits >= 1, "num_splits must be >= 1")
+    tiles_per_split = triton.cdiv(num_tiles, num_splits)
+    num_splits = triton.cdiv(num_tiles, tiles_per_split)
+    head_dim_p = _head_dim_padded(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty(
+            (batch, num_heads, num_splits, head_dim_p), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
+        scale * LOG2E, tiles_per_split, num_splits, num_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, TILE_N=tile_n, DIRECT=num_splits == 1,
+        MIXED=mixed, PRECISION=_precision(q.dtype), UPCAST=_upcast(q), num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_out, part_lse, query_start_loc, out, out.stride(0), out.stride(1), num_heads,
+            num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+            SPLITS_P=triton.next_power_of_2(num_splits), MIXED=mixed,
+            num_warps=4 if head_dim_p >= 128 else 1,
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- sizing and checks
+
+
+def _prefill_block_m(group: int, max_query_len: int, device: torch.device) -> int:
+    """Query-tile rows: BLOCK_Q queries x group heads, >= 16 (tl.dot), up to 128 rows for long
+    chunks (K/V reuse), fewer for short ones (less masked work)."""
+    rows = triton.next_power_of_2(max_query_len * group)
+    return max(16, triton.next_power_of_2(group), min(rows, 128 if device.type == "cuda" else 64))
+
+
+def _decode_num_splits(num_programs: int, num_tiles: int, device: torch.device) -> int:
+    """Enough splits for about 2 programs per SM (flash-decoding), none when the batch alone
+    fills the GPU; at least 2 tiles of keys per split."""
+    sms = _num_sms(device.index) if device.type == "cuda" else 4
+    want = triton.cdiv(2 * sms, num_programs)
+    return max(1, min(want, num_tiles // 2, _MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(index: int | None) -> int:
+    device = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _head_dim_padded(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs: exact fp32 products (no TF32) so the kernel matches the fp32 reference."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    _check(k_cache.dim() == 4, "caches must be [num_blocks, block_size, num_kv_heads, head_dim]")
+    _check(k_cache.shape == v_cache.shape, "k_cache and v_cache shapes differ")
+    _check(k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ")
+    _check(k_cache.dtype in _FLOAT_DTYPES, f"cache dtype {k_cache.dtype} unsupported")
+    _check(k_cache.device == v_cache.device, "k_cache and v_cache devices differ")
+    _check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches: dim contiguous")
+    _check(k_cache.shape[-1] <= _MAX_HEAD_DIM, f"head_dim > {_MAX_HEAD_DIM} unsupported")
+
+
+def _check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    _check_cache_pair(k_cache, v_cache)
+    _check(q.dim() == 3, "q must be [num_tokens, num_heads, head_dim]")
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    _check(head_dim == k_cache.shape[3], f"q head_dim {head_dim} != cache {k_cache.shape[3]}")
+    _check(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
+    _check(q.dtype == k_cache.dtype, f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    _check(q.stride(-1) == 1, "q must be contiguous in head_dim")
+    _check(block_tables.dim() == 2 and block_tables.dtype == torch.int32,
+           "block_tables must be [batch, max_blocks] int32")  # fmt: skip
+    _check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
+    batch = block_tables.shape[0]
+    _check(seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32,
+           "seq_lens must be [batch] int32")  # fmt: skip
+    _check(query_start_loc.shape == (batch + 1,) and query_start_loc.dtype == torch.int32,
+           "query_start_loc must be [batch + 1] int32")  # fmt: skip
+    _check(seq_lens.is_contiguous() and query_start_loc.is_contiguous(),
+           "seq_lens and query_start_loc must be contiguous")  # fmt: skip
+    for name, t in (("k_cache", k_cache), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):  # fmt: skip
+        _check(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")

@@ -1,0 +1,359 @@
+"""Triton kernels for the small per-token ops: RMSNorm (optionally fused with the residual add),
+rotate-half rotary embedding (per tensor, or fused over q and k with a cos/sin cache lookup)
+and SiLU-and-mul.
+
+Numerics follow the pure-torch references in `pagedserve.kernels.ops` step by step: every value
+is computed in float32 and rounded to the torch result dtype wherever the reference's torch
+expression rounds (`_round`), so results match the reference up to fp32 rounding inside a step
+(reduction order, rsqrt/exp). Launch: one program per row (token) for the norms and rotary, a
+2-D grid (row, column block) for silu_and_mul.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels import ops as reference
+
+__all__ = [
+    "apply_rotary",
+    "apply_rotary_qk",
+    "fused_add_rms_norm",
+    "reference",
+    "rms_norm",
+    "silu_and_mul",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HIDDEN = 65536
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """x (fp32) rounded to DTYPE (nearest even) and back: where the torch reference stores a
+    DTYPE value. bf16 rounds with integer ops (Triton's CPU interpreter truncates a bf16 cast;
+    the result is then exactly representable, so the final cast is exact on every backend)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    eps,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):
+    """Row i (N elements): with ADD_RESIDUAL, h = round_x(x + residual) is stored to
+    residual_out, else h = x; then out = round_out(w * round_x(h * rsqrt(mean(h^2) + eps)))."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        h = _round(h + r.to(tl.float32), x.dtype)
+        tl.store(residual_out_ptr + row * stride_ro + cols, h.to(x.dtype), mask=mask)
+    variance = tl.sum(h * h, axis=0) / N
+    normed = _round(h * tl.rsqrt(variance + eps), x.dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out_dtype = out_ptr.dtype.element_ty
+    out = _round(w * normed, out_dtype).to(out_dtype)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    out_ptr,
+    stride_xh,
+    stride_oh,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    """All heads of one token: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], each product
+    and each sum rounded to OUT_DTYPE like the torch expression (cos, sin: [1, HALF_P] fp32)."""
+    heads = tl.arange(0, HEADS_P)[:, None]
+    cols = tl.arange(0, HALF_P)[None, :]
+    mask = (heads < NUM_HEADS) & (cols < HALF)
+    x1_ptrs = x_ptr + heads * stride_xh + cols
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1 = _round(_round(x1 * cos, OUT_DTYPE) - _round(x2 * sin, OUT_DTYPE), OUT_DTYPE)
+    o2 = _round(_round(x2 * cos, OUT_DTYPE) + _round(x1 * sin, OUT_DTYPE), OUT_DTYPE)
+    o1_ptrs = out_ptr + heads * stride_oh + cols
+    tl.store(o1_ptrs, o1.to(OUT_DTYPE), mask=mask)
+    tl.store(o1_ptrs + HALF, o2.to(OUT_DTYPE), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    positions_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_ct,
+    stride_st,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
+):
+    """Token t: cos/sin row = positions[t] if HAS_POSITIONS (a cos/sin cache) else t."""
+    token = tl.program_id(0).to(tl.int64)
+    row = token
+    if HAS_POSITIONS:
+        row = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, HALF_P)[None, :]
+    cos = tl.load(cos_ptr + row * stride_ct + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row * stride_st + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(
+        x_ptr + token * stride_xt, out_ptr + token * stride_ot, stride_xh, stride_oh, cos, sin,
+        NUM_HEADS, HALF, HEADS_P, HALF_P, OUT_DTYPE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[i, j] = round(round(silu(gate)) * up) with gate = x[i, j], up = x[i, D + j] and
+    silu(g) = g / (1 + exp(-g)) in fp32 (F.silu rounds to the dtype, then the multiply)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + D + cols, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    silu = _round(g / (1.0 + tl.exp(-g)), gate.dtype)
+    out = _round(silu * up, gate.dtype).to(gate.dtype)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = weight * (x / sqrt(mean(x^2, -1) + eps)) (see ops.rms_norm); x: [..., hidden]."""
+    x2d = _rows(x, weight)
+    out = torch.empty(x.shape, dtype=_result_dtype(x, weight), device=x.device)
+    _launch_rms_norm(x2d, None, weight, out.view(x2d.shape), None, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_residual = x + residual; returns (rms_norm(new_residual), new_residual).
+
+    inplace=True writes the norm into x and the new residual into residual (vLLM style; needs
+    weight.dtype == x.dtype and row-contiguous x / residual) and returns them."""
+    x2d = _rows(x, weight)
+    _check(residual.shape == x.shape and residual.dtype == x.dtype,
+           "residual must match x's shape and dtype")  # fmt: skip
+    _check(residual.device == x.device, "residual is on another device")
+    res2d = residual.reshape(x2d.shape)
+    _check(res2d.stride(-1) == 1, "residual must be contiguous in the hidden dim")
+    if inplace:
+        _check(_result_dtype(x, weight) == x.dtype, "inplace needs weight.dtype == x.dtype")
+        _check(x2d.data_ptr() == x.data_ptr() and res2d.data_ptr() == residual.data_ptr(),
+               "inplace needs views of x and residual")  # fmt: skip
+        _launch_rms_norm(x2d, res2d, weight, x2d, res2d, eps)
+        return x, residual
+    out = torch.empty(x.shape, dtype=_result_dtype(x, weight), device=x.device)
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch_rms_norm(x2d, res2d, weight, out.view(x2d.shape), new_residual.view(x2d.shape), eps)
+    return out, new_residual
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary (see ops.apply_rotary): x [num_tokens, num_heads, head_dim],
+    cos/sin [num_tokens, head_dim // 2]; the result dtype is torch's promotion of x and cos."""
+    _check_rotary_input(x, "x")
+    half = x.shape[2] // 2
+    _check_cos_sin(cos, sin, half, x.device)
+    _check(cos.shape[0] == x.shape[0], "cos/sin must be [num_tokens, head_dim // 2]")
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    _launch_rotary(x, out, cos, sin, None)
+    return out
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)) with cos = cos_cache[positions],
+    sin = sin_cache[positions], without materialising the gathered rows.
+
+    q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim] (strided
+    views of a fused qkv output are fine); positions: [num_tokens] int; caches: [max_pos,
+    head_dim // 2]. inplace=True rotates q and k in place (needs the cache dtype == q.dtype)."""
+    _check_rotary_input(q, "q")
+    _check_rotary_input(k, "k")
+    _check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2], "q and k shapes disagree")
+    _check(k.dtype == q.dtype and k.device == q.device, "q and k dtype/device differ")
+    half = q.shape[2] // 2
+    _check_cos_sin(cos_cache, sin_cache, half, q.device)
+    _check(positions.shape == (q.shape[0],), "positions must be [num_tokens]")
+    _check(positions.dtype in (torch.int32, torch.int64), "positions must be int32 or int64")
+    _check(positions.device == q.device, "positions is on another device")
+    out_dtype = torch.promote_types(q.dtype, cos_cache.dtype)
+    if inplace:
+        _check(out_dtype == q.dtype, "inplace needs the cos/sin cache in q's dtype")
+        q_out, k_out = q, k
+    else:
+        q_out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=out_dtype, device=q.device)
+    _launch_rotary(q, q_out, cos_cache, sin_cache, positions)
+    _launch_rotary(k, k_out, cos_cache, sin_cache, positions)
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate, up] along the last dim (2 * d); returns silu(gate) * up, [..., d]."""
+    _check(x.dtype in _FLOAT_DTYPES, f"dtype {x.dtype} unsupported")
+    _check(x.dim() >= 1 and x.shape[-1] % 2 == 0, "last dim must be even ([gate, up])")
+    d = x.shape[-1] // 2
+    x2d = x.reshape(-1, 2 * d)
+    _check(x2d.stride(-1) == 1, "x must be contiguous in the last dim")
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    if x2d.shape[0] == 0 or d == 0:
+        return out
+    block = min(triton.next_power_of_2(d), 1024)
+    grid = (x2d.shape[0], triton.cdiv(d, block))
+    out2d = out.view(-1, d)
+    _silu_and_mul_kernel[grid](
+        x2d, out2d, x2d.stride(0), out2d.stride(0), D=d, BLOCK=block,
+        num_warps=4 if block >= 512 else 1,
+    )  # fmt: skip
+    return out
+
+
+def _launch_rms_norm(
+    x2d: torch.Tensor,
+    res2d: torch.Tensor | None,
+    weight: torch.Tensor,
+    out2d: torch.Tensor,
+    res_out2d: torch.Tensor | None,
+    eps: float,
+) -> None:
+    rows, n = x2d.shape
+    if rows == 0:
+        return
+    block = triton.next_power_of_2(n)
+    add = res2d is not None
+    res = res2d if add else x2d
+    res_out = res_out2d if res_out2d is not None else out2d
+    _rms_norm_kernel[(rows,)](
+        x2d, res, weight, out2d, res_out,
+        x2d.stride(0), res.stride(0), out2d.stride(0), res_out.stride(0), eps,
+        N=n, BLOCK_N=block, ADD_RESIDUAL=add, num_warps=min(16, max(1, block // 256)),
+    )  # fmt: skip
+
+
+def _launch_rotary(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+) -> None:
+    num_tokens, num_heads, head_dim = x.shape
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    heads_p, half_p = triton.next_power_of_2(num_heads), triton.next_power_of_2(half)
+    _rotary_kernel[(num_tokens,)](
+        x, out, cos, sin, positions if positions is not None else cos,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
+        NUM_HEADS=num_heads, HALF=half, HEADS_P=heads_p, HALF_P=half_p,
+        OUT_DTYPE=_TL_DTYPES[out.dtype], HAS_POSITIONS=positions is not None,
+        num_warps=4 if heads_p * half_p >= 1024 else 1,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- checks
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _result_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x as [rows, hidden] (a view when possible) after checking it against weight."""
+    _check(x.dtype in _FLOAT_DTYPES and weight.dtype in _FLOAT_DTYPES, "unsupported dtype")
+    _check(x.dim() >= 1 and weight.shape == (x.shape[-1],), "weight must be [hidden]")
+    _check(weight.device == x.device, "weight is on another device")
+    _check(weight.is_contiguous(), "weight must be contiguous")
+    _check(0 < x.shape[-1] <= _MAX_HIDDEN, f"hidden size must be in 1..{_MAX_HIDDEN}")
+    x2d = x.reshape(-1, x.shape[-1])
+    _check(x2d.stride(-1) == 1, "x must be contiguous in the hidden dim")
+    return x2d
+
+
+def _check_rotary_input(x: torch.Tensor, name: str) -> None:
+    _check(x.dim() == 3, f"{name} must be [num_tokens, num_heads, head_dim]")
+    _check(x.dtype in _FLOAT_DTYPES, f"{name} dtype {x.dtype} unsupported")
+    _check(x.shape[2] % 2 == 0, f"{name} head_dim must be even")
+    _check(x.stride(2) == 1, f"{name} must be contiguous in head_dim")
+
+
+def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, half: int, device: torch.device) -> None:
+    _check(cos.dim() == 2 and cos.shape[1] == half, "cos/sin last dim must be head_dim // 2")
+    _check(sin.shape == cos.shape and sin.dtype == cos.dtype, "cos and sin must match")
+    _check(cos.dtype in _FLOAT_DTYPES, f"cos/sin dtype {cos.dtype} unsupported")
+    _check(cos.device == device and sin.device == device, "cos/sin are on another device")
+    _check(cos.stride(1) == 1 and sin.stride(1) == 1, "cos/sin must be contiguous in the last dim")

@@ -1,0 +1,640 @@
+"""Triton kernels on a GPU: correctness against the torch references at real model shapes, then
+timings, one table.
+
+    python scripts/gpu/bench_kernels.py --out scripts/results/kernels_h200.md [--sweep]
+    python scripts/gpu/bench_kernels.py --dry-run        # CPU: arguments, shapes, byte counts
+
+Shapes: Qwen3-0.6B (16 q heads, 8 kv heads, head_dim 128, hidden 1024, MLP 3072, vocab 151936)
+and Llama-3.1-8B (32 / 8 / 128, hidden 4096, MLP 14336, vocab 128256), bf16, KV block 16.
+Attention: decode 256 x 1024, 1 x 8192 and 64 x 2048 tokens of context; prefill 8 x 1024;
+mixed (a 512-token chunk over 1536 cached tokens + 63 decodes at 2048). The small ops at 256
+(decode) and 8192 (prefill) tokens; sampling over the vocabulary at batch 256 and 1.
+--sweep first checks attention over odd shapes (block sizes 1..256, GQA 1..8, head_dim 16..128).
+
+Columns: GPU time (µs: a CUDA graph of L2 flush + call, minus the flushes; see Timer) and
+eager time (triton's do_bench: launch overhead included, as a step without CUDA graphs pays
+it); GB/s from the GPU time, counting bytes read + written once (attention: the K and V
+context read + q + out, the traffic a perfect kernel needs); TFLOP/s for attention (4 *
+head_dim * heads per (query, visible key)); the torch reference's time on the same inputs;
+FlashInfer's (if `flashinfer` imports: BatchDecode/BatchPrefillWithPagedKVCacheWrapper) and
+ours / theirs; the check against the reference (max abs error, or support mismatches for
+sampling). Exits 1 if a check fails. Runs in well under 3 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import math
+import sys
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 16
+
+
+def import_kernels() -> tuple[types.ModuleType, ...]:
+    """pagedserve.kernels.{attention, triton_attention, triton_ops, triton_sampling}.
+
+    The kernels need only torch and triton; when the package's own imports (msgspec, zmq, ...)
+    are missing on a bare GPU machine, a stub package lets the kernel modules import alone."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import pagedserve  # noqa: F401
+    except ImportError as exc:
+        print(f"note: `import pagedserve` failed ({exc}); importing the kernels alone")
+        for name in [m for m in sys.modules if m == "pagedserve" or m.startswith("pagedserve.")]:
+            del sys.modules[name]
+        stub = types.ModuleType("pagedserve")
+        stub.__path__ = [str(ROOT / "pagedserve")]
+        sys.modules["pagedserve"] = stub
+    names = ("attention", "triton_attention", "triton_ops", "triton_sampling")
+    return tuple(importlib.import_module(f"pagedserve.kernels.{n}") for n in names)
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+
+MODELS = [
+    Model("qwen3-0.6b", 16, 8, 128, 1024, 3072, 151936),
+    Model("llama-3.1-8b", 32, 8, 128, 4096, 14336, 128256),
+]
+
+# name -> requests as (tokens already cached, new tokens this step)
+ATTENTION_CASES: dict[str, list[tuple[int, int]]] = {
+    "decode 256x1024": [(1023, 1)] * 256,
+    "decode 1x8192": [(8191, 1)],
+    "decode 64x2048": [(2047, 1)] * 64,
+    "prefill 8x1024": [(0, 1024)] * 8,
+    "mixed 512@1536+63x2048": [(1536, 512)] + [(2047, 1)] * 63,
+}
+OP_TOKENS = {"decode": 256, "prefill": 8192}
+SAMPLING_BATCHES = (256, 1)
+
+
+@dataclass
+class Row:
+    kernel: str
+    model: str
+    shape: str
+    us: float | None = None
+    eager_us: float | None = None
+    bytes: int = 0
+    flops: int = 0
+    ref_us: float | None = None
+    flashinfer_us: float | None = None
+    check: str = "-"
+    ok: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def cells(self) -> list[str]:
+        gbps = f"{self.bytes / self.us / 1e3:.0f}" if self.us and self.bytes else "-"
+        tflops = f"{self.flops / self.us / 1e6:.1f}" if self.us and self.flops else "-"
+        ratio = f"{self.us / self.flashinfer_us:.2f}" if self.us and self.flashinfer_us else "-"
+        return [
+            self.kernel,
+            self.model,
+            self.shape,
+            _fmt_us(self.us),
+            _fmt_us(self.eager_us),
+            gbps,
+            tflops,
+            _fmt_us(self.ref_us),
+            _fmt_us(self.flashinfer_us),
+            ratio,
+            self.check if self.ok else f"FAIL {self.check}",
+        ]
+
+
+HEADER = [
+    "kernel",
+    "model",
+    "shape",
+    "GPU µs",
+    "eager µs",
+    "GB/s",
+    "TFLOP/s",
+    "torch ref µs",
+    "FlashInfer µs",
+    "ours/FI",
+    "check",
+]
+
+
+def _fmt_us(us: float | None) -> str:
+    return "-" if us is None else f"{us:.1f}"
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- shapes and bytes
+
+
+def attention_counts(model: Model, requests: list[tuple[int, int]], elt: int) -> tuple[int, int]:
+    """(bytes, flops): K+V context read once, q read, out written; 4 * D * H per visible key."""
+    context = sum(ctx + new for ctx, new in requests)
+    tokens = sum(new for _, new in requests)
+    kv_bytes = 2 * context * model.num_kv_heads * model.head_dim * elt
+    q_out_bytes = 2 * tokens * model.num_heads * model.head_dim * elt
+    visible = sum(new * ctx + new * (new + 1) // 2 for ctx, new in requests)
+    return kv_bytes + q_out_bytes, 4 * model.head_dim * model.num_heads * visible
+
+
+def attention_metadata_cpu(requests: list[tuple[int, int]], gen: torch.Generator) -> dict:
+    """Block tables over a shuffled block pool (non-contiguous), lengths and slots, on the CPU."""
+    blocks = [math.ceil((ctx + new) / BLOCK_SIZE) for ctx, new in requests]
+    num_blocks = sum(blocks) + 1
+    pool = torch.randperm(num_blocks, generator=gen)
+    width = max(blocks)
+    block_tables = torch.zeros(len(requests), width, dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(blocks):
+        block_tables[r, :n] = pool[start : start + n].to(torch.int32)
+        start += n
+    slots = []
+    for r, (ctx, new) in enumerate(requests):
+        pos = torch.arange(ctx, ctx + new)
+        slots.append(block_tables[r, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
+    return {
+        "num_blocks": num_blocks,
+        "block_tables": block_tables,
+        "query_lens": torch.tensor([new for _, new in requests]),
+        "seq_lens": torch.tensor([ctx + new for ctx, new in requests]),
+        "slot_mapping": torch.cat(slots),
+    }
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """GPU time from a CUDA graph of REPS x (L2 flush + fn), minus a graph of the flushes
+    alone (no launch overhead, cold L2); eager time from triton's do_bench (launches included,
+    as a step without CUDA graphs pays them)."""
+
+    REPS = 10
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=device)
+        self._flush_us: float | None = None
+
+    def eager(self, fn: Callable[[], object]) -> float:
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+    def graph(self, fn: Callable[[], object]) -> float | None:
+        """µs per call, or None if fn cannot be captured (a host sync, say)."""
+        try:
+            fn()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # warm the allocator on a side stream, as capture requires
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(self.REPS):
+                    self.flush.zero_()
+                    fn()
+        except Exception as exc:  # noqa: BLE001 - report and fall back to eager
+            print(f"  (no CUDA graph: {type(exc).__name__}: {str(exc)[:120]})")
+            torch.cuda.synchronize()
+            return None
+        if self._flush_us is None:
+            flush_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(flush_graph):
+                for _ in range(self.REPS):
+                    self.flush.zero_()
+            self._flush_us = self._replay_us(flush_graph)
+        us = self._replay_us(graph) - self._flush_us
+        del graph
+        return max(us, 0.0)
+
+    def _replay_us(self, graph: torch.cuda.CUDAGraph) -> float:
+        graph.replay()
+        times = []
+        for _ in range(7):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return 1e3 * sorted(times)[len(times) // 2] / self.REPS
+
+    def time(self, row: Row, fn: Callable[[], object], reference: Callable[[], object]) -> None:
+        """row.us (graph, else eager), row.eager_us, row.ref_us (graph, else eager)."""
+        row.eager_us = self.eager(fn)
+        row.us = self.graph(fn) or row.eager_us
+        row.ref_us = self.graph(reference) or self.eager(reference)
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / (|b| + 1e-3): one bf16 unit in the last place is <= 2^-7 of a value."""
+    return float(((a.float() - b.float()).abs() / (b.float().abs() + 1e-3)).max())
+
+
+def rel_error2(a: tuple, b: tuple) -> float:
+    return max(rel_error(a[0], b[0]), rel_error(a[1], b[1]))
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def bench_attention(
+    kernels: tuple, model: Model, name: str, requests: list, ctx: dict
+) -> list[Row]:
+    attention, triton_attention, _, _ = kernels
+    device, dtype, timer, gen = ctx["device"], ctx["dtype"], ctx["timer"], ctx["gen"]
+    elt = torch.empty(0, dtype=dtype).element_size()
+    meta = attention_metadata_cpu(requests, gen)
+    nbytes, flops = attention_counts(model, requests, elt)
+    shape = (meta["num_blocks"], BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    k_cache = torch.randn(shape, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, device=device, dtype=dtype)
+    num_tokens = int(meta["query_lens"].sum())
+    q = torch.randn(num_tokens, model.num_heads, model.head_dim, device=device, dtype=dtype)
+    md = attention.build_attention_metadata(
+        meta["query_lens"],
+        meta["seq_lens"],
+        meta["block_tables"],
+        meta["slot_mapping"],
+        BLOCK_SIZE,
+        device,
+    )
+    scale = model.head_dim**-0.5
+    out = torch.empty_like(q)
+
+    def ours() -> torch.Tensor:
+        return triton_attention.paged_attention(
+            q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+            md.max_query_len, scale, out, max_seq_len=md.max_seq_len,
+        )  # fmt: skip
+
+    got = ours().clone()
+    expected = attention.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
+    err = max_error(got, expected)
+    row = Row("paged_attention", model.name, name, bytes=nbytes, flops=flops)
+    row.check, row.ok = f"err {err:.1e}", err < 3e-2
+    timer.time(row, ours, lambda: attention.paged_attention(q, k_cache, v_cache, md, scale))
+    row.flashinfer_us = flashinfer_attention_us(model, requests, md, q, k_cache, v_cache, ctx)
+    return [row]
+
+
+def flashinfer_attention_us(
+    model: Model, requests: list, md, q, k_cache, v_cache, ctx: dict
+) -> float | None:
+    """FlashInfer's paged decode (all q_len 1) or prefill wrapper on the same cache (NHD)."""
+    if ctx["flashinfer"] is None:
+        return None
+    flashinfer = ctx["flashinfer"]
+    device = q.device
+    try:
+        seq_lens = md.seq_lens_cpu
+        pages = (seq_lens + BLOCK_SIZE - 1) // BLOCK_SIZE
+        indptr = torch.zeros(len(requests) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(pages, 0)
+        indices = torch.cat([md.block_tables_cpu[r, : int(n)] for r, n in enumerate(pages)])
+        last_page_len = (seq_lens - (pages - 1) * BLOCK_SIZE).to(torch.int32)
+        indptr, indices, last = (t.to(device) for t in (indptr, indices, last_page_len))
+        workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+        heads = (model.num_heads, model.num_kv_heads, model.head_dim, BLOCK_SIZE)
+        if md.max_query_len == 1:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            wrapper.plan(indptr, indices, last, *heads, q_data_type=q.dtype)
+        else:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            qo_indptr = md.query_start_loc.to(device)
+            wrapper.plan(qo_indptr, indptr, indices, last, *heads, causal=True,
+                         q_data_type=q.dtype)  # fmt: skip
+        timer = ctx["timer"]
+        run = lambda: wrapper.run(q, (k_cache, v_cache))  # noqa: E731
+        return timer.graph(run) or timer.eager(run)
+    except Exception as exc:  # noqa: BLE001 - any FlashInfer API drift: report, go on
+        print(f"flashinfer failed on {model.name}: {type(exc).__name__}: {exc}")
+        return None
+
+
+# --------------------------------------------------------------------------- small ops
+
+
+def bench_ops(kernels: tuple, model: Model, phase: str, tokens: int, ctx: dict) -> list[Row]:
+    attention, triton_attention, triton_ops, _ = kernels
+    ref = triton_ops.reference
+    device, dtype, timer = ctx["device"], ctx["dtype"], ctx["timer"]
+    elt = torch.empty(0, dtype=dtype).element_size()
+    rows = []
+
+    def add(kernel: str, shape: str, nbytes: int, ours, reference, compare) -> None:
+        row = Row(kernel, model.name, f"{phase} {shape}", bytes=nbytes)
+        err = compare(ours(), reference())
+        # a rounding flip before the weight multiply can cost 2 bf16 ulps (2^-6) after it
+        row.check, row.ok = f"rel err {err:.1e}", err < 2e-2
+        timer.time(row, ours, reference)
+        rows.append(row)
+
+    # write_kv_cache
+    kv_shape = (tokens, model.num_kv_heads, model.head_dim)
+    key = torch.randn(kv_shape, device=device, dtype=dtype)
+    value = torch.randn(kv_shape, device=device, dtype=dtype)
+    num_blocks = tokens // BLOCK_SIZE * 2
+    cache_shape = (num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    caches = [torch.zeros(cache_shape, device=device, dtype=dtype) for _ in range(4)]
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:tokens]
+
+    def write_ours() -> torch.Tensor:
+        triton_attention.write_kv_cache(key, value, caches[0], caches[1], slots)
+        return caches[0]
+
+    def write_ref() -> torch.Tensor:
+        attention.write_kv_cache(key, value, caches[2], caches[3], slots)
+        return caches[2]
+
+    add("write_kv_cache", f"{tokens} tok", 4 * key.numel() * elt, write_ours, write_ref,
+        rel_error)  # fmt: skip
+
+    hidden = torch.randn(tokens, model.hidden, device=device, dtype=dtype)
+    residual = torch.randn(tokens, model.hidden, device=device, dtype=dtype)
+    weight = 1 + 0.1 * torch.randn(model.hidden, device=device, dtype=dtype)
+    act = hidden.numel() * elt
+    add("rms_norm", f"{tokens}x{model.hidden}", 2 * act,
+        lambda: triton_ops.rms_norm(hidden, weight, 1e-6),
+        lambda: ref.rms_norm(hidden, weight, 1e-6), rel_error)  # fmt: skip
+    add("fused_add_rms_norm", f"{tokens}x{model.hidden}", 4 * act,
+        lambda: triton_ops.fused_add_rms_norm(hidden, residual, weight, 1e-6),
+        lambda: ref.fused_add_rms_norm(hidden, residual, weight, 1e-6), rel_error2)  # fmt: skip
+
+    q_size, kv_size = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, device=device, dtype=dtype)
+    q = qkv[:, :q_size].view(tokens, model.num_heads, model.head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, model.num_kv_heads, model.head_dim)
+    positions = torch.randint(0, 8192, (tokens,), device=device)
+    freqs = torch.arange(8192, device=device)[:, None] * torch.rand(model.head_dim // 2,
+                                                                    device=device)  # fmt: skip
+    cos_cache, sin_cache = freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+    def rotary_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_cache[positions], sin_cache[positions]
+        return ref.apply_rotary(q, cos, sin), ref.apply_rotary(k, cos, sin)
+
+    add("apply_rotary_qk", f"{tokens}x({model.num_heads}+{model.num_kv_heads})x{model.head_dim}",
+        2 * (q.numel() + k.numel()) * elt,
+        lambda: triton_ops.apply_rotary_qk(q, k, positions, cos_cache, sin_cache), rotary_ref,
+        rel_error2)  # fmt: skip
+
+    gate_up = torch.randn(tokens, 2 * model.intermediate, device=device, dtype=dtype)
+    add("silu_and_mul", f"{tokens}x{model.intermediate}", gate_up.numel() * elt * 3 // 2,
+        lambda: triton_ops.silu_and_mul(gate_up), lambda: ref.silu_and_mul(gate_up),
+        rel_error)  # fmt: skip
+    return rows
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def torch_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The sort-based torch path: scale, sort, top-k/top-p mask, softmax, exponential race."""
+    z = logits / temperature.unsqueeze(1)
+    sorted_z, order = z.sort(dim=-1, descending=True)
+    kth = sorted_z.gather(1, (top_k - 1).unsqueeze(1))
+    sorted_z = sorted_z.masked_fill(sorted_z < kth, float("-inf"))
+    probs = sorted_z.softmax(dim=-1)
+    outside = probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)
+    sorted_z = sorted_z.masked_fill(outside, float("-inf"))
+    probs = torch.empty_like(z).scatter_(1, order, sorted_z).softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def bench_sampling(kernels: tuple, model: Model, batch: int, ctx: dict) -> list[Row]:
+    triton_sampling = kernels[3]
+    device, timer = ctx["device"], ctx["timer"]
+    logits = 4 * torch.randn(batch, model.vocab, device=device)
+    temperature = torch.full((batch,), 0.8, device=device)
+    top_k = torch.full((batch,), 50, device=device)
+    top_p = torch.full((batch,), 0.9, device=device)
+    seeds = torch.arange(batch, device=device)
+    thresholds = triton_sampling.sampling_thresholds(logits, temperature, top_k, top_p)
+    z = logits / temperature.unsqueeze(1)
+    keep = z >= thresholds.unsqueeze(1)
+    expected = triton_sampling.reference_keep_mask(logits, temperature, top_k, top_p)
+    boundary = z.masked_fill(~expected, float("inf")).amin(dim=1, keepdim=True)
+    mismatches = int(((keep != expected) & (z != boundary)).sum())  # ties at the edge: see tests
+    shape = f"{batch}x{model.vocab} k50 p0.9"
+    rows = []
+    for kernel, ours in (
+        ("sampling_thresholds", lambda: triton_sampling.sampling_thresholds(
+            logits, temperature, top_k, top_p)),
+        ("sample_from_logits", lambda: triton_sampling.sample_from_logits(
+            logits, temperature, seeds, None, top_k, top_p)),
+    ):  # fmt: skip
+        row = Row(kernel, model.name, shape, bytes=logits.numel() * 4)
+        row.check, row.ok = f"{mismatches} mismatches", mismatches == 0
+        timer.time(row, ours, lambda: torch_sample(logits, temperature, top_k, top_p))
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- sweep
+
+SWEEP_MIXED = [(0, 7), (40, 1), (0, 1), (33, 20), (5, 1), (17, 16), (0, 150), (300, 1)]
+SWEEP_DECODE = [(c, 1) for c in (0, 3, 15, 16, 63, 64, 79, 1000, 4095)]
+
+
+def sweep(kernels: tuple, device: torch.device) -> list[Row]:
+    """--sweep: attention correctness over odd shapes (block sizes 1..256, GQA 1..8, group 3,
+    head_dim 16..128 and 80, fp32/fp16/bf16, split-K forced), small batches."""
+    attention, triton_attention, _, _ = kernels
+    rows = []
+    configs = [
+        (bs, heads, kv, dim, dtype, requests, splits)
+        for bs in (1, 16, 256)
+        for heads, kv, dim in ((4, 4, 16), (8, 2, 32), (12, 4, 64), (32, 4, 128), (6, 2, 80))
+        for dtype in (torch.float32, torch.bfloat16)
+        for requests, splits in ((SWEEP_MIXED, None), (SWEEP_DECODE, None), (SWEEP_DECODE, 5))
+    ]
+    configs += [(8, 8, 2, 128, torch.float16, SWEEP_MIXED, None)]
+    gen = torch.Generator().manual_seed(1)
+    for bs, heads, kv, dim, dtype, requests, splits in configs:
+        blocks = [math.ceil((c + n) / bs) for c, n in requests]
+        pool = torch.randperm(sum(blocks) + 2, generator=gen)
+        table = torch.zeros(len(requests), max(blocks) + 1, dtype=torch.int32)
+        start = 0
+        for r, n in enumerate(blocks):
+            table[r, :n] = pool[start : start + n].to(torch.int32)
+            start += n
+        shape = (sum(blocks) + 2, bs, kv, dim)
+        k_cache = torch.randn(shape, device=device).to(dtype)
+        v_cache = torch.randn(shape, device=device).to(dtype)
+        num_tokens = sum(n for _, n in requests)
+        q = torch.randn(num_tokens, heads, dim, device=device).to(dtype)
+        md = attention.build_attention_metadata(
+            torch.tensor([n for _, n in requests]),
+            torch.tensor([c + n for c, n in requests]),
+            table,
+            torch.zeros(num_tokens, dtype=torch.long),
+            bs,
+            device,
+        )
+        out = triton_attention.paged_attention(
+            q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+            md.max_query_len, dim**-0.5, num_splits=splits,
+        )  # fmt: skip
+        ref = attention.paged_attention(q.float(), k_cache.float(), v_cache.float(), md,
+                                        dim**-0.5)  # fmt: skip
+        err = max_error(out, ref)
+        kind = "mixed" if md.max_query_len > 1 else f"decode splits={splits}"
+        row = Row("sweep paged_attention", f"{heads}/{kv}x{dim}", f"bs{bs} {kind} {dtype}")
+        row.check, row.ok = f"err {err:.1e}", err < (2e-5 if dtype == torch.float32 else 3e-2)
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="also write the table to this markdown file")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--models", nargs="*", default=[m.name for m in MODELS],
+                        choices=[m.name for m in MODELS])  # fmt: skip
+    parser.add_argument("--only", nargs="*", choices=["attention", "ops", "sampling"],
+                        default=["attention", "ops", "sampling"])  # fmt: skip
+    parser.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer")
+    parser.add_argument("--sweep", action="store_true", help="first a correctness sweep")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU only: parse, build the shapes and byte counts, print the plan",
+    )
+    return parser.parse_args(argv)
+
+
+def dry_run(args: argparse.Namespace, models: list[Model]) -> list[Row]:
+    """The plan: every row with its shape and byte / flop counts, nothing launched."""
+    elt = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for model in models:
+        if "attention" in args.only:
+            for name, requests in ATTENTION_CASES.items():
+                meta = attention_metadata_cpu(requests, gen)
+                assert meta["slot_mapping"].unique().numel() == meta["slot_mapping"].numel()
+                nbytes, flops = attention_counts(model, requests, elt)
+                row = Row("paged_attention", model.name, name, bytes=nbytes, flops=flops)
+                row.check = f"{meta['num_blocks']} blocks, {nbytes / 1e6:.0f} MB"
+                rows.append(row)
+        if "ops" in args.only:
+            for phase, tokens in OP_TOKENS.items():
+                for kernel in ("write_kv_cache", "rms_norm", "fused_add_rms_norm",
+                               "apply_rotary_qk", "silu_and_mul"):  # fmt: skip
+                    rows.append(Row(kernel, model.name, f"{phase} {tokens} tok"))
+        if "sampling" in args.only:
+            for batch in SAMPLING_BATCHES:
+                for kernel in ("sampling_thresholds", "sample_from_logits"):
+                    rows.append(Row(kernel, model.name, f"{batch}x{model.vocab} k50 p0.9"))
+    return rows
+
+
+def run(args: argparse.Namespace, models: list[Model]) -> list[Row]:
+    kernels = import_kernels()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    flashinfer = None
+    if not args.no_flashinfer:
+        try:
+            flashinfer = importlib.import_module("flashinfer")
+        except Exception as exc:  # noqa: BLE001 - optional
+            print(f"flashinfer not available ({type(exc).__name__}): no comparison")
+    ctx = {
+        "device": device,
+        "dtype": getattr(torch, args.dtype),
+        "timer": Timer(device),
+        "gen": torch.Generator().manual_seed(0),
+        "flashinfer": flashinfer,
+    }
+    rows: list[Row] = sweep(kernels, device) if args.sweep else []
+    for model in models:
+        sections = []
+        if "attention" in args.only:
+            sections += [(bench_attention, (model, n, r)) for n, r in ATTENTION_CASES.items()]
+        if "ops" in args.only:
+            sections += [(bench_ops, (model, p, t)) for p, t in OP_TOKENS.items()]
+        if "sampling" in args.only:
+            sections += [(bench_sampling, (model, b)) for b in SAMPLING_BATCHES]
+        for fn, fn_args in sections:
+            start = time.perf_counter()
+            new_rows = fn(kernels, *fn_args, ctx)
+            for row in new_rows:
+                print(" | ".join(row.cells()), f"({time.perf_counter() - start:.1f}s)")
+            rows += new_rows
+            workspace = getattr(kernels[0], "_WORKSPACE", None)  # the reference's scratch
+            if workspace is not None:
+                workspace.clear()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    models = [m for m in MODELS if m.name in args.models]
+    started = time.perf_counter()
+    if args.dry_run:
+        rows = dry_run(args, models)
+        title = "Triton kernels: plan (dry run, nothing timed)"
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: use --dry-run on a CPU machine")
+            return 2
+        rows = run(args, models)
+        title = f"Triton kernels on {torch.cuda.get_device_name()}"
+    table = markdown(rows)
+    print(table)
+    if args.out is not None:
+        import triton
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        command = "python scripts/gpu/bench_kernels.py " + " ".join(sys.argv[1:])
+        args.out.write_text(
+            f"# {title}\n\n{datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}, "
+            f"triton {triton.__version__}, {args.dtype}, KV block {BLOCK_SIZE}; "
+            f"`{command}` ({time.perf_counter() - started:.0f} s)\n\n{table}\n"
+        )
+        print(f"wrote {args.out}")
+    return 0 if all(row.ok for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
