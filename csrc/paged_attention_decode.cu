@@ -238,7 +238,6 @@ void dispatch_head_dim(torch::Tensor& out, const torch::Tensor& q, const torch::
   switch (q.size(2)) {
     case 64: return dispatch_group<T, 64>(out, q, k, v, bt, sl, scale, max_seq_len);
     case 128: return dispatch_group<T, 128>(out, q, k, v, bt, sl, scale, max_seq_len);
-    case 256: return dispatch_group<T, 256>(out, q, k, v, bt, sl, scale, max_seq_len);
     default: TORCH_CHECK(false, "unsupported head_dim ", q.size(2));
   }
 }
@@ -261,9 +260,6 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     case torch::kBFloat16:
       return dispatch_head_dim<__nv_bfloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
                                               scale, max_seq_len);
-    case torch::kHalf:
-      return dispatch_head_dim<__half>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                       max_seq_len);
     case torch::kFloat32:
       return dispatch_head_dim<float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
                                       max_seq_len);

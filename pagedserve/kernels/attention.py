@@ -304,7 +304,10 @@ KvWriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, to
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention}
 KV_CACHE_WRITERS: dict[str, KvWriteFn] = {"torch": write_kv_cache}
 # backends living in their own module, which exposes paged_attention_backend + write_kv_cache
-_BACKEND_MODULES = {"triton": "pagedserve.kernels.triton_attention"}
+_BACKEND_MODULES = {
+    "triton": "pagedserve.kernels.triton_attention",
+    "cuda": "pagedserve.kernels.cuda_attention",  # builds csrc/ with nvcc on import
+}
 
 
 def resolve_attention_backend(name: str) -> str:

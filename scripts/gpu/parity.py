@@ -55,6 +55,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backends", nargs="+", default=["triton", "cuda"])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--eager-too", action="store_true", help="also run without CUDA graphs")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -66,7 +67,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ("llama", "qwen2", "qwen3"):
             for backend in args.backends:
-                for eager in (False, True):
+                for eager in (False, True) if args.eager_too else (False,):
                     graphs = "off" if eager else "on"
                     try:
                         m, n, worst = check(arch, backend, eager, Path(tmp) / f"{backend}{eager}")

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedserve.actors.messages import NewRequestData, SamplingParams, StepPlan, StepResult
+from pagedserve.actors.worker.cuda_graphs import DecodeGraphs
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.sampler import Sampler, SamplerOutput
 from pagedserve.config import EngineConfig
@@ -72,6 +73,7 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.attention_layers: list[Attention] = []
         self.kv_cache: torch.Tensor | None = None
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -109,6 +111,35 @@ class ModelRunner:
             self.kv_cache_shape(num_blocks), dtype=self.dtype, device=self.device
         )
         self._bind_kv_cache(self.kv_cache)
+        self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> None:
+        """CUDA graphs for decode steps (cuda device, a graph-safe backend, not enforce_eager);
+        a capture failure is logged and the runner stays eager."""
+        config = self.config
+        if self.device.type != "cuda" or config.enforce_eager:
+            return
+        if self.attention_backend not in ("triton", "cuda"):
+            return
+        assert self.model is not None and config.max_model_len is not None
+        graphs = DecodeGraphs(
+            self.model, config.max_num_seqs, cdiv(config.max_model_len, self.block_size),
+            config.max_model_len, self.block_size, self.attention_backend, self.device,
+        )  # fmt: skip
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except Exception:
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            return
+        self.decode_graphs = graphs
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        assert self.model is not None
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(inputs.attn_metadata):
+            return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
     def _bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for layer_index, layer in enumerate(self.attention_layers):
@@ -129,7 +160,7 @@ class ModelRunner:
     def _run_step(self, plan: StepPlan, result: StepResult) -> None:
         assert self.model is not None, "load_model() first"
         inputs = self._prepare_inputs(plan)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        hidden = self._forward(inputs)
         if not inputs.sampling_ids:
             return
         output = self._sample(hidden, inputs)
