@@ -68,6 +68,17 @@ def decode(
     return out
 
 
+def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The shapes the kernel is instantiated for (csrc/paged_attention_decode.cu)."""
+    group = q.shape[1] // k_cache.shape[2]
+    return (
+        q.shape[-1] in (64, 128)
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and group in (1, 2, 4, 8)
+        and q.shape[1] == group * k_cache.shape[2]
+    )
+
+
 def paged_attention_backend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -78,7 +89,7 @@ def paged_attention_backend(
     """Decode-only steps run the CUDA kernel; steps with prefill chunks run Triton's."""
     from pagedserve.kernels import triton_attention
 
-    if metadata.max_query_len != 1:
+    if metadata.max_query_len != 1 or not supported(q, k_cache):
         return triton_attention.paged_attention_backend(q, k_cache, v_cache, metadata, scale)
     return decode(
         q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, metadata.max_seq_len
