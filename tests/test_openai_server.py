@@ -251,6 +251,10 @@ async def test_many_streams_with_disconnects_free_every_block(server) -> None:
             await anyio.sleep(0.1)
     assert metric(text, "pagedserve:kv_cache_free_blocks") == 512
     assert metric(text, "pagedserve:num_requests_running") == 0
+    assert metric(text, "pagedserve:generation_tokens_total") >= 150 * 24
+    assert metric(text, "pagedserve:prompt_tokens_total") > 0
+    assert metric(text, 'pagedserve:request_success_total{finished_reason="length"}') >= 150
+    assert metric(text, "pagedserve:time_to_first_token_seconds_count") >= 150
 
 
 def test_api_key_is_enforced(model_path: Path) -> None:

@@ -58,6 +58,7 @@ class RequestTimer:
         self.start = time.perf_counter()
         self.first: float | None = None
         self.num_tokens = 0
+        self.num_prompt_tokens = 0
 
     def on_tokens(self, count: int) -> None:
         if count and self.first is None:
@@ -66,10 +67,10 @@ class RequestTimer:
         self.num_tokens += count
         self.metrics.generation_tokens.inc(count)
 
-    def on_finish(self, reason: str, num_prompt_tokens: int) -> None:
+    def on_finish(self, reason: str) -> None:
         now = time.perf_counter()
         self.metrics.e2e.observe(now - self.start)
-        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self.metrics.requests.labels(reason).inc()
         if self.first is not None and self.num_tokens > 1:
             self.metrics.tpot.observe((now - self.first) / (self.num_tokens - 1))

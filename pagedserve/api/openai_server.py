@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import socket
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -23,11 +21,12 @@ from starlette.routing import Route
 
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.chat import load_tokenizer
-from pagedserve.actors.messages import ChatMessage, RequestDelta, SamplingParams, TokenLogprobs
+from pagedserve.actors.messages import ChatMessage, RequestDelta, SamplingParams
 from pagedserve.api.client import AsyncClient, EngineRequestError, Prompt
 from pagedserve.api.generation import Choice, stream_choices
 from pagedserve.api.metrics import Metrics, RequestTimer
 from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest, decode_body
+from pagedserve.api.render import ChatRender, CompletionRender, Render
 
 
 def error_response(message: str, status: int, kind: str = "invalid_request_error") -> JSONResponse:
@@ -154,9 +153,9 @@ class OpenAIServer:
             timer = timers.setdefault(index, RequestTimer(self.metrics))
             timer.on_tokens(len(delta.token_ids))
             if delta.prompt_token_ids is not None:
-                timer.num_prompt = len(delta.prompt_token_ids)  # type: ignore[attr-defined]
+                timer.num_prompt_tokens = len(delta.prompt_token_ids)
             if delta.finish_reason is not None:
-                timer.on_finish(delta.finish_reason.openai_name, getattr(timer, "num_prompt", 0))
+                timer.on_finish(delta.finish_reason.openai_name)
             yield index, delta
 
     def token_text(self, token_id: int) -> str:
@@ -177,195 +176,6 @@ async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     async for chunk in chunks:
         yield b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
     yield b"data: [DONE]\n\n"
-
-
-def usage(choices: list[Choice], num_prompts: int) -> dict:
-    n = max(1, len(choices) // max(num_prompts, 1))
-    prompt = sum(len(c.prompt_token_ids) for c in choices[::n])
-    completion = sum(len(c.token_ids) for c in choices)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-class Render:
-    """Turns choices into OpenAI JSON: whole responses and stream chunks."""
-
-    object_name = ""
-    chunk_object_name = ""
-    id_prefix = ""
-
-    def __init__(self, server: OpenAIServer, num_prompts: int) -> None:
-        self.server = server
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.num_prompts = num_prompts
-
-    def envelope(self, object_name: str, choices: list[dict]) -> dict:
-        return {
-            "id": self.id,
-            "object": object_name,
-            "created": self.created,
-            "model": self.server.model_name,
-            "choices": choices,
-        }
-
-    def full(self, choices: list[Choice]) -> dict:
-        body = self.envelope(self.object_name, [self.full_choice(c) for c in choices])
-        body["usage"] = usage(choices, self.num_prompts)
-        return body
-
-    async def stream(
-        self,
-        first: tuple[int, RequestDelta],
-        rest: AsyncIterator[tuple[int, RequestDelta]],
-        include_usage: bool,
-    ) -> AsyncIterator[dict]:
-        states: dict[int, Choice] = {}
-        for chunk in self.opening():
-            yield chunk
-        async for index, delta in prepend(first, rest):
-            choice = states.setdefault(index, Choice(index))
-            choice.add(delta)
-            yield self.envelope(self.chunk_object_name, [self.delta_choice(choice, delta)])
-        if include_usage:
-            choices = [states[i] for i in sorted(states)]
-            chunk = self.envelope(self.chunk_object_name, [])
-            chunk["usage"] = usage(choices, self.num_prompts)
-            yield chunk
-
-    def opening(self) -> list[dict]:
-        return []
-
-    def full_choice(self, choice: Choice) -> dict:
-        raise NotImplementedError
-
-    def delta_choice(self, choice: Choice, delta: RequestDelta) -> dict:
-        raise NotImplementedError
-
-
-async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    yield first
-    async for item in rest:
-        yield item
-
-
-class CompletionRender(Render):
-    object_name = chunk_object_name = "text_completion"
-    id_prefix = "cmpl"
-
-    def __init__(
-        self, server: OpenAIServer, body: CompletionRequest, prompts: list[Prompt]
-    ) -> None:
-        super().__init__(server, len(prompts))
-        self.body = body
-        self.prompts = prompts
-
-    def echo_text(self, choice: Choice) -> str:
-        if not self.body.echo:
-            return ""
-        prompt = self.prompts[choice.index // self.body.n]
-        return prompt if isinstance(prompt, str) else self.server.tokenizer.decode(prompt)
-
-    def logprobs(self, entries: list[TokenLogprobs], offset: int) -> dict | None:
-        if self.body.logprobs is None:
-            return None
-        text = self.server.token_text
-        tokens = [text(e.token_id) for e in entries]
-        offsets, position = [], offset
-        for token in tokens:
-            offsets.append(position)
-            position += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [
-                {text(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)} for e in entries
-            ],
-            "text_offset": offsets,
-        }
-
-    def full_choice(self, choice: Choice) -> dict:
-        echo = self.echo_text(choice)
-        return {
-            "index": choice.index,
-            "text": echo + choice.text,
-            "logprobs": self.logprobs(choice.logprobs, len(echo)),
-            "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason,
-        }
-
-    def delta_choice(self, choice: Choice, delta: RequestDelta) -> dict:
-        first = delta.prompt_token_ids is not None
-        echo = self.echo_text(choice) if first else ""
-        offset = len(choice.text) - len(delta.text)
-        return {
-            "index": choice.index,
-            "text": echo + delta.text,
-            "logprobs": self.logprobs(delta.logprobs or [], offset),
-            "finish_reason": choice.finish_reason if delta.finish_reason is not None else None,
-            "stop_reason": choice.stop_reason if delta.finish_reason is not None else None,
-        }
-
-
-class ChatRender(Render):
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
-    id_prefix = "chatcmpl"
-
-    def __init__(self, server: OpenAIServer, body: ChatCompletionRequest) -> None:
-        super().__init__(server, 1)
-        self.body = body
-
-    def logprobs(self, entries: list[TokenLogprobs]) -> dict | None:
-        if not self.body.logprobs:
-            return None
-        return {"content": [self.token_logprob(e) for e in entries]}
-
-    def token_logprob(self, entry: TokenLogprobs) -> dict:
-        def item(token_id: int, logprob: float) -> dict:
-            token = self.server.token_text(token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-        top = [item(t, lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)]
-        return {**item(entry.token_id, entry.logprob), "top_logprobs": top}
-
-    def opening(self) -> list[dict]:
-        return [
-            self.envelope(
-                self.chunk_object_name,
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            )
-            for i in range(self.body.n)
-        ]
-
-    def full_choice(self, choice: Choice) -> dict:
-        return {
-            "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
-            "logprobs": self.logprobs(choice.logprobs),
-            "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason,
-        }
-
-    def delta_choice(self, choice: Choice, delta: RequestDelta) -> dict:
-        done = delta.finish_reason is not None
-        return {
-            "index": choice.index,
-            "delta": {"content": delta.text},
-            "logprobs": self.logprobs(delta.logprobs or []),
-            "finish_reason": choice.finish_reason if done else None,
-            "stop_reason": choice.stop_reason if done else None,
-        }
 
 
 def build_app(server: OpenAIServer) -> Starlette:
@@ -401,6 +211,3 @@ class APIServerActor(Actor):
                 build_app(handler), log_level="warning", lifespan="off", timeout_graceful_shutdown=1
             )
             await uvicorn.Server(config).serve(sockets=[self.listener])
-
-
-_: Callable = msgspec.json.encode  # msgspec is the codec for request bodies (protocol.py)
