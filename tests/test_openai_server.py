@@ -276,3 +276,20 @@ def test_api_key_is_enforced(model_path: Path) -> None:
         assert len(ok.choices) == 1
     finally:
         supervisor.stop()
+
+
+def test_echo_penalties_and_user_fields(api: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL_NAME, prompt="To be, or not", max_tokens=8, temperature=0, user="u1")
+    plain = api.completions.create(**kwargs).choices[0].text
+    echoed = api.completions.create(echo=True, **kwargs).choices[0].text
+    assert echoed == "To be, or not" + plain
+    long = {**kwargs, "max_tokens": 48, "logprobs": 0}
+    free = api.completions.create(**long).choices[0].logprobs.tokens
+    penalties = dict(frequency_penalty=2.0, presence_penalty=2.0)
+    penalised = (
+        api.completions.create(extra_body={"repetition_penalty": 1.5}, **penalties, **long)
+        .choices[0]
+        .logprobs.tokens
+    )
+    assert len(set(free)) < len(free)  # greedy on this model repeats itself...
+    assert len(set(penalised)) > len(set(free))  # ...and the penalties reach the sampler
