@@ -66,3 +66,58 @@ def test_serve_stops_cleanly_on_ctrl_c_and_sigterm(tmp_path, sig: signal.Signals
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def run_json(args: list[str]) -> object:
+    """Run `pagedserve ARGS` and parse the JSON it prints last."""
+    import json
+
+    result = subprocess.run([*PAGEDSERVE, *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    start = min(i for i in (result.stdout.find("["), result.stdout.find("{")) if i >= 0)
+    return json.loads(result.stdout[start:])
+
+
+def test_bench_throughput_runs_the_peer_on_the_same_workload() -> None:
+    rows = run_json(
+        [
+            "bench",
+            "throughput",
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "8",
+            "32",
+            "--output-len",
+            "4",
+            "16",
+            "--backend",
+            "pagedserve",
+            "hf",
+        ]
+    )
+    assert [r["backend"] for r in rows] == ["pagedserve", "hf-static(batch=64)"]
+    assert rows[0]["output_tokens"] == rows[1]["output_tokens"] > 0
+
+
+def test_bench_serve_reports_latency_percentiles() -> None:
+    result = run_json(
+        [
+            "bench",
+            "serve",
+            "--num-prompts",
+            "12",
+            "--input-len",
+            "8",
+            "32",
+            "--output-len",
+            "4",
+            "12",
+            "--request-rate",
+            "30",
+        ]
+    )
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert result["total_output_tokens"] >= 12 * 4
+    assert 0 < result["ttft"]["median_ms"] <= result["ttft"]["p99_ms"]
+    assert result["itl"]["median_ms"] > 0

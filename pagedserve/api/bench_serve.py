@@ -1,0 +1,128 @@
+"""`pagedserve bench serve`: drive an OpenAI-compatible server with Poisson arrivals (like
+`vllm bench serve`) and report request throughput, output tokens/s, TTFT, TPOT and ITL.
+
+Requests are streamed `/v1/completions` calls with token-id prompts from the seeded synthetic
+workload (`bench.random_workload`) and `ignore_eos`, so each produces exactly its output length.
+Arrival gaps are exponential with mean 1 / request_rate (seeded); rate `inf` sends all at once.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import httpx
+
+from pagedserve.api.bench import Workload
+
+
+@dataclass
+class RequestTiming:
+    start: float
+    stamps: list[float] = field(default_factory=list)  # arrival of each token-bearing chunk
+    num_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.stamps[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.stamps[-1] - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.num_tokens < 2:
+            return None
+        return (self.stamps[-1] - self.stamps[0]) / (self.num_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+async def stream_one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+) -> RequestTiming:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "logprobs": 0,
+    }
+    timing = RequestTiming(start=time.perf_counter())
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                tokens = (
+                    len((choices[0].get("logprobs") or {}).get("tokens") or []) if choices else 0
+                )
+                if tokens:
+                    timing.stamps.append(time.perf_counter())
+                    timing.num_tokens += tokens
+    except (httpx.HTTPError, ValueError) as exc:
+        timing.error = str(exc)
+    return timing
+
+
+async def run(
+    base_url: str, model: str, workload: Workload, request_rate: float, seed: int = 0
+) -> dict:
+    rng = random.Random(seed)
+    timings: list[RequestTiming] = []
+    url = base_url.rstrip("/") + "/v1/completions"
+    limits = httpx.Limits(max_connections=len(workload) + 8)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(prompt: list[int], max_tokens: int) -> None:
+            timings.append(await stream_one(client, url, model, prompt, max_tokens))
+
+        async with anyio.create_task_group() as tg:
+            for prompt, max_tokens in workload:
+                tg.start_soon(one, prompt, max_tokens)
+                if request_rate != float("inf"):
+                    await anyio.sleep(rng.expovariate(request_rate))
+        elapsed = time.perf_counter() - start
+    return summarize(timings, elapsed)
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {
+        "mean_ms": statistics.fmean(values) * 1e3,
+        "median_ms": statistics.median(values) * 1e3,
+        "p99_ms": p99 * 1e3,
+    }
+
+
+def summarize(timings: list[RequestTiming], elapsed: float) -> dict:
+    done = [t for t in timings if t.error is None and t.stamps]
+    output_tokens = sum(t.num_tokens for t in done)
+    return {
+        "completed": len(done),
+        "failed": len(timings) - len(done),
+        "duration_s": elapsed,
+        "request_throughput": len(done) / elapsed,
+        "output_throughput": output_tokens / elapsed,
+        "total_output_tokens": output_tokens,
+        "ttft": _stats([t.ttft for t in done]),
+        "tpot": _stats([t.tpot for t in done if t.tpot is not None]),
+        "itl": _stats([gap for t in done for gap in t.itls]),
+        "e2el": _stats([t.e2e for t in done]),
+    }
