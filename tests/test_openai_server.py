@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 from pathlib import Path
 
 import anyio
@@ -257,23 +258,37 @@ async def test_many_streams_with_disconnects_free_every_block(server) -> None:
     assert metric(text, "pagedserve:time_to_first_token_seconds_count") >= 150
 
 
-def test_api_key_is_enforced(model_path: Path) -> None:
+def test_api_key_and_restart_of_dead_stateless_actors(model_path: Path) -> None:
     port = free_port()
     config = EngineConfig(
         model=str(model_path), num_kv_blocks=32, server=ServerConfig(port=port, api_key="sekrit")
     )
     supervisor = Supervisor(config)
     supervisor.start(extra_actors=("api-server",))
+    base = f"http://127.0.0.1:{port}/v1"
+    good = openai.OpenAI(base_url=base, api_key="sekrit", max_retries=0)
     try:
-        base = f"http://127.0.0.1:{port}/v1"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).completions.create(
                 model=str(model_path), prompt="x", max_tokens=2
             )
-        ok = openai.OpenAI(base_url=base, api_key="sekrit").completions.create(
-            model=str(model_path), prompt="x", max_tokens=2
+        assert (
+            len(good.completions.create(model=str(model_path), prompt="x", max_tokens=2).choices)
+            == 1
         )
-        assert len(ok.choices) == 1
+        for name in ("api-server", "tokenizer"):
+            supervisor.processes[name].kill()
+        deadline = time.monotonic() + 120
+        while True:  # the supervisor brings both back
+            try:
+                reply = good.completions.create(model=str(model_path), prompt="x", max_tokens=2)
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "the server did not come back"
+                time.sleep(0.5)
+        assert len(reply.choices) == 1
+        assert supervisor.restarts == {"api-server": 1, "tokenizer": 1}
+        assert supervisor.dead_reason is None
     finally:
         supervisor.stop()
 

@@ -3,8 +3,9 @@
 Start order: workers first (they load the model and report how many KV blocks fit), then the
 scheduler (sized by the smallest worker's report) and the tokenizer. Every actor says
 `ActorReady` once its sockets are bound. `stop()` sends SIGTERM, waits, kills stragglers and
-removes the private run directory with its socket files. A watcher thread notices an actor that
-dies and marks the engine dead, so clients fail fast instead of hanging.
+removes the private run directory with its socket files. A watcher thread restarts the actors
+that hold no engine state (tokenizer, HTTP server) when they die; the death of any other actor
+marks the engine dead, so clients fail fast instead of hanging.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pagedserve.config import EngineConfig, encode_config
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
+RESTARTABLE = ("tokenizer", "api-server")  # hold no engine state: a new one picks up the work
+MAX_RESTARTS = 3
 STOP_TIMEOUT_S = 10.0
 
 
@@ -49,6 +52,9 @@ class Supervisor:
             SupervisorInbound, "supervisor"
         )
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self.restarts: dict[str, int] = {}
+        self.sized_config = self.config
         self._watcher: threading.Thread | None = None
 
     def start(self, extra_actors: tuple[str, ...] = ()) -> None:
@@ -60,6 +66,7 @@ class Supervisor:
             readies = self._wait_ready(self.config.tensor_parallel_size)
             self.num_kv_blocks = min(r.num_kv_blocks for r in readies)
             sized = msgspec.structs.replace(self.config, num_kv_blocks=self.num_kv_blocks)
+            self.sized_config = sized
             for name in ("scheduler", "tokenizer", *extra_actors):
                 self._spawn(name, sized, 0)
             self._wait_ready(2 + len(extra_actors))
@@ -100,11 +107,22 @@ class Supervisor:
                 raise EngineDeadError(f"{label} exited with code {process.returncode}")
 
     def _watch(self) -> None:
+        """Restart a dead stateless actor (tokenizer, HTTP server); any other death, or too
+        many restarts, marks the engine dead."""
         while not self._stopping.wait(0.5):
-            for label, process in self.processes.items():
-                if process.poll() is not None and not self._stopping.is_set():
-                    self._mark_dead(f"{label} died with exit code {process.returncode}")
+            for label, process in list(self.processes.items()):
+                if process.poll() is None:
+                    continue
+                reason = f"{label} died with exit code {process.returncode}"
+                if label not in RESTARTABLE or self.restarts.get(label, 0) >= MAX_RESTARTS:
+                    self._mark_dead(reason)
                     return
+                logger.error("%s; restarting it", reason)
+                self.restarts[label] = self.restarts.get(label, 0) + 1
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    self._spawn(label, self.sized_config, 0)
 
     def _mark_dead(self, reason: str) -> None:
         logger.error("engine is dead: %s", reason)
@@ -114,9 +132,10 @@ class Supervisor:
 
     def stop(self) -> None:
         """SIGTERM every actor, wait, kill what is left, remove the run directory."""
-        if self._stopping.is_set():
-            return
-        self._stopping.set()
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
         for process in self.processes.values():
             if process.poll() is None:
                 process.terminate()
