@@ -121,3 +121,13 @@ def test_bench_serve_reports_latency_percentiles() -> None:
     assert result["total_output_tokens"] >= 12 * 4
     assert 0 < result["ttft"]["median_ms"] <= result["ttft"]["p99_ms"]
     assert result["itl"]["median_ms"] > 0
+
+
+def test_chat_streams_a_reply_and_ends_on_eof() -> None:
+    result = subprocess.run(
+        [*PAGEDSERVE, "chat", "--max-tokens", "24", "--sampling-seed", "1"],
+        input="What news, my lord?\n", capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    reply = result.stdout.split("bot> ", 1)[1].split("you> ", 1)[0]
+    assert len(reply.strip()) > 0
