@@ -1,16 +1,34 @@
-"""The torch paged-attention reference against a naive dense causal attention."""
+"""The torch paged-attention reference and the CPU backend (head-major cache: C++ decode
+kernel and pure-torch paths) against a naive dense causal attention; the C++ per-token kernels
+against the torch references of kernels.ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagedserve.kernels import attention, ops
 from pagedserve.kernels.attention import (
     build_attention_metadata,
     cdiv,
+    cpu_decode_kernel_applies,
+    load_cpu_kernels,
     paged_attention,
+    paged_attention_head_major,
     write_kv_cache,
+    write_kv_cache_head_major,
 )
+
+# reference: token-major cache, paged_attention. head_major_torch / head_major_kernel: the CPU
+# backend's head-major cache with its pure-torch decode path or its C++ decode kernel.
+BACKENDS = ["reference", "head_major_torch", "head_major_kernel"]
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels() -> bool:
+    """Builds the C++ CPU kernels (first use on a machine: ~30 s) or finds them unavailable."""
+    return load_cpu_kernels()
+
 
 HEAD_DIM = 32
 
@@ -29,7 +47,12 @@ def dense_causal_attention(
 
 
 def run_case(
-    cases: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, seed: int
+    cases: list[tuple[int, int]],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    seed: int,
+    backend: str = "reference",
 ) -> None:
     """cases: (tokens already in the cache, new tokens this step) per request."""
     gen = torch.Generator().manual_seed(seed)
@@ -47,15 +70,19 @@ def run_case(
     def slots(r: int, positions: range) -> list[int]:
         return [tables[r][p // block_size] * block_size + p % block_size for p in positions]
 
+    write = write_kv_cache
+    if backend != "reference":  # the same random contents, head-major
+        k_cache, v_cache = (c.permute(2, 0, 1, 3).contiguous() for c in (k_cache, v_cache))
+        write = write_kv_cache_head_major
     for r, (ctx, _) in enumerate(cases):  # earlier steps filled the context
         old = torch.tensor(slots(r, range(ctx)), dtype=torch.long)
-        write_kv_cache(keys[r][:ctx], values[r][:ctx], k_cache, v_cache, old)
+        write(keys[r][:ctx], values[r][:ctx], k_cache, v_cache, old)
     slot_mapping = torch.tensor(
         [s for r, (c, n) in enumerate(cases) for s in slots(r, range(c, c + n))], dtype=torch.long
     )
     new_k = torch.cat([keys[r][c:] for r, (c, _) in enumerate(cases)])
     new_v = torch.cat([values[r][c:] for r, (c, _) in enumerate(cases)])
-    write_kv_cache(new_k, new_v, k_cache, v_cache, slot_mapping)
+    write(new_k, new_v, k_cache, v_cache, slot_mapping)
     q = torch.randn(len(slot_mapping), num_heads, HEAD_DIM, generator=gen)
     metadata = build_attention_metadata(
         torch.tensor([n for _, n in cases]),
@@ -66,7 +93,15 @@ def run_case(
         torch.device("cpu"),
     )
     scale = HEAD_DIM**-0.5
-    out = paged_attention(q, k_cache, v_cache, metadata, scale)
+    if backend == "reference":
+        out = paged_attention(q, k_cache, v_cache, metadata, scale)
+    else:
+        use_kernel = backend == "head_major_kernel"
+        if use_kernel and not cpu_decode_kernel_applies(q, num_kv_heads):
+            pytest.skip("the C++ decode kernel does not take this shape (or is not built)")
+        out = paged_attention_head_major(
+            q, k_cache, v_cache, metadata, scale, use_kernel=use_kernel
+        )
     start = 0
     for r, (ctx, new) in enumerate(cases):
         expected = dense_causal_attention(q[start : start + new], keys[r], values[r], ctx, scale)
@@ -77,17 +112,28 @@ def run_case(
 MIXED = [(0, 7), (40, 1), (0, 1), (33, 20), (5, 1), (17, 16), (0, 45), (100, 1)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_mixed_prefill_chunks_and_decodes(
-    block_size: int, num_heads: int, num_kv_heads: int
+    block_size: int, num_heads: int, num_kv_heads: int, backend: str, cpu_kernels: bool
 ) -> None:
-    run_case(MIXED, block_size, num_heads, num_kv_heads, seed=block_size + num_heads)
+    run_case(MIXED, block_size, num_heads, num_kv_heads, block_size + num_heads, backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_pure_decode_batch(block_size: int) -> None:
-    run_case([(c, 1) for c in (0, 3, 15, 16, 17, 64, 200)], block_size, 8, 2, seed=1)
+def test_pure_decode_batch(block_size: int, backend: str, cpu_kernels: bool) -> None:
+    run_case([(c, 1) for c in (0, 3, 15, 16, 17, 64, 200)], block_size, 8, 2, 1, backend)
+
+
+@pytest.mark.parametrize("backend", ["head_major_torch", "head_major_kernel"])
+def test_decode_buckets_and_long_contexts(backend: str, cpu_kernels: bool) -> None:
+    """Contexts spread wide enough for several torch-path buckets; tiles of 16 keys and tails
+    in the kernel; 8 query heads per kv head."""
+    cases = [(c, 1) for c in (700, 3, 250, 31, 32, 33, 499, 120, 0, 64)]
+    run_case(cases, 16, 8, 1, seed=5, backend=backend)
+    assert attention._split_decodes([40, 40, 30, 5, 5, 4], 20) == [0, 2, 3, 6]
 
 
 @pytest.mark.parametrize(
@@ -99,8 +145,9 @@ def test_pure_decode_batch(block_size: int) -> None:
         [(24, 40)],  # a lone later chunk
     ],
 )
-def test_pure_prefill_batch(cases: list[tuple[int, int]]) -> None:
-    run_case(cases, 16, 4, 2, seed=2)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pure_prefill_batch(cases: list[tuple[int, int]], backend: str, cpu_kernels: bool) -> None:
+    run_case(cases, 16, 4, 2, seed=2, backend=backend)
 
 
 def test_prefill_buckets_bound_padding() -> None:
@@ -143,3 +190,60 @@ def test_metadata_fields() -> None:
         [True, True, False],
         [True, True, True],
     ]
+
+
+# ------------------------------------------------------------------ the C++ per-token kernels
+
+
+@pytest.fixture
+def kernels(cpu_kernels: bool) -> None:
+    if not cpu_kernels:
+        pytest.skip("the C++ CPU kernels are not available here")
+
+
+def test_cpu_rms_norms(kernels: None) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(37, 200, generator=gen), torch.randn(37, 200, generator=gen)
+    weight = torch.randn(200, generator=gen)
+    out = torch.empty_like(x)
+    torch.ops.pagedserve_cpu.rms_norm(out, x, weight, 1e-5)
+    torch.testing.assert_close(out, ops.rms_norm(x, weight, 1e-5), atol=1e-6, rtol=1e-5)
+    expected, expected_residual = ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    torch.ops.pagedserve_cpu.fused_add_rms_norm(x, residual, weight, 1e-5)  # in place
+    assert torch.equal(residual, expected_residual)
+    torch.testing.assert_close(x, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 40])
+def test_cpu_rotary_in_place(kernels: None, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    cos_cache = torch.randn(64, head_dim // 2, generator=gen)
+    sin_cache = torch.randn(64, head_dim // 2, generator=gen)
+    positions = torch.randint(0, 64, (9,), generator=gen)
+    qkv = torch.randn(9, 7, head_dim, generator=gen)
+    qk = qkv[:, :5]  # a strided view, as in the model
+    expected = ops.apply_rotary(qk, cos_cache[positions], sin_cache[positions])
+    untouched = qkv[:, 5:].clone()
+    torch.ops.pagedserve_cpu.rotary_inplace(qk, positions, cos_cache, sin_cache)
+    assert torch.equal(qk, expected)  # the same products and sums: bit-identical
+    assert torch.equal(qkv[:, 5:], untouched)
+
+
+def test_cpu_silu_and_mul(kernels: None) -> None:
+    x = torch.randn(13, 2 * 150, generator=torch.Generator().manual_seed(1)) * 8
+    out = torch.empty(13, 150)
+    torch.ops.pagedserve_cpu.silu_and_mul(out, x)
+    torch.testing.assert_close(out, ops.silu_and_mul(x), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_write_kv_head_major(kernels: None) -> None:
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = torch.zeros(2, 5, 4, 32), torch.zeros(2, 5, 4, 32)
+    kv = torch.randn(6, 4, 32, generator=gen)  # [T, 2 * kv_heads, D]: k and v side by side
+    k, v = kv[:, :2], kv[:, 2:]
+    slots = torch.tensor([3, 0, 19, 7, 8, 12])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.view(2, -1, 32)[:, slots] = k.transpose(0, 1)
+    expected_v.view(2, -1, 32)[:, slots] = v.transpose(0, 1)
+    torch.ops.pagedserve_cpu.write_kv_head_major(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)

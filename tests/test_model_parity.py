@@ -20,6 +20,7 @@ from pagedserve.actors.messages import (
 )
 from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.config import EngineConfig
+from pagedserve.kernels import attention
 from pagedserve.kernels.attention import cdiv
 from pagedserve.models.loader import load_model
 
@@ -175,10 +176,20 @@ def random_prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(COMMON["vocab_size"]) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
+@pytest.mark.parametrize("cpu_path", ["kernels", "torch", "torch_ref"])
 @pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
-def test_greedy_parity_with_transformers(arch: str, tmp_path: Path) -> None:
+def test_greedy_parity_with_transformers(
+    arch: str, cpu_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cpu_path: the CPU backend with its C++ kernels (when they build here), the same backend
+    in pure torch, or the token-major torch reference backend."""
+    overrides: dict[str, object] = {}
+    if cpu_path == "torch":
+        monkeypatch.setattr(attention, "_cpu_kernel_state", False)
+    elif cpu_path == "torch_ref":
+        overrides["attention_backend"] = "torch_ref"
     hf_model = save_hf_model(arch, tmp_path)
-    runner = make_runner(tmp_path)
+    runner = make_runner(tmp_path, **overrides)
     prompts = random_prompts(seed=len(arch))
     params = SamplingParams(temperature=0.0, logprobs=0, max_tokens=MAX_NEW_TOKENS)
     requests = MiniScheduler(prompts, params).run(runner)

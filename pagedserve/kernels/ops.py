@@ -4,6 +4,11 @@ residual add), rotary position embedding (neox / rotate-half layout) and SiLU-an
 These are the CPU path and the reference that later Triton/CUDA kernels are checked against.
 Numerics follow Hugging Face transformers: the norm is computed in float32 and cast back to the
 input dtype before the weight multiply; the residual add happens in the input dtype.
+
+The `*_fast` variants compute the same values with fewer kernel launches (the CPU path is
+dominated by per-op overhead at decode batch sizes): `rms_norm_fast` skips the no-op casts of
+float32 and adds eps in place, and `apply_rotary_full` takes per-step full-width tables (cos
+repeated, sin with the first half negated) shared by every layer and by q and k at once.
 """
 
 from __future__ import annotations
@@ -43,3 +48,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate, up] along the last dim; returns silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def fused_add_rms_norm_fast(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm with the float32 casts skipped when they are no-ops."""
+    new_residual = x + residual
+    return rms_norm_fast(new_residual, weight, eps), new_residual
+
+
+def rms_norm_fast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm without the casts when x is float32 (the same ops otherwise)."""
+    if x.dtype != torch.float32:
+        return rms_norm(x, weight, eps)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance.add_(eps)))
+
+
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [num_tokens, head_dim // 2] -> [num_tokens, 1, head_dim] tables
+    (cat(cos, cos), cat(-sin, sin)) for apply_rotary_full."""
+    return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+
+
+def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary with rotary_tables' full-width cos / signed sin: x * cos + swap(x) * sin,
+    swap exchanging the halves. The same products and sums as apply_rotary (x2 * -sin is
+    -(x2 * sin) exactly), so the same values; x may be any [num_tokens, heads, head_dim] view."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    out = x * cos
+    return out.add_(swapped.mul_(sin))

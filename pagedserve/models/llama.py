@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.attention import AttentionMetadata, OutputRows
 from pagedserve.models.layers import (
     Attention,
     LMHead,
@@ -63,15 +63,29 @@ class LlamaAttention(nn.Module):
         return q, k
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        metadata: AttentionMetadata,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden], or [n, hidden] for output_rows (see Attention)."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.normalize_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, metadata))
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, q_size + kv_size :]
+        if type(self).normalize_qk is LlamaAttention.normalize_qk:
+            # q and k side by side: one rotary pass over [T, heads + kv_heads, head_dim]
+            qk = qkv[:, : q_size + kv_size].view(
+                -1, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            qk = self.rotary_emb.rotate_(positions, qk)  # qkv is this step's own buffer
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+            q, k = self.normalize_qk(q, k)
+            q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, metadata, output_rows))
 
 
 class LlamaMLP(nn.Module):
@@ -103,12 +117,16 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
+        output_rows: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """output_rows: after caching every row's k/v, go on with those rows only."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata)
+        hidden = self.self_attn(positions, hidden, metadata, output_rows)
+        if output_rows is not None:
+            residual = residual.index_select(0, output_rows.indices)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -126,8 +144,10 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            output_rows = metadata.output_rows if index == last else None
+            hidden, residual = layer(positions, hidden, residual, metadata, output_rows)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -154,7 +174,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden], or only
+        the rows of metadata.output_rows ([n, hidden], in its order) when it is set."""
         return self.model(input_ids, positions, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

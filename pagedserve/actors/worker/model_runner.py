@@ -4,12 +4,21 @@
 inputs of the scheduled requests (token ids, positions, KV slots, attention metadata), runs the
 model, computes logits only for the last token of each request that samples this step (its
 scheduled tokens reach the end of the tokens the worker knows for it), samples, and appends the
-sampled tokens to the worker's own copy of each request.
+sampled tokens to the worker's own copy of each request. In a step with prefill tokens the
+model's last layer, past caching every token's k/v, runs only those sampling rows
+(AttentionMetadata.output_rows).
+
+On CPU the runner raises glibc's mmap/trim thresholds (large activations reuse warm heap
+pages instead of faulting in fresh mmaps every step), asks for transparent huge pages under
+the KV cache, and loads the C++ CPU kernels (kernels.attention.load_cpu_kernels).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import platform
 import time
 from dataclasses import dataclass
 
@@ -24,8 +33,11 @@ from pagedserve.actors.worker.sampler import Sampler, SamplerOutput
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention import (
     AttentionMetadata,
+    OutputRows,
     build_attention_metadata,
     cdiv,
+    kv_cache_layer_shape,
+    load_cpu_kernels,
     resolve_attention_backend,
 )
 from pagedserve.models.layers import Attention
@@ -50,6 +62,56 @@ class StepInputs:
     sampling_ids: list[str]
 
 
+# glibc malloc serves blocks above its mmap threshold (dynamic, up to 32 MiB) with fresh mmaps
+# and unmaps them on free, so every step's large activations (a prefill's [8192, 1536] MLP
+# output is 48 MiB) page-fault in anew: ~10x the cost of the kernel writing them. Keeping such
+# blocks in the heap and not trimming it lets the next step reuse the same warm pages.
+_MALLOC_MMAP_THRESHOLD = 256 << 20
+_MALLOC_TRIM_THRESHOLD = 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_malloc_tuned = False
+
+
+def tune_cpu_malloc() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process (once; glibc Linux only)."""
+    global _malloc_tuned
+    if _malloc_tuned:
+        return True
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MALLOC_MMAP_THRESHOLD) == 1
+        ok = libc.mallopt(_M_TRIM_THRESHOLD, _MALLOC_TRIM_THRESHOLD) == 1 and ok
+    except (OSError, AttributeError):
+        return False
+    _malloc_tuned = ok
+    return ok
+
+
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """madvise(MADV_HUGEPAGE) over the 2 MiB pages inside a CPU tensor's memory (Linux; a no-op
+    elsewhere or under THP=never). Decode reads the paged KV cache block by block from all over
+    the cache: with 4 KiB pages nearly every block is a TLB miss."""
+    if platform.system() != "Linux" or tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    if last <= first:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(first, last - first, _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def select_device(name: str, rank: int) -> torch.device:
     if name == "cuda":
         index = rank % torch.cuda.device_count()
@@ -64,6 +126,8 @@ class ModelRunner:
             raise ValueError("ModelRunner needs a resolved EngineConfig (call config.resolve())")
         self.config, self.rank = config, rank
         self.device = select_device(config.device, rank)
+        if self.device.type == "cpu":
+            tune_cpu_malloc()
         self.block_size = config.block_size
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         self.input_batch = InputBatch(
@@ -82,12 +146,19 @@ class ModelRunner:
         self.vocab_size = int(self.model.config.vocab_size)
         self.dtype = next(self.model.parameters()).dtype
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.device.type == "cpu":
+            load_cpu_kernels()  # C++ decode + per-token kernels, built on first use per machine
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """[layers, 2 (k, v), num_blocks, block_size, kv_heads_per_rank, head_dim]."""
+        """[layers, 2 (k, v), *one layer's cache]: [num_blocks, block_size, kv_heads_per_rank,
+        head_dim], or [kv_heads_per_rank, num_blocks, block_size, head_dim] for a backend with
+        the head-major layout (the CPU "torch" backend); see kernels.attention.KV_CACHE_LAYOUTS."""
         layer = self.attention_layers[0]
         num_layers = len(self.attention_layers)
-        return (num_layers, 2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        per_layer = kv_cache_layer_shape(
+            self.attention_backend, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
+        )
+        return (num_layers, 2, *per_layer)
 
     def bytes_per_block(self) -> int:
         return int(np.prod(self.kv_cache_shape(1))) * self.dtype.itemsize
@@ -107,10 +178,11 @@ class ModelRunner:
         return num_blocks
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = torch.zeros(
-            self.kv_cache_shape(num_blocks), dtype=self.dtype, device=self.device
-        )
-        self._bind_kv_cache(self.kv_cache)
+        shape = self.kv_cache_shape(num_blocks)
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            advise_huge_pages(self.kv_cache)  # before the first touch
+        self._bind_kv_cache(self.kv_cache.zero_())
         self._capture_decode_graphs()
 
     def _capture_decode_graphs(self) -> None:
@@ -211,11 +283,27 @@ class ModelRunner:
         batch.num_computed_tokens[rows] = seq_lens
         samples = seq_lens >= batch.num_tokens[rows]
         logits_indices = (query_starts + query_lens - 1)[samples]
+        device_logits_indices = self._to_device(logits_indices)
+        if 0 < len(logits_indices) < len(slot_mapping):
+            # prefill in the step: the last layer needs only the sampling rows past its k/v
+            sampled = torch.from_numpy(samples)
+            metadata.output_rows = OutputRows(
+                device_logits_indices,
+                build_attention_metadata(
+                    torch.ones(len(logits_indices), dtype=torch.int64),
+                    torch.from_numpy(seq_lens[samples]),
+                    block_tables[sampled],
+                    torch.from_numpy(slot_mapping[logits_indices]),
+                    block_size,
+                    self.device,
+                    self.attention_backend,
+                ),
+            )
         return StepInputs(
             input_ids=self._to_device(input_ids.astype(np.int64)),
             positions=self._to_device(positions),
             attn_metadata=metadata,
-            logits_indices=self._to_device(logits_indices),
+            logits_indices=device_logits_indices,
             sampling_rows=rows[samples],
             sampling_ids=[r for r, s in zip(plan.scheduled_ids, samples.tolist()) if s],
         )
@@ -229,7 +317,9 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
         assert self.model is not None
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        if inputs.attn_metadata.output_rows is None:  # else hidden holds just those rows
+            hidden = hidden.index_select(0, inputs.logits_indices)
+        logits = self.model.compute_logits(hidden)
         metadata = self.input_batch.sampling_metadata(inputs.sampling_rows, self.vocab_size)
         return self.sampler(logits, metadata)
 
