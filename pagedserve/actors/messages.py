@@ -5,7 +5,7 @@ Struct so that each channel decodes a typed union with one decoder. No pickle an
 
 Channels (see bus.py for addresses):
   client     -> tokenizer : ClientInbound   (GenerateRequest, AbortRequest, StatsRequest)
-  tokenizer  -> client    : ClientOutbound  (RequestDelta, RequestError, SchedulerStats)
+  tokenizer  -> client    : ClientOutbound  (DeltaBatch, RequestDelta, RequestError, SchedulerStats)
   tokenizer  -> scheduler : SchedulerInbound (AddRequest, AbortRequest, StatsRequest)
   worker 0   -> scheduler : SchedulerInbound (StepResult)
   scheduler  -> tokenizer : TokenizerInbound (EngineOutputs, SchedulerStats)
@@ -138,6 +138,12 @@ class RequestDelta(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first delta)
 
 
+class DeltaBatch(msgspec.Struct, tag=True):
+    """Every delta of one engine step for one client, in one frame."""
+
+    deltas: list[RequestDelta]
+
+
 class RequestError(msgspec.Struct, tag=True):
     request_id: str
     message: str
@@ -244,7 +250,7 @@ class ActorFailed(msgspec.Struct, tag=True):
 
 
 ClientInbound = GenerateRequest | AbortRequest | StatsRequest
-ClientOutbound = RequestDelta | RequestError | SchedulerStats
+ClientOutbound = RequestDelta | DeltaBatch | RequestError | SchedulerStats
 SchedulerInbound = AddRequest | AbortRequest | StatsRequest | StepResult | Shutdown
 TokenizerInbound = EngineOutputs | SchedulerStats | Shutdown
 WorkerInbound = StepPlan | Shutdown
@@ -255,6 +261,7 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     AbortRequest,
     StatsRequest,
     RequestDelta,
+    DeltaBatch,
     RequestError,
     AddRequest,
     EngineOutputs,

@@ -17,6 +17,7 @@ from pagedserve.actors.messages import (
     AbortRequest,
     AddRequest,
     ClientInbound,
+    DeltaBatch,
     EngineOutputs,
     FinishReason,
     GenerateRequest,
@@ -158,12 +159,16 @@ class TokenizerActor(Actor):
     # ------------------------------------------------------------------ outputs out
 
     async def on_outputs(self, message: EngineOutputs) -> None:
+        """One frame per client per step: the deltas of all its requests."""
+        batches: dict[bytes, list[RequestDelta]] = {}
         for output in message.outputs:
             live = self.live.get(output.request_id)
             if live is not None:
-                await self.send_delta(output, live)
+                batches.setdefault(live.client, []).append(await self.make_delta(output, live))
+        for client, deltas in batches.items():
+            await self.clients.send(client, DeltaBatch(deltas))
 
-    async def send_delta(self, output: RequestOutput, live: LiveRequest) -> None:
+    async def make_delta(self, output: RequestOutput, live: LiveRequest) -> RequestDelta:
         finish, stop_reason = output.finish_reason, output.stop_reason
         result = live.detokenizer.update(output.new_token_ids, finished=finish is not None)
         if result.stop_string is not None and finish is None:
@@ -183,7 +188,7 @@ class TokenizerActor(Actor):
             live.first_delta_sent = True
         if finish is not None:
             del self.live[output.request_id]
-        await self.clients.send(live.client, delta)
+        return delta
 
     async def on_stats(self, stats: SchedulerStats) -> None:
         client = self.stats_waiters.pop(stats.request_id, None)

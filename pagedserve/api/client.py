@@ -13,6 +13,7 @@ are both built on these: one path to the engine.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import uuid
@@ -30,6 +31,7 @@ from pagedserve.actors.messages import (
     AbortRequest,
     ChatMessage,
     ClientOutbound,
+    DeltaBatch,
     GenerateRequest,
     RequestDelta,
     RequestError,
@@ -78,6 +80,17 @@ class _Ids:
         return f"{self.prefix}-{next(self.counter)}"
 
 
+def unbatch(
+    message: RequestDelta | DeltaBatch | RequestError | SchedulerStats | None,
+) -> list[RequestDelta | RequestError | SchedulerStats]:
+    """A frame as the messages it carries (a DeltaBatch holds one step's deltas)."""
+    if message is None:
+        return []
+    if isinstance(message, DeltaBatch):
+        return list(message.deltas)
+    return [message]
+
+
 def _raise_if_error(message: Any) -> None:
     if isinstance(message, RequestError):
         raise EngineRequestError(message.message, message.status_code)
@@ -90,8 +103,11 @@ class Client:
         self._ctx = zmq.Context()
         self._ids = _Ids()
         self._socket = bus.dealer_socket(self._ctx, address, self._ids.prefix.encode())
-        self._codec: bus.Codec[RequestDelta | RequestError | SchedulerStats] = bus.Codec(
-            ClientOutbound, "client"
+        self._codec: bus.Codec[RequestDelta | DeltaBatch | RequestError | SchedulerStats] = (
+            bus.Codec(ClientOutbound, "client")
+        )
+        self._pending: collections.deque[RequestDelta | RequestError | SchedulerStats] = (
+            collections.deque()
         )
 
     def submit(self, request: GenerateRequest) -> None:
@@ -104,12 +120,11 @@ class Client:
         self, timeout_ms: int | None = None
     ) -> RequestDelta | RequestError | SchedulerStats | None:
         """The next message for this client, or None after `timeout_ms`."""
-        while True:
+        while not self._pending:
             if timeout_ms is not None and not self._socket.poll(timeout_ms):
                 return None
-            message = self._codec.decode(self._socket.recv())
-            if message is not None:
-                return message
+            self._pending.extend(unbatch(self._codec.decode(self._socket.recv())))
+        return self._pending.popleft()
 
     def generate(
         self, prompt: Prompt, sampling: SamplingParams | None = None
@@ -162,8 +177,8 @@ class AsyncClient:
         self._ctx = zmq.asyncio.Context()
         self._ids = _Ids()
         self._socket = bus.dealer_socket(self._ctx, address, self._ids.prefix.encode())
-        self._codec: bus.Codec[RequestDelta | RequestError | SchedulerStats] = bus.Codec(
-            ClientOutbound, "async-client"
+        self._codec: bus.Codec[RequestDelta | DeltaBatch | RequestError | SchedulerStats] = (
+            bus.Codec(ClientOutbound, "async-client")
         )
         self._streams: dict[str, anyio.abc.ObjectSendStream] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -184,16 +199,17 @@ class AsyncClient:
 
     async def _read_loop(self) -> None:
         while True:
-            message = self._codec.decode(await self._socket.recv())
-            if message is None:
-                continue
-            stream = self._streams.get(message.request_id)
-            if stream is None:
-                continue
-            try:
-                stream.send_nowait(message)  # the buffer is unbounded in practice
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass  # its consumer left (an abort is on its way)
+            for message in unbatch(self._codec.decode(await self._socket.recv())):
+                self._deliver(message)
+
+    def _deliver(self, message: RequestDelta | RequestError | SchedulerStats) -> None:
+        stream = self._streams.get(message.request_id)
+        if stream is None:
+            return
+        try:
+            stream.send_nowait(message)  # the buffer is unbounded in practice
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # its consumer left (an abort is on its way)
 
     async def _open(self, request_id: str) -> anyio.abc.ObjectReceiveStream:
         send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=1 << 20)
