@@ -1,10 +1,11 @@
 """CPU throughput: pagedserve vs transformers `generate` (static batching), same model, same
 workload, same run. Writes a markdown table to scripts/results/cpu_throughput.md.
 
-Workload (seeded): N requests, prompt length uniform in [P_MIN, P_MAX], output length uniform
-in [O_MIN, O_MAX], random prompt ids, EOS ignored. "Useful" output tokens are the tokens each
-request asked for; static batching also computes padding and the tokens of requests that are
-already done, which is exactly what continuous batching saves.
+Workload (seeded, `pagedserve.api.bench.random_workload`): N requests, prompt length uniform in
+[P_MIN, P_MAX], output length uniform in [O_MIN, O_MAX], random prompt ids, EOS ignored.
+"Useful" output tokens are the tokens each request asked for; static batching also computes
+padding and the tokens of requests that are already done, which is exactly what continuous
+batching saves.
 
     python scripts/bench_cpu_throughput.py [--requests 64] [--hf-batch 16 64]
 """
@@ -14,67 +15,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 import transformers
 
-from pagedserve import LLM, SamplingParams
-from pagedserve.config import DEFAULT_MODEL, resolve_model_path
+from pagedserve.api import bench
+from pagedserve.config import DEFAULT_MODEL, read_hf_config, resolve_model_path
 
 RESULTS = Path(__file__).parent / "results" / "cpu_throughput.md"
-
-
-def workload(n: int, vocab: int, seed: int, p: tuple[int, int], o: tuple[int, int]):
-    rng = random.Random(seed)
-    requests = []
-    for _ in range(n):
-        plen, olen = rng.randint(*p), rng.randint(*o)
-        requests.append(([rng.randrange(10, vocab) for _ in range(plen)], olen))
-    return requests
-
-
-def run_pagedserve(model: str, requests, max_num_seqs: int) -> tuple[float, int]:
-    with LLM(model, max_num_seqs=max_num_seqs, device="cpu") as llm:
-        llm.generate([r[0] for r in requests[:4]], SamplingParams(max_tokens=4), use_tqdm=False)
-        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in requests]
-        start = time.perf_counter()
-        outputs = llm.generate([r[0] for r in requests], params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-    produced = sum(len(out.outputs[0].token_ids) for out in outputs)
-    assert produced == sum(o for _, o in requests)
-    return elapsed, produced
-
-
-def run_hf_static(model_path: str, requests, batch_size: int) -> tuple[float, int]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    model.eval()
-    useful = 0
-    start = time.perf_counter()
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i : i + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, (prompt, _) in enumerate(batch):  # left padding
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        max_new = max(o for _, o in batch)
-        with torch.inference_mode():
-            model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        useful += sum(o for _, o in batch)
-    return time.perf_counter() - start, useful
 
 
 def main() -> None:
@@ -86,33 +36,34 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
     parser.add_argument("--hf-batch", type=int, nargs="+", default=[16, 64])
     args = parser.parse_args()
-    path = resolve_model_path(args.model)
-    vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
-    requests = workload(
-        args.requests, vocab, args.seed, tuple(args.prompt_len), tuple(args.output_len)
+    vocab = int(read_hf_config(resolve_model_path(args.model))["vocab_size"])
+    workload = bench.random_workload(
+        args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed
     )
-    rows = []
-    t, n = run_pagedserve(args.model, requests, max_num_seqs=args.requests)
-    rows.append(("pagedserve (continuous batching, paged KV)", t, n))
-    for bs in args.hf_batch:
-        t_hf, n_hf = run_hf_static(path, requests, bs)
-        rows.append((f"transformers generate, static batch {bs}", t_hf, n_hf))
-    best_hf = max(r[2] / r[1] for r in rows[1:])
-    ours = rows[0][2] / rows[0][1]
+    ours = bench.run_pagedserve(
+        workload, {"model": args.model, "max_num_seqs": args.requests, "device": "cpu"}
+    )
+    hf_model = bench.load_hf_model(args.model, "auto", "float32", "cpu")
+    peers = [bench.run_hf_static(workload, hf_model, size) for size in args.hf_batch]
+    best = max(p.output_tok_s for p in peers)
     lines = [
         "# CPU throughput: pagedserve vs transformers\n",
         f"- date: {datetime.date.today()}",
         f"- machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}, transformers {transformers.__version__}",
-        f"- model: {args.model} ({path})",
+        f"- model: {args.model}",
         f"- workload: {args.requests} requests, prompt len U{tuple(args.prompt_len)}, "
         f"output len U{tuple(args.output_len)}, seed {args.seed}, greedy, EOS ignored",
         f"- command: `python scripts/bench_cpu_throughput.py {' '.join(sys.argv[1:])}`\n",
         "| engine | wall s | useful output tokens | output tok/s |",
         "|---|---:|---:|---:|",
     ]
-    lines += [f"| {name} | {t:.2f} | {n} | {n / t:.1f} |" for name, t, n in rows]
-    lines.append(f"\npagedserve / best transformers = **{ours / best_hf:.2f}x**\n")
+    for name, row in [("pagedserve (continuous batching, paged KV)", ours)] + [
+        (f"transformers generate, static batch {size}", p) for size, p in zip(args.hf_batch, peers)
+    ]:
+        lines.append(f"| {name} | {row.elapsed_s:.2f} | {row.output_tokens} | "
+                     f"{row.output_tok_s:.1f} |")  # fmt: skip
+    lines.append(f"\npagedserve / best transformers = **{ours.output_tok_s / best:.2f}x**\n")
     text = "\n".join(lines)
     print(text)
     RESULTS.parent.mkdir(exist_ok=True)
