@@ -33,9 +33,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def timed_stream(chunks) -> tuple[float, list[float]]:
-    """(ttft, inter-arrival gaps) of an iterator of streamed chunks."""
-    start = time.perf_counter()
+def timed_stream(chunks, start: float) -> tuple[float, list[float]]:
+    """(ttft, inter-arrival gaps) of an iterator of streamed chunks sent at `start`."""
     stamps = [time.perf_counter() for _ in chunks]
     return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])]
 
@@ -44,7 +43,7 @@ def run_zmq(address: str, prompts: list[str], params: SamplingParams):
     ttfts, gaps = [], []
     with Client(address) as client:
         for prompt in prompts:
-            ttft, g = timed_stream(client.generate(prompt, params))
+            ttft, g = timed_stream(client.generate(prompt, params), time.perf_counter())
             ttfts.append(ttft)
             gaps += g
     return ttfts, gaps
@@ -54,6 +53,7 @@ def run_http(base: str, prompts: list[str], params: SamplingParams):
     client = openai.OpenAI(base_url=base, api_key="x", max_retries=0)
     ttfts, gaps = [], []
     for prompt in prompts:
+        start = time.perf_counter()
         stream = client.completions.create(
             model="bench",
             prompt=prompt,
@@ -62,7 +62,7 @@ def run_http(base: str, prompts: list[str], params: SamplingParams):
             stream=True,
             extra_body={"ignore_eos": True},
         )
-        ttft, g = timed_stream(stream)
+        ttft, g = timed_stream(stream, start)
         ttfts.append(ttft)
         gaps += g
     return ttfts, gaps
