@@ -167,3 +167,22 @@ def test_shutdown_leaves_no_processes_or_sockets(llama_path: Path) -> None:
     assert not any(
         psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids
     )
+
+
+def test_tensor_parallel_two_workers_match_one(llama_path: Path) -> None:
+    prompts = random_prompts(400, PROMPT_LENGTHS[:4], seed=6)
+    budget = dict(cpu_kv_cache_gib=0.01)  # the KV block count then shows the sharding
+    with LLM(str(llama_path), **budget) as single:
+        expected = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY)]
+        single_blocks = single.supervisor.num_kv_blocks
+    with LLM(str(llama_path), tensor_parallel_size=2, **budget) as sharded:
+        assert sorted(sharded.supervisor.processes) == [
+            "scheduler",
+            "tokenizer",
+            "worker",
+            "worker-1",
+        ]
+        # each rank holds 1 of the 2 kv heads, so the same memory holds twice the blocks
+        assert sharded.supervisor.num_kv_blocks // 2 == single_blocks  # (floor rounding)
+        outputs = sharded.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
