@@ -12,7 +12,13 @@ import psutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from tests.tiny_models import hf_greedy, pick_stop_string, random_prompts, save_tiny_model
+from tests.tiny_models import (
+    hf_greedy,
+    load_hf_model,
+    pick_stop_string,
+    random_prompts,
+    save_tiny_model,
+)
 
 PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 50, 90]  # inside a block, on a block edge, several blocks
 NEW_TOKENS = 32
@@ -39,8 +45,9 @@ def llama_engine(llama_path: Path):
 
 
 def assert_matches_transformers(path: Path, prompts: list[list[int]], outputs) -> None:
+    model = load_hf_model(path)
     for prompt, output in zip(prompts, outputs):
-        expected_tokens, expected_logprobs = hf_greedy(path, prompt, NEW_TOKENS)
+        expected_tokens, expected_logprobs = hf_greedy(model, prompt, NEW_TOKENS)
         completion = output.outputs[0]
         assert completion.token_ids == expected_tokens
         got = [next(iter(lp.values())).logprob for lp in completion.logprobs]
@@ -70,7 +77,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(llama_engine: LLM) -> None:
     assert other.num_cached_tokens == 64
     assert after.prefix_cache_hits - before.prefix_cache_hits == 128
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    expected, _ = hf_greedy(llama_engine.config.model, shared + [99], NEW_TOKENS)
+    expected, _ = hf_greedy(load_hf_model(llama_engine.config.model), shared + [99], NEW_TOKENS)
     assert other.outputs[0].token_ids == expected
 
 

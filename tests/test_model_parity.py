@@ -23,6 +23,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.kernels import attention
 from pagedserve.kernels.attention import cdiv
 from pagedserve.models.loader import load_model
+from tests.tiny_models import hf_greedy
 
 LOGPROB_ATOL = 1e-4  # float32 on CPU
 BLOCK_SIZE = 16
@@ -60,6 +61,7 @@ def save_hf_model(arch: str, path: Path, **save_kwargs: object) -> transformers.
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[arch](), dtype=torch.float32)
     model.save_pretrained(path, **save_kwargs)
+    model.generation_config.eos_token_id = None  # greedy runs to max tokens
     return model.eval()
 
 
@@ -152,25 +154,6 @@ class MiniScheduler:
         return self.requests
 
 
-def hf_greedy(
-    model: transformers.PreTrainedModel, prompt: list[int]
-) -> tuple[list[int], list[float]]:
-    model.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
 def random_prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(COMMON["vocab_size"]) for _ in range(n)] for n in PROMPT_LENGTHS]
@@ -194,7 +177,7 @@ def test_greedy_parity_with_transformers(
     params = SamplingParams(temperature=0.0, logprobs=0, max_tokens=MAX_NEW_TOKENS)
     requests = MiniScheduler(prompts, params).run(runner)
     for prompt, request in zip(prompts, requests):
-        expected_tokens, expected_logprobs = hf_greedy(hf_model, prompt)
+        expected_tokens, expected_logprobs = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
         assert request.outputs == expected_tokens, request.request_id
         torch.testing.assert_close(
             torch.tensor(request.logprobs), torch.tensor(expected_logprobs),

@@ -79,10 +79,17 @@ def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[l
     return [[rng.randrange(1, vocab_size) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' own greedy tokens and the raw-logit logprob of each chosen token."""
+def load_hf_model(path: Path | str) -> transformers.PreTrainedModel:
+    """transformers' float32 model from `path`, with EOS off (greedy runs to max tokens)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(
+    model: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """transformers' own greedy tokens and the raw-logit logprob of each chosen token."""
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]),

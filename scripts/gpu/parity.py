@@ -19,7 +19,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from tests.tiny_models import hf_greedy, random_prompts, save_tiny_model  # noqa: E402
+from tests.tiny_models import (  # noqa: E402
+    hf_greedy,
+    load_hf_model,
+    random_prompts,
+    save_tiny_model,
+)
 
 LENGTHS = [1, 3, 7, 16, 17, 33, 50, 90]
 NEW_TOKENS = 32
@@ -41,8 +46,9 @@ def check(arch: str, backend: str, eager: bool, workdir: Path) -> tuple[int, int
     ) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     matches, worst = 0, 0.0
+    reference = load_hf_model(path)
     for prompt, output in zip(prompts, outputs):
-        tokens, logprobs = hf_greedy(path, prompt, NEW_TOKENS)
+        tokens, logprobs = hf_greedy(reference, prompt, NEW_TOKENS)
         completion = output.outputs[0]
         matches += completion.token_ids == tokens
         got = [next(iter(lp.values())).logprob for lp in completion.logprobs]
