@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 import traceback
 from typing import ClassVar
 
@@ -38,8 +37,6 @@ class Actor:
         self.addresses = addresses
         self.rank = rank
         self.ctx = zmq.asyncio.Context()
-        self.num_messages = 0
-        self.started_at = time.monotonic()
 
     @property
     def label(self) -> str:

@@ -16,7 +16,6 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -45,7 +44,6 @@ class Supervisor:
         self.processes: dict[str, subprocess.Popen] = {}
         self.num_kv_blocks = 0
         self.dead_reason: str | None = None
-        self.on_death: list[Callable[[str], None]] = []
         self._ctx = zmq.Context()
         self._inbox = bus.pull_socket(self._ctx, self.addresses.supervisor)
         self._codec: bus.Codec[ActorReady | ActorFailed] = bus.Codec(
@@ -127,8 +125,6 @@ class Supervisor:
     def _mark_dead(self, reason: str) -> None:
         logger.error("engine is dead: %s", reason)
         self.dead_reason = reason
-        for callback in self.on_death:
-            callback(reason)
 
     def stop(self) -> None:
         """SIGTERM every actor, wait, kill what is left, remove the run directory."""

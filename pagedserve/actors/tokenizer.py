@@ -85,7 +85,6 @@ class TokenizerActor(Actor):
     async def serve_clients(self) -> None:
         while True:
             client, message = await self.clients.recv()
-            self.num_messages += 1
             if isinstance(message, GenerateRequest):
                 await self.on_generate(client, message)
             elif isinstance(message, AbortRequest):

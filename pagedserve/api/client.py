@@ -182,7 +182,6 @@ class AsyncClient:
         )
         self._streams: dict[str, anyio.abc.ObjectSendStream] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
-        self.dead_reason: str | None = None
 
     async def __aenter__(self) -> AsyncClient:
         self._task_group = anyio.create_task_group()

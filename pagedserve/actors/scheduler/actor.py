@@ -63,7 +63,6 @@ class SchedulerActor(Actor):
     async def handle(
         self, message: AddRequest | AbortRequest | StatsRequest | StepResult
     ) -> list[RequestOutput]:
-        self.num_messages += 1
         if isinstance(message, StepResult):
             self.num_inflight -= 1
             return self.scheduler.update_from_result(message)

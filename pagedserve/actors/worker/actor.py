@@ -57,7 +57,6 @@ class WorkerActor(Actor):
             await self.execute(message)
 
     async def execute(self, plan: StepPlan) -> None:
-        self.num_messages += 1
         result = self.runner.execute(plan)
         if self.to_scheduler is not None:
             await self.to_scheduler.send(result)
