@@ -27,6 +27,14 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     served_model_name: str | None = None
 
 
+class ProfileConfig(msgspec.Struct, kw_only=True):
+    """A torch.profiler window over rank 0's worker steps (see actors/worker/profiling.py)."""
+
+    output_dir: str
+    first_step: int = 200  # launches skipped first (warm-up, the prefill burst)
+    num_steps: int = 20
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -44,12 +52,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | triton | cuda
     tensor_parallel_size: int = 1
-    max_inflight_steps: int = 2  # steps planned ahead of the worker (1 = no overlap)
+    # Plans at the workers at once: 1 = no overlap; 2 = the scheduler plans step N+1 while N
+    # runs; 3 = also the worker launches N+1 on the device before N's tokens reach the host.
+    max_inflight_steps: int = 3
     enforce_eager: bool = False
     run_dir: str | None = None  # where ipc:// sockets live; a private temp dir by default
     log_level: str = "WARNING"
     server: ServerConfig | None = None
     skip_tokenizer_init: bool = False  # token ids in and out only (models with no tokenizer)
+    profile: ProfileConfig | None = None  # profile a window of worker steps (rank 0)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -60,8 +71,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("max_num_batched_tokens must be positive")
         if self.tensor_parallel_size <= 0:
             raise ValueError("tensor_parallel_size must be positive")
-        if self.max_inflight_steps not in (1, 2):
-            raise ValueError("max_inflight_steps must be 1 or 2")
+        if self.max_inflight_steps not in (1, 2, 3):
+            raise ValueError("max_inflight_steps must be 1, 2 or 3")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
 

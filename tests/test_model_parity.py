@@ -186,6 +186,55 @@ def test_greedy_parity_with_transformers(
     assert len(runner.input_batch) == 0  # every finished request left the persistent batch
 
 
+class RecordingRunner:
+    """Wraps a runner's execute to keep every plan it ran, for replaying elsewhere."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.plans = runner, []  # type: ignore[var-annotated]
+        self.results = []  # type: ignore[var-annotated]
+
+    def execute(self, plan: StepPlan) -> object:
+        self.plans.append(plan)
+        self.results.append(self.runner.execute(plan))
+        return self.results[-1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, logprobs=2, max_tokens=MAX_NEW_TOKENS),
+        SamplingParams(temperature=0.8, top_k=20, seed=3, logprobs=0, max_tokens=MAX_NEW_TOKENS),
+        SamplingParams(
+            temperature=0.8, repetition_penalty=1.3, logprobs=0, max_tokens=MAX_NEW_TOKENS
+        ),
+    ],
+    ids=["greedy-logprobs", "seeded-top-k", "penalties"],
+)
+def test_pipelined_steps_match_sequential_steps(tmp_path: Path, params: SamplingParams) -> None:
+    """launch(N + 1) before finish(N) (the worker's pipelining: step N's sampled tokens feed
+    step N + 1 on the device) gives the very results of running each step to completion."""
+    save_hf_model("qwen3", tmp_path)
+    recording = RecordingRunner(make_runner(tmp_path))
+    MiniScheduler(random_prompts(seed=5), params).run(recording)  # type: ignore[arg-type]
+    runner = make_runner(tmp_path)
+    results = []
+    for plan in recording.plans:
+        previous = runner.launch(plan)
+        assert runner.pending is not None and runner.pending.step_id == plan.step_id
+        if previous is not None:
+            results.append(previous)
+    results.append(runner.finish())
+    assert runner.pending is None and runner.finish() is None
+    assert [r.step_id for r in results] == [p.step_id for p in recording.plans]
+    for got, expected in zip(results, recording.results):
+        assert got.request_ids == expected.request_ids
+        assert got.sampled_token_ids == expected.sampled_token_ids
+        assert got.logprobs == expected.logprobs
+    with pytest.raises(RuntimeError, match="in flight"):
+        runner.launch(recording.plans[0])  # leaves a step in flight (re-adds every request)
+        runner.execute(recording.plans[1])
+
+
 def test_sharded_safetensors_index(tmp_path: Path) -> None:
     save_hf_model("llama", tmp_path / "single")
     save_hf_model("llama", tmp_path / "sharded", max_shard_size="40KB")

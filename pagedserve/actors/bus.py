@@ -123,6 +123,10 @@ class Receiver(Generic[T]):
             if message is not None:
                 return message
 
+    def has_ready(self) -> bool:
+        """Whether a frame is queued (recv would not wait)."""
+        return bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     def recv_ready(self) -> list[T]:
         """Every message already queued, without waiting."""
         messages: list[T] = []

@@ -1,5 +1,6 @@
-"""Triton kernels on a GPU: correctness against the torch references at real model shapes, then
-timings, one table.
+"""Kernels on a GPU: correctness against the torch references at real model shapes, then
+timings, one table; attention compares our Triton kernel, our CUDA C++ decode kernel and
+FlashInfer on the same inputs.
 
     python scripts/gpu/bench_kernels.py --out scripts/results/kernels_h200.md [--sweep]
     python scripts/gpu/bench_kernels.py --dry-run        # CPU: arguments, shapes, byte counts
@@ -11,14 +12,27 @@ mixed (a 512-token chunk over 1536 cached tokens + 63 decodes at 2048). The smal
 (decode) and 8192 (prefill) tokens; sampling over the vocabulary at batch 256 and 1.
 --sweep first checks attention over odd shapes (block sizes 1..256, GQA 1..8, head_dim 16..128).
 
+Attention rows, one per implementation (`impl`) on the same q, caches and block tables:
+  triton      pagedserve.kernels.triton_attention.paged_attention (every shape)
+  cuda        pagedserve.kernels.cuda_attention.decode, csrc/paged_attention_decode.cu built
+              with nvcc on import (decode shapes only: that backend runs Triton for prefill);
+              "unavailable: why" when it cannot be built or imported
+  flashinfer  FlashInfer 0.5's BatchDecodeWithPagedKVCacheWrapper (decode shapes) or
+              BatchPrefillWithPagedKVCacheWrapper (causal; prefill, mixed), layout "NHD" on our
+              caches; planned and warmed up before timing (JIT compile excluded); a failure is
+              printed and leaves the row '-'. Its error is reported, not gated.
+Ours are checked against the fp32 torch reference (max abs error < 3e-2); ours/FI is our GPU
+time over FlashInfer's. After the table, one line per attention shape says which of Triton and
+CUDA is faster.
+
 Columns: GPU time (µs: a CUDA graph of L2 flush + call, minus the flushes; see Timer) and
 eager time (triton's do_bench: launch overhead included, as a step without CUDA graphs pays
 it); GB/s from the GPU time, counting bytes read + written once (attention: the K and V
 context read + q + out, the traffic a perfect kernel needs); TFLOP/s for attention (4 *
 head_dim * heads per (query, visible key)); the torch reference's time on the same inputs;
-FlashInfer's (if `flashinfer` imports: BatchDecode/BatchPrefillWithPagedKVCacheWrapper) and
-ours / theirs; the check against the reference (max abs error, or support mismatches for
-sampling). Exits 1 if a check fails. Runs in well under 3 minutes on an H200.
+FlashInfer's time and ours / theirs; the check against the reference (max abs error, or
+support mismatches for sampling). Exits 1 if a check of ours fails. Runs in a few minutes on
+an H200 (more the first time: the nvcc build and FlashInfer's JIT compiles).
 """
 
 from __future__ import annotations
@@ -40,11 +54,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
 
 
-def import_kernels() -> tuple[types.ModuleType, ...]:
-    """pagedserve.kernels.{attention, triton_attention, triton_ops, triton_sampling}.
-
-    The kernels need only torch and triton; when the package's own imports (msgspec, zmq, ...)
-    are missing on a bare GPU machine, a stub package lets the kernel modules import alone."""
+def import_package() -> None:
+    """Make `pagedserve.kernels.*` importable. The kernels need only torch and triton; when the
+    package's own imports (msgspec, zmq, ...) are missing on a bare GPU machine, a stub package
+    lets the kernel modules import alone."""
     sys.path.insert(0, str(ROOT))
     try:
         import pagedserve  # noqa: F401
@@ -55,8 +68,39 @@ def import_kernels() -> tuple[types.ModuleType, ...]:
         stub = types.ModuleType("pagedserve")
         stub.__path__ = [str(ROOT / "pagedserve")]
         sys.modules["pagedserve"] = stub
+
+
+def import_kernels() -> tuple[types.ModuleType, ...]:
+    """pagedserve.kernels.{attention, triton_attention, triton_ops, triton_sampling}."""
+    import_package()
     names = ("attention", "triton_attention", "triton_ops", "triton_sampling")
     return tuple(importlib.import_module(f"pagedserve.kernels.{n}") for n in names)
+
+
+def load_cuda_attention() -> tuple[types.ModuleType | None, str]:
+    """pagedserve.kernels.cuda_attention (its import builds csrc/paged_attention_decode.cu with
+    nvcc, cached by torch after the first time), or None and why it cannot be used."""
+    import_package()
+    start = time.perf_counter()
+    try:
+        module = importlib.import_module("pagedserve.kernels.cuda_attention")
+    except Exception as exc:  # noqa: BLE001 - ImportError (no CUDA/nvcc, build error) or other
+        reason = f"{type(exc).__name__}: {exc}"
+        print(f"CUDA decode kernel unavailable: {reason[:4000]}")
+        return None, " ".join(reason.split())[:100]
+    print(f"CUDA decode kernel built / loaded in {time.perf_counter() - start:.1f}s")
+    return module, ""
+
+
+def load_flashinfer() -> tuple[types.ModuleType | None, str]:
+    try:
+        module = importlib.import_module("flashinfer")
+    except Exception as exc:  # noqa: BLE001 - optional
+        reason = f"not importable ({type(exc).__name__}: {exc})"
+        print(f"flashinfer {reason}: no comparison")
+        return None, " ".join(reason.split())[:100]
+    print(f"flashinfer {getattr(module, '__version__', '?')}")
+    return module, ""
 
 
 @dataclass(frozen=True)
@@ -90,6 +134,7 @@ SAMPLING_BATCHES = (256, 1)
 @dataclass
 class Row:
     kernel: str
+    impl: str
     model: str
     shape: str
     us: float | None = None
@@ -106,8 +151,10 @@ class Row:
         gbps = f"{self.bytes / self.us / 1e3:.0f}" if self.us and self.bytes else "-"
         tflops = f"{self.flops / self.us / 1e6:.1f}" if self.us and self.flops else "-"
         ratio = f"{self.us / self.flashinfer_us:.2f}" if self.us and self.flashinfer_us else "-"
+        check = self.check if self.ok else f"FAIL {self.check}"
         return [
             self.kernel,
+            self.impl,
             self.model,
             self.shape,
             _fmt_us(self.us),
@@ -117,12 +164,13 @@ class Row:
             _fmt_us(self.ref_us),
             _fmt_us(self.flashinfer_us),
             ratio,
-            self.check if self.ok else f"FAIL {self.check}",
+            " ".join(check.replace("|", "/").split()),  # one line, no column breaks
         ]
 
 
 HEADER = [
     "kernel",
+    "impl",
     "model",
     "shape",
     "GPU µs",
@@ -265,10 +313,81 @@ def rel_error2(a: tuple, b: tuple) -> float:
 
 # --------------------------------------------------------------------------- attention
 
+ATTENTION_TOLERANCE = 3e-2  # max abs error against the fp32 reference (bf16 inputs)
+
+
+def is_decode(requests: list[tuple[int, int]]) -> bool:
+    return all(new == 1 for _, new in requests)
+
+
+def attention_impls(requests: list[tuple[int, int]], flashinfer: bool) -> list[str]:
+    """The rows of one attention shape: Triton always; our CUDA C++ kernel on decode-only
+    shapes (its backend runs Triton for prefill); FlashInfer unless --no-flashinfer."""
+    impls = ["triton"] + (["cuda"] if is_decode(requests) else [])
+    return impls + (["flashinfer"] if flashinfer else [])
+
+
+def flashinfer_page_table(
+    seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our block tables as FlashInfer's CSR page table (CPU, int32): request r's pages are
+    indices[indptr[r] : indptr[r + 1]] (its first ceil(seq_len / block_size) blocks, in order),
+    and its last page holds last_page_len[r] in 1..block_size tokens."""
+    pages = (seq_lens.long() + block_size - 1) // block_size
+    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(pages, 0)
+    indices = torch.cat([block_tables[r, : int(n)] for r, n in enumerate(pages)])
+    last_page_len = (seq_lens.long() - (pages - 1) * block_size).to(torch.int32)
+    return indptr, indices.to(torch.int32), last_page_len
+
+
+def check_page_table(seq_lens: torch.Tensor, block_tables: torch.Tensor) -> str:
+    """The page table's invariants (dry run): sizes, 1 <= last_page_len <= page size, and the
+    lengths it implies equal ours."""
+    indptr, indices, last = flashinfer_page_table(seq_lens, block_tables, BLOCK_SIZE)
+    pages = (indptr[1:] - indptr[:-1]).long()
+    assert indices.numel() == int(indptr[-1]) and indices.dtype == torch.int32
+    assert bool(((last >= 1) & (last <= BLOCK_SIZE)).all())
+    assert torch.equal((pages - 1) * BLOCK_SIZE + last.long(), seq_lens.long())
+    return f"{indices.numel()} pages"
+
+
+def measure(
+    row: Row, fn: Callable[[], torch.Tensor], expected: torch.Tensor, timer: Timer, gate: bool
+) -> None:
+    """Check fn() against the reference, then time it (warm-up first: JIT / autotune / plan
+    caches stay out of the timings). An exception marks the row instead of ending the run;
+    `gate`: a wrong result (or an error) fails the run (ours), else it is only reported."""
+    try:
+        got = fn().clone()
+        torch.cuda.synchronize()
+        err = max_error(got, expected)
+        row.check = f"err {err:.1e}"
+        if err >= ATTENTION_TOLERANCE:
+            row.ok = not gate
+            row.check += "" if gate else " MISMATCH (not gated)"
+        row.eager_us = timer.eager(fn)
+        row.us = timer.graph(fn) or row.eager_us
+    except Exception as exc:  # noqa: BLE001 - report in the row, go on with the others
+        _sync_quietly()
+        message = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        print(f"  {row.impl} failed on {row.model} {row.shape}: {message}")
+        row.us = row.eager_us = None
+        row.check, row.ok = f"error {message[:100]}", not gate
+
+
+def _sync_quietly() -> None:
+    """Wait for the GPU after a failure; a sticky CUDA error resurfaces at the next check."""
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        print(f"  (synchronize after the failure: {type(exc).__name__}: {str(exc)[:200]})")
+
 
 def bench_attention(
     kernels: tuple, model: Model, name: str, requests: list, ctx: dict
 ) -> list[Row]:
+    """One row per implementation on the same q, caches and block tables."""
     attention, triton_attention, _, _ = kernels
     device, dtype, timer, gen = ctx["device"], ctx["dtype"], ctx["timer"], ctx["gen"]
     elt = torch.empty(0, dtype=dtype).element_size()
@@ -288,56 +407,164 @@ def bench_attention(
         device,
     )
     scale = model.head_dim**-0.5
-    out = torch.empty_like(q)
+    expected = attention.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
 
-    def ours() -> torch.Tensor:
+    def reference() -> torch.Tensor:
+        return attention.paged_attention(q, k_cache, v_cache, md, scale)
+
+    ref_us = timer.graph(reference) or timer.eager(reference)
+    rows = {
+        impl: Row(
+            "paged_attention", impl, model.name, name, bytes=nbytes, flops=flops, ref_us=ref_us
+        )
+        for impl in attention_impls(requests, ctx["flashinfer"] is not False)
+    }
+
+    out_triton = torch.empty_like(q)
+
+    def triton_fn() -> torch.Tensor:
         return triton_attention.paged_attention(
             q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-            md.max_query_len, scale, out, max_seq_len=md.max_seq_len,
+            md.max_query_len, scale, out_triton, max_seq_len=md.max_seq_len,
         )  # fmt: skip
 
-    got = ours().clone()
-    expected = attention.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
-    err = max_error(got, expected)
-    row = Row("paged_attention", model.name, name, bytes=nbytes, flops=flops)
-    row.check, row.ok = f"err {err:.1e}", err < 3e-2
-    timer.time(row, ours, lambda: attention.paged_attention(q, k_cache, v_cache, md, scale))
-    row.flashinfer_us = flashinfer_attention_us(model, requests, md, q, k_cache, v_cache, ctx)
-    return [row]
+    measure(rows["triton"], triton_fn, expected, timer, gate=True)
+
+    if "cuda" in rows:
+        row, cuda = rows["cuda"], ctx["cuda_attention"]
+        if cuda is None:
+            row.check = f"unavailable: {ctx['cuda_reason']}"
+        elif not cuda.supported(q, k_cache):
+            row.check = f"unavailable: {dtype} / group {model.num_heads // model.num_kv_heads} "
+            row.check += "not instantiated"
+        else:
+            out_cuda = torch.empty_like(q)
+
+            def cuda_fn() -> torch.Tensor:
+                return cuda.decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
+                                   md.max_seq_len, out=out_cuda)  # fmt: skip
+
+            measure(row, cuda_fn, expected, timer, gate=True)
+
+    if "flashinfer" in rows:
+        row = rows["flashinfer"]
+        fi_fn = flashinfer_attention(model, md, q, k_cache, v_cache, scale, ctx)
+        if isinstance(fi_fn, str):
+            row.check = f"unavailable: {fi_fn}"
+        else:
+            measure(row, fi_fn, expected, timer, gate=False)
+        for impl, other in rows.items():
+            if impl != "flashinfer":
+                other.flashinfer_us = row.us
+    return list(rows.values())
 
 
-def flashinfer_attention_us(
-    model: Model, requests: list, md, q, k_cache, v_cache, ctx: dict
-) -> float | None:
-    """FlashInfer's paged decode (all q_len 1) or prefill wrapper on the same cache (NHD)."""
-    if ctx["flashinfer"] is None:
-        return None
+def flashinfer_workspace(ctx: dict) -> torch.Tensor:
+    """One float workspace for every wrapper (used one at a time). FlashInfer 0.5 wants it
+    zeroed before its first use; 128 MB is its recommended size."""
+    if ctx.get("flashinfer_workspace") is None:
+        ctx["flashinfer_workspace"] = torch.zeros(
+            128 * 1024 * 1024, dtype=torch.uint8, device=ctx["device"]
+        )
+    return ctx["flashinfer_workspace"]
+
+
+def flashinfer_attention(
+    model: Model, md, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    scale: float, ctx: dict,
+) -> Callable[[], torch.Tensor] | str:  # fmt: skip
+    """FlashInfer 0.5's paged attention on our cache, planned and warmed up (its JIT compile
+    happens in plan / the first run, outside the timings): BatchDecodeWithPagedKVCacheWrapper
+    when every request has one query, else BatchPrefillWithPagedKVCacheWrapper (causal, which
+    FlashInfer aligns to the end of each request's keys, as ours). Layout "NHD": k and v as a
+    tuple of [num_pages, page_size, num_kv_heads, head_dim], exactly our per-layer caches.
+    Returns the run closure, or why FlashInfer cannot run here."""
     flashinfer = ctx["flashinfer"]
+    if flashinfer is None:
+        return ctx["flashinfer_reason"]
     device = q.device
     try:
-        seq_lens = md.seq_lens_cpu
-        pages = (seq_lens + BLOCK_SIZE - 1) // BLOCK_SIZE
-        indptr = torch.zeros(len(requests) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(pages, 0)
-        indices = torch.cat([md.block_tables_cpu[r, : int(n)] for r, n in enumerate(pages)])
-        last_page_len = (seq_lens - (pages - 1) * BLOCK_SIZE).to(torch.int32)
-        indptr, indices, last = (t.to(device) for t in (indptr, indices, last_page_len))
-        workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
-        heads = (model.num_heads, model.num_kv_heads, model.head_dim, BLOCK_SIZE)
+        start = time.perf_counter()
+        page_table = flashinfer_page_table(md.seq_lens_cpu, md.block_tables_cpu, BLOCK_SIZE)
+        indptr, indices, last_page_len = (t.to(device) for t in page_table)
+        workspace = flashinfer_workspace(ctx)
         if md.max_query_len == 1:
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-            wrapper.plan(indptr, indices, last, *heads, q_data_type=q.dtype)
+            kind = "decode"
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=ctx["flashinfer_tensor_cores"]
+            )
+            wrapper.plan(
+                indptr, indices, last_page_len,
+                num_qo_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                head_dim=model.head_dim, page_size=BLOCK_SIZE, pos_encoding_mode="NONE",
+                sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+            )  # fmt: skip
         else:
+            kind = "prefill"
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            qo_indptr = md.query_start_loc.to(device)
-            wrapper.plan(qo_indptr, indptr, indices, last, *heads, causal=True,
-                         q_data_type=q.dtype)  # fmt: skip
-        timer = ctx["timer"]
-        run = lambda: wrapper.run(q, (k_cache, v_cache))  # noqa: E731
-        return timer.graph(run) or timer.eager(run)
-    except Exception as exc:  # noqa: BLE001 - any FlashInfer API drift: report, go on
-        print(f"flashinfer failed on {model.name}: {type(exc).__name__}: {exc}")
-        return None
+            wrapper.plan(
+                md.query_start_loc.to(device), indptr, indices, last_page_len,
+                num_qo_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                head_dim_qk=model.head_dim, page_size=BLOCK_SIZE, causal=True,
+                pos_encoding_mode="NONE", sm_scale=scale, q_data_type=q.dtype,
+                kv_data_type=k_cache.dtype,
+            )  # fmt: skip
+        out = torch.empty_like(q)
+
+        def run() -> torch.Tensor:
+            return wrapper.run(q, (k_cache, v_cache), out=out)
+
+        run()  # warm-up: any remaining JIT / lazy init
+        torch.cuda.synchronize()
+        print(f"  flashinfer {kind}: plan + JIT + warm-up {time.perf_counter() - start:.1f}s")
+        return run
+    except Exception as exc:  # noqa: BLE001 - API drift, unsupported shape: report, go on
+        _sync_quietly()
+        message = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        print(f"  flashinfer failed on {model.name} (plan): {message}")
+        return message[:100]
+
+
+def attention_summary(rows: list[Row]) -> list[str]:
+    """One line per attention shape: which of Triton / CUDA is faster (GPU time), and each
+    against FlashInfer."""
+    shapes: dict[tuple[str, str], dict[str, Row]] = {}
+    for row in rows:
+        if row.kernel == "paged_attention":
+            shapes.setdefault((row.model, row.shape), {})[row.impl] = row
+    lines = []
+    for (model, shape), impls in shapes.items():
+        triton, cuda, fi = (impls.get(k) for k in ("triton", "cuda", "flashinfer"))
+        if triton is None:
+            continue
+        if cuda is None:
+            verdict = f"Triton only ({_us(triton)}; the cuda backend runs Triton here)"
+        elif triton.us is None or cuda.us is None:
+            timed, untimed = (triton, cuda) if cuda.us is None else (cuda, triton)
+            verdict = f"{_name(timed)} {_us(timed)}; {_name(untimed)} {untimed.check}"
+        else:
+            fast, slow = (cuda, triton) if cuda.us < triton.us else (triton, cuda)
+            verdict = (
+                f"{_name(fast)} faster than {_name(slow)} by {slow.us / fast.us:.2f}x "
+                f"(Triton {_us(triton)}, CUDA {_us(cuda)})"
+            )
+        if fi is not None and fi.us is not None:
+            verdict += f"; FlashInfer {_us(fi)}"
+            for ours in (triton, cuda):
+                if ours is not None and ours.us is not None:
+                    verdict += f", {_name(ours)}/FI {ours.us / fi.us:.2f}"
+        elif fi is not None:
+            verdict += f"; FlashInfer {fi.check}"
+        lines.append(f"{model} {shape}: {verdict}")
+    return lines
+
+
+def _us(row: Row) -> str:
+    return "not timed" if row.us is None else f"{row.us:.1f} µs"
+
+
+def _name(row: Row) -> str:
+    return {"triton": "Triton", "cuda": "CUDA", "flashinfer": "FlashInfer"}[row.impl]
 
 
 # --------------------------------------------------------------------------- small ops
@@ -351,7 +578,7 @@ def bench_ops(kernels: tuple, model: Model, phase: str, tokens: int, ctx: dict) 
     rows = []
 
     def add(kernel: str, shape: str, nbytes: int, ours, reference, compare) -> None:
-        row = Row(kernel, model.name, f"{phase} {shape}", bytes=nbytes)
+        row = Row(kernel, "triton", model.name, f"{phase} {shape}", bytes=nbytes)
         err = compare(ours(), reference())
         # a rounding flip before the weight multiply can cost 2 bf16 ulps (2^-6) after it
         row.check, row.ok = f"rel err {err:.1e}", err < 2e-2
@@ -459,7 +686,7 @@ def bench_sampling(kernels: tuple, model: Model, batch: int, ctx: dict) -> list[
         ("sample_from_logits", lambda: triton_sampling.sample_from_logits(
             logits, temperature, seeds, None, top_k, top_p)),
     ):  # fmt: skip
-        row = Row(kernel, model.name, shape, bytes=logits.numel() * 4)
+        row = Row(kernel, "triton", model.name, shape, bytes=logits.numel() * 4)
         row.check, row.ok = f"{mismatches} mismatches", mismatches == 0
         timer.time(row, ours, lambda: torch_sample(logits, temperature, top_k, top_p))
         rows.append(row)
@@ -515,7 +742,8 @@ def sweep(kernels: tuple, device: torch.device) -> list[Row]:
                                         dim**-0.5)  # fmt: skip
         err = max_error(out, ref)
         kind = "mixed" if md.max_query_len > 1 else f"decode splits={splits}"
-        row = Row("sweep paged_attention", f"{heads}/{kv}x{dim}", f"bs{bs} {kind} {dtype}")
+        row = Row("sweep paged_attention", "triton", f"{heads}/{kv}x{dim}",
+                  f"bs{bs} {kind} {dtype}")  # fmt: skip
         row.check, row.ok = f"err {err:.1e}", err < (2e-5 if dtype == torch.float32 else 3e-2)
         rows.append(row)
     return rows
@@ -533,6 +761,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="*", choices=["attention", "ops", "sampling"],
                         default=["attention", "ops", "sampling"])  # fmt: skip
     parser.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer")
+    parser.add_argument("--no-cuda-kernel", action="store_true",
+                        help="skip our CUDA C++ decode kernel (no nvcc build)")  # fmt: skip
+    parser.add_argument("--flashinfer-tensor-cores", action="store_true",
+                        help="FlashInfer's decode wrapper with use_tensor_cores=True")  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="first a correctness sweep")
     parser.add_argument(
         "--dry-run",
@@ -546,25 +778,43 @@ def dry_run(args: argparse.Namespace, models: list[Model]) -> list[Row]:
     """The plan: every row with its shape and byte / flop counts, nothing launched."""
     elt = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     gen = torch.Generator().manual_seed(0)
+    cuda_reason = fi_reason = ""
+    if "attention" in args.only:
+        # the availability probes of a real run; with CUDA here, skip the nvcc build
+        if args.no_cuda_kernel:
+            cuda_reason = "skipped (--no-cuda-kernel)"
+        elif torch.cuda.is_available():
+            cuda_reason = ""
+        else:
+            cuda_reason = load_cuda_attention()[1]
+        if not args.no_flashinfer:
+            fi_reason = load_flashinfer()[1]
     rows = []
     for model in models:
         if "attention" in args.only:
             for name, requests in ATTENTION_CASES.items():
                 meta = attention_metadata_cpu(requests, gen)
                 assert meta["slot_mapping"].unique().numel() == meta["slot_mapping"].numel()
+                pages = check_page_table(meta["seq_lens"], meta["block_tables"])
                 nbytes, flops = attention_counts(model, requests, elt)
-                row = Row("paged_attention", model.name, name, bytes=nbytes, flops=flops)
-                row.check = f"{meta['num_blocks']} blocks, {nbytes / 1e6:.0f} MB"
-                rows.append(row)
+                for impl in attention_impls(requests, not args.no_flashinfer):
+                    row = Row("paged_attention", impl, model.name, name, bytes=nbytes,
+                              flops=flops)  # fmt: skip
+                    reason = {"cuda": cuda_reason, "flashinfer": fi_reason}.get(impl, "")
+                    row.check = f"{meta['num_blocks']} blocks, {nbytes / 1e6:.0f} MB, {pages}"
+                    if reason:
+                        row.check = f"unavailable: {reason}"
+                    rows.append(row)
         if "ops" in args.only:
             for phase, tokens in OP_TOKENS.items():
                 for kernel in ("write_kv_cache", "rms_norm", "fused_add_rms_norm",
                                "apply_rotary_qk", "silu_and_mul"):  # fmt: skip
-                    rows.append(Row(kernel, model.name, f"{phase} {tokens} tok"))
+                    rows.append(Row(kernel, "triton", model.name, f"{phase} {tokens} tok"))
         if "sampling" in args.only:
             for batch in SAMPLING_BATCHES:
                 for kernel in ("sampling_thresholds", "sample_from_logits"):
-                    rows.append(Row(kernel, model.name, f"{batch}x{model.vocab} k50 p0.9"))
+                    shape = f"{batch}x{model.vocab} k50 p0.9"
+                    rows.append(Row(kernel, "triton", model.name, shape))
     return rows
 
 
@@ -572,18 +822,21 @@ def run(args: argparse.Namespace, models: list[Model]) -> list[Row]:
     kernels = import_kernels()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    flashinfer = None
-    if not args.no_flashinfer:
-        try:
-            flashinfer = importlib.import_module("flashinfer")
-        except Exception as exc:  # noqa: BLE001 - optional
-            print(f"flashinfer not available ({type(exc).__name__}): no comparison")
+    # False: --no-flashinfer (no rows); None: not importable (rows marked unavailable)
+    flashinfer, fi_reason = (False, "skipped") if args.no_flashinfer else load_flashinfer()
+    cuda_attention, cuda_reason = None, "skipped (--no-cuda-kernel)"
+    if "attention" in args.only and not args.no_cuda_kernel:
+        cuda_attention, cuda_reason = load_cuda_attention()
     ctx = {
         "device": device,
         "dtype": getattr(torch, args.dtype),
         "timer": Timer(device),
         "gen": torch.Generator().manual_seed(0),
         "flashinfer": flashinfer,
+        "flashinfer_reason": fi_reason,
+        "flashinfer_tensor_cores": args.flashinfer_tensor_cores,
+        "cuda_attention": cuda_attention,
+        "cuda_reason": cuda_reason,
     }
     rows: list[Row] = sweep(kernels, device) if args.sweep else []
     for model in models:
@@ -613,15 +866,19 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if args.dry_run:
         rows = dry_run(args, models)
-        title = "Triton kernels: plan (dry run, nothing timed)"
+        title = "Kernels: plan (dry run, nothing timed)"
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: use --dry-run on a CPU machine")
             return 2
         rows = run(args, models)
-        title = f"Triton kernels on {torch.cuda.get_device_name()}"
+        title = f"Kernels on {torch.cuda.get_device_name()}"
     table = markdown(rows)
     print(table)
+    summary = attention_summary(rows)
+    if summary:
+        print("\nAttention, Triton vs CUDA (GPU time):")
+        print("\n".join(f"  {line}" for line in summary))
     if args.out is not None:
         import triton
 
@@ -631,6 +888,8 @@ def main(argv: list[str] | None = None) -> int:
             f"# {title}\n\n{datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}, "
             f"triton {triton.__version__}, {args.dtype}, KV block {BLOCK_SIZE}; "
             f"`{command}` ({time.perf_counter() - started:.0f} s)\n\n{table}\n"
+            + "".join(f"\n- {line}" for line in summary)
+            + ("\n" if summary else "")
         )
         print(f"wrote {args.out}")
     return 0 if all(row.ok for row in rows) else 1

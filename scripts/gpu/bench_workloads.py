@@ -9,6 +9,7 @@ W2 offline: Llama-3.1-8B, 1000 requests, input U[100, 300], output U[80, 280].
    (per request: input length, output length, then the prompt ids, from random.Random(0))
 W3 latency: batch 1, 128-token prompt, 256 output tokens, time per output token.
 Start-up: from LLM(...) to the first request accepted (Qwen3-0.6B dummy, CUDA graphs on).
+profile: the device idle time between worker steps, from a torch.profiler window (W3, W1).
 transformers runs only the first --hf-prompts requests of W1/W2 (it needs minutes where
 pagedserve needs seconds); its tok/s are over the tokens it was asked for.
 """
@@ -116,20 +117,63 @@ def latency(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def profile(args: argparse.Namespace) -> list[str]:
+    """The device timeline of a window of worker steps (pagedserve.actors.worker.profiling):
+    W3's batch-1 decode and W1's first 128 requests in steady decode."""
+    from pagedserve.config import ProfileConfig
+
+    lines = [
+        "### Device idle time between steps (torch.profiler window over 20 worker steps)\n",
+        "| run | steps | wall µs/step | GPU busy µs/step | idle | gaps > 10 µs | median gap µs "
+        "| largest gaps µs |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    out = Path(args.out).parent
+    vocab = int(read_hf_config(QWEN)["vocab_size"])
+    runs = {
+        "W3 Qwen3-0.6B batch 1": lambda prof: bench.latency_pagedserve(
+            engine_args(QWEN, max_num_seqs=8, profile=prof), 128, 256, iters=1
+        ),
+        "W1 Qwen3-0.6B, first 128 requests": lambda prof: bench.run_pagedserve(
+            bench.random_workload(256, (100, 1024), (100, 1024), vocab, seed=0)[:128],
+            engine_args(QWEN, max_num_seqs=args.max_num_seqs, profile=prof),
+        ),
+    }
+    for index, (name, run) in enumerate(runs.items()):
+        directory = out / f"profile{index}"
+        run(ProfileConfig(output_dir=str(directory), first_step=120, num_steps=20))
+        free_gpu()
+        s = json.loads((directory / "worker0.idle.json").read_text())
+        lines.append(
+            f"| {name} | {s['num_steps']} | {s['wall_per_step_us']:.0f} | "
+            f"{s['busy_per_step_us']:.0f} | {s['idle_fraction']:.1%} | {s['num_gaps_over_10us']} "
+            f"| {s['median_gap_us']:.1f} | {', '.join(f'{g:.0f}' for g in s['largest_gaps_us'])} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
 def startup(args: argparse.Namespace) -> list[str]:
+    """Twice: the first start on a fresh machine compiles every Triton kernel (cold JIT
+    cache); the second finds them in Triton's on-disk cache, as any later start does."""
     from pagedserve import LLM, SamplingParams
 
-    start = time.perf_counter()
-    with LLM(**engine_args(QWEN, max_num_seqs=args.max_num_seqs)) as llm:
-        ready = time.perf_counter() - start
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
-    return ["### Start-up\n", f"LLM(Qwen3-0.6B dummy, CUDA graphs on) ready in {ready:.1f} s"]
+    lines = ["### Start-up: LLM(Qwen3-0.6B dummy, CUDA graphs on) until it accepts a request\n"]
+    for label in ("first start on this machine (cold Triton cache)", "second start"):
+        start = time.perf_counter()
+        with LLM(**engine_args(QWEN, max_num_seqs=args.max_num_seqs)) as llm:
+            ready = time.perf_counter() - start
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        free_gpu()
+        lines.append(f"- {label}: ready in {ready:.1f} s")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", nargs="+", default=["startup", "W1", "W2", "W3"])
+    parser.add_argument("--only", nargs="+", default=["startup", "W1", "W2", "W3", "profile"])
     parser.add_argument("--hf-prompts", type=int, default=64)
     parser.add_argument("--hf-cb", action="store_true")
     parser.add_argument("--hf-latency", action="store_true")
@@ -143,6 +187,8 @@ def main() -> int:
         try:
             if name == "startup":
                 sections += startup(args)
+            elif name == "profile":
+                sections += profile(args)
             elif name == "W3":
                 sections += latency(args)
             else:

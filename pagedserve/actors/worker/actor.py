@@ -1,15 +1,21 @@
-"""The worker process: one per device. Executes step plans in order; rank 0 reports samples."""
+"""The worker process: one per device. Executes step plans in order; rank 0 reports samples.
+
+Steps are pipelined: a plan is launched on the device before the previous step's sampled
+tokens reach the host (the model runner feeds them to the new step on the device), so the
+device always has the next step queued while the host prepares the one after."""
 
 from __future__ import annotations
 
 from pagedserve.actors import bus
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.messages import SchedulerInbound, Shutdown, StepPlan, WorkerInbound
+from pagedserve.actors.messages import SchedulerInbound, Shutdown, StepResult, WorkerInbound
 from pagedserve.actors.worker.model_runner import ModelRunner
+from pagedserve.actors.worker.profiling import StepProfiler
 
 
 class WorkerActor(Actor):
     name = "worker"
+    profiler: StepProfiler | None = None
 
     async def setup(self) -> dict:
         self.join_tensor_parallel_group()
@@ -23,6 +29,8 @@ class WorkerActor(Actor):
         self.to_scheduler: bus.Sender[SchedulerInbound] | None = None
         if self.rank == 0:
             self.to_scheduler = bus.Sender(self.ctx, self.addresses.scheduler_inbox)
+        if self.config.profile is not None and self.rank == 0:
+            self.profiler = StepProfiler(self.config.profile, self.rank, self.runner.device)
         return {"num_kv_blocks": num_blocks}
 
     def join_tensor_parallel_group(self) -> None:
@@ -45,18 +53,25 @@ class WorkerActor(Actor):
     def close(self) -> None:
         import torch.distributed as dist
 
+        if self.profiler is not None:
+            self.profiler.stop()  # a window cut short by the shutdown
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         super().close()
 
     async def run(self) -> None:
+        """Launch each plan as it comes; report a step's result once the next step is queued
+        on the device behind it, or as soon as no plan is waiting."""
         while True:
+            if self.runner.pending is not None and not self.inbox.has_ready():
+                await self.report(self.runner.finish())
             message = await self.inbox.recv()
             if isinstance(message, Shutdown):
                 return
-            await self.execute(message)
+            if self.profiler is not None:
+                self.profiler.on_launch()
+            await self.report(self.runner.launch(message))
 
-    async def execute(self, plan: StepPlan) -> None:
-        result = self.runner.execute(plan)
-        if self.to_scheduler is not None:
+    async def report(self, result: StepResult | None) -> None:
+        if result is not None and self.to_scheduler is not None:
             await self.to_scheduler.send(result)

@@ -72,9 +72,9 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Largest size first, so smaller graphs reuse its memory pool."""
-        for size in sorted(capture_sizes(self.max_batch), reverse=True):
+        for index, size in enumerate(sorted(capture_sizes(self.max_batch), reverse=True)):
             args = (self.input_ids[:size], self.positions[:size], self.metadata(size))
-            for _ in range(2):  # warm up: autotuning, lazy initialisation
+            for _ in range(2 if index == 0 else 1):  # warm up: JIT builds, lazy initialisation
                 self.forward(*args)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()

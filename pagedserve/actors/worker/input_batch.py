@@ -119,11 +119,14 @@ class InputBatch:
         cols = self.sampling
         temperature = cols.temperature[rows]
         greedy = temperature < GREEDY_TEMPERATURE
+        all_greedy = bool(greedy.all())
         num_logprobs = cols.num_logprobs[rows].tolist()
         metadata = SamplingMetadata(
-            temperature=self._to_device(np.where(greedy, 1.0, temperature).astype(np.float32)),
-            greedy=self._to_device(greedy),
-            all_greedy=bool(greedy.all()),
+            temperature=None
+            if all_greedy
+            else self._to_device(np.where(greedy, 1.0, temperature).astype(np.float32)),
+            greedy=None if all_greedy else self._to_device(greedy),
+            all_greedy=all_greedy,
             all_random=not bool(greedy.any()),
             penalties=self._penalties(rows, vocab_size),
             num_logprobs=[None if n < 0 else n for n in num_logprobs],
@@ -152,11 +155,11 @@ class InputBatch:
             metadata.min_p = self._to_device(min_p)
 
     def _penalties(self, rows: np.ndarray, vocab_size: int) -> PenaltyState | None:
+        if not self.needs_token_history(rows):
+            return None
         cols = self.sampling
         presence, frequency = cols.presence[rows], cols.frequency[rows]
         repetition = cols.repetition[rows]
-        if not (presence.any() or frequency.any() or (repetition != 1.0).any()):
-            return None
         output_counts, prompt_mask = self._token_histograms(rows, vocab_size)
         return PenaltyState(
             presence=self._to_device(presence),
@@ -184,5 +187,17 @@ class InputBatch:
         mask.scatter_(1, torch.where(in_prompt, tokens, vocab_size), True)
         return counts[:, :vocab_size], mask[:, :vocab_size]
 
+    def needs_token_history(self, rows: np.ndarray) -> bool:
+        """Whether sampling these rows reads their past tokens on the host (penalties)."""
+        cols = self.sampling
+        return bool(
+            cols.presence[rows].any()
+            or cols.frequency[rows].any()
+            or (cols.repetition[rows] != 1.0).any()
+        )
+
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)

@@ -20,7 +20,7 @@ import ctypes.util
 import logging
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 from pagedserve.actors.messages import NewRequestData, SamplingParams, StepPlan, StepResult
 from pagedserve.actors.worker.cuda_graphs import DecodeGraphs
 from pagedserve.actors.worker.input_batch import InputBatch
-from pagedserve.actors.worker.sampler import Sampler, SamplerOutput
+from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention import (
     AttentionMetadata,
@@ -50,6 +50,19 @@ _PROFILE_SAMPLING = SamplingParams(
     temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.1,
     frequency_penalty=0.1, repetition_penalty=1.1, logprobs=5,
 )  # fmt: skip
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled tokens are still on their way to the host."""
+
+    step_id: int
+    request_ids: list[str]  # the requests that sample a token, batch order
+    token_ids: torch.Tensor  # [len(request_ids)] int64 on the device
+    start: float  # perf_counter() when the step's plan arrived
+    host_token_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    done: torch.cuda.Event | None = None  # recorded after the device-to-host copy
+    logprobs: LogprobTensors | None = None
 
 
 @dataclass
@@ -138,6 +151,12 @@ class ModelRunner:
         self.attention_layers: list[Attention] = []
         self.kv_cache: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.pending: PendingStep | None = None  # the step launched last, not yet finished
+        self._pending_index_buffer = np.full(config.max_num_seqs, -1, np.int64)
+        self._host_token_buffers = [
+            torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
+            for _ in range(2 if self.device.type == "cuda" else 0)
+        ]
 
     # ------------------------------------------------------------------ setup
 
@@ -221,26 +240,81 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        start = time.perf_counter()
-        self._apply_plan(plan)
-        result = StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
-        if plan.scheduled_ids:
-            self._run_step(plan, result)
-        result.execute_ms = (time.perf_counter() - start) * 1e3
+        """Run one step to completion (no step may be in flight)."""
+        if self.pending is not None:
+            raise RuntimeError("execute() with a step in flight: finish() it first")
+        assert self.launch(plan) is None
+        result = self.finish()
+        assert result is not None
         return result
 
-    def _run_step(self, plan: StepPlan, result: StepResult) -> None:
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> StepResult | None:
+        """Queue `plan`'s step on the device without waiting for it, then finish the step
+        launched before it (if any) and return that one's result. The previous step's sampled
+        tokens feed this step's inputs on the device, so the host never waits between the two.
+        A step whose sampling reads past tokens on the host (penalties) finishes the previous
+        step first."""
+        start = time.perf_counter()
+        self._apply_plan(plan)
+        previous = None
+        if self.pending is not None and self._needs_host_tokens(plan):
+            previous = self.finish()
+        launched = self._launch_step(plan, start)
+        if self.pending is not None:
+            previous = self.finish()
+        self.pending = launched
+        return previous
+
+    @torch.inference_mode()
+    def finish(self) -> StepResult | None:
+        """Wait for the step in flight, append its sampled tokens to the persistent batch and
+        return its result (None when no step is in flight)."""
+        step, self.pending = self.pending, None
+        if step is None:
+            return None
+        result = StepResult(step_id=step.step_id, request_ids=step.request_ids,
+                            sampled_token_ids=[])  # fmt: skip
+        if step.request_ids:
+            if step.done is not None:
+                step.done.synchronize()
+            sampled = step.host_token_ids.numpy()
+            row_of = self.input_batch.row_of
+            rows = [row_of.get(r, -1) for r in step.request_ids]
+            kept = np.fromiter((row >= 0 for row in rows), bool, len(rows))
+            self.input_batch.append_sampled(np.asarray(rows, np.int64)[kept], sampled[kept])
+            result.sampled_token_ids = sampled.tolist()
+            if step.logprobs is not None:
+                result.logprobs = step.logprobs.to_list()
+        result.execute_ms = (time.perf_counter() - step.start) * 1e3
+        return result
+
+    def _needs_host_tokens(self, plan: StepPlan) -> bool:
+        row_of = self.input_batch.row_of
+        rows = np.fromiter((row_of[r] for r in plan.scheduled_ids), np.int64)
+        return self.input_batch.needs_token_history(rows)
+
+    def _launch_step(self, plan: StepPlan, start: float) -> PendingStep:
+        step = PendingStep(plan.step_id, [], torch.empty(0, dtype=torch.int64), start)
+        if not plan.scheduled_ids:
+            return step
         assert self.model is not None, "load_model() first"
         inputs = self._prepare_inputs(plan)
         hidden = self._forward(inputs)
         if not inputs.sampling_ids:
-            return
+            return step
         output = self._sample(hidden, inputs)
-        sampled = output.token_ids.cpu().numpy()
-        self.input_batch.append_sampled(inputs.sampling_rows, sampled)
-        result.request_ids = inputs.sampling_ids
-        result.sampled_token_ids = sampled.tolist()
-        result.logprobs = output.logprobs
+        step.request_ids = inputs.sampling_ids
+        step.logprobs = output.logprob_tensors
+        step.token_ids = output.token_ids
+        if self.device.type == "cuda":
+            host = self._host_token_buffers[plan.step_id % 2][: len(inputs.sampling_ids)]
+            step.host_token_ids = host.copy_(output.token_ids, non_blocking=True)
+            step.done = torch.cuda.Event()
+            step.done.record()
+        else:
+            step.host_token_ids = output.token_ids
+        return step
 
     def _apply_plan(self, plan: StepPlan) -> None:
         batch = self.input_batch
@@ -257,21 +331,39 @@ class ModelRunner:
                 batch.append_block_ids(row, block_ids)
             batch.num_computed_tokens[row] = num_computed
 
+    def _pending_index(self) -> np.ndarray:
+        """Per persistent-batch row: the index of its token in the step in flight, or -1.
+        That token sits at position num_tokens[row], known to the device only."""
+        index = self._pending_index_buffer
+        index.fill(-1)
+        step = self.pending
+        if step is not None:
+            row_of = self.input_batch.row_of
+            for i, request_id in enumerate(step.request_ids):
+                row = row_of.get(request_id)
+                if row is not None:
+                    index[row] = i
+        return index
+
     def _prepare_inputs(self, plan: StepPlan) -> StepInputs:
         batch, block_size = self.input_batch, self.block_size
         rows = np.fromiter((batch.row_of[r] for r in plan.scheduled_ids), np.int64)
         query_lens = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         if len(query_lens) != len(rows) or (query_lens < 1).any():
             raise ValueError(f"step {plan.step_id} needs >= 1 token per scheduled request")
+        pending_index = self._pending_index()[rows]
+        known = batch.num_tokens[rows] + (pending_index >= 0)
         computed = batch.num_computed_tokens[rows]
         seq_lens = computed + query_lens
-        self._check_plan(plan, rows, seq_lens)
+        self._check_plan(plan, rows, seq_lens, known)
         request_of_token = np.repeat(np.arange(len(rows)), query_lens)
         query_starts = np.cumsum(query_lens) - query_lens
         offsets = np.arange(len(request_of_token)) - query_starts[request_of_token]
         positions = computed[request_of_token] + offsets
         token_rows = rows[request_of_token]
         input_ids = batch.token_ids[token_rows, positions]
+        # tokens sampled by the step in flight: copied on the device from its output
+        from_device = positions == batch.num_tokens[token_rows]
         blocks = batch.block_table_np[token_rows, positions // block_size].astype(np.int64)
         slot_mapping = blocks * block_size + positions % block_size
         width = cdiv(int(seq_lens.max()), block_size)
@@ -281,7 +373,7 @@ class ModelRunner:
             torch.from_numpy(slot_mapping), block_size, self.device, self.attention_backend,
         )  # fmt: skip
         batch.num_computed_tokens[rows] = seq_lens
-        samples = seq_lens >= batch.num_tokens[rows]
+        samples = seq_lens >= known
         logits_indices = (query_starts + query_lens - 1)[samples]
         device_logits_indices = self._to_device(logits_indices)
         if 0 < len(logits_indices) < len(slot_mapping):
@@ -299,8 +391,16 @@ class ModelRunner:
                     self.attention_backend,
                 ),
             )
+        device_input_ids = self._to_device(input_ids.astype(np.int64))
+        if from_device.any():
+            assert self.pending is not None
+            targets = np.flatnonzero(from_device)
+            sources = pending_index[request_of_token[targets]]
+            device_input_ids[self._to_device(targets)] = self.pending.token_ids[
+                self._to_device(sources)
+            ]
         return StepInputs(
-            input_ids=self._to_device(input_ids.astype(np.int64)),
+            input_ids=device_input_ids,
             positions=self._to_device(positions),
             attn_metadata=metadata,
             logits_indices=device_logits_indices,
@@ -308,9 +408,11 @@ class ModelRunner:
             sampling_ids=[r for r, s in zip(plan.scheduled_ids, samples.tolist()) if s],
         )
 
-    def _check_plan(self, plan: StepPlan, rows: np.ndarray, seq_lens: np.ndarray) -> None:
+    def _check_plan(
+        self, plan: StepPlan, rows: np.ndarray, seq_lens: np.ndarray, known: np.ndarray
+    ) -> None:
         batch = self.input_batch
-        if (seq_lens > batch.num_tokens[rows]).any():
+        if (seq_lens > known).any():
             raise ValueError(f"step {plan.step_id} schedules tokens the worker does not know")
         if (seq_lens > batch.num_blocks[rows] * self.block_size).any():
             raise ValueError(f"step {plan.step_id} schedules tokens beyond the block tables")

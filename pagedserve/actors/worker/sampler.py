@@ -33,8 +33,8 @@ class PenaltyState:
 class SamplingMetadata:
     """Per-row sampling settings of one step; optional parts are None when no row uses them."""
 
-    temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows
-    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor | None  # [B] float32; 1.0 on greedy rows (None: all greedy)
+    greedy: torch.Tensor | None  # [B] bool (None: all greedy)
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None = None  # [B] int64; >= vocab on rows without top-k
@@ -52,7 +52,12 @@ class SamplingMetadata:
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    logprobs: list[TokenLogprobs | None] | None
+    logprob_tensors: LogprobTensors | None  # still on the device
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Per row (None where not asked); syncs with the device."""
+        return None if self.logprob_tensors is None else self.logprob_tensors.to_list()
 
 
 class Sampler:
@@ -61,6 +66,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, vocab] (any float dtype; computed in float32)."""
+        if metadata.all_greedy and metadata.penalties is None and not metadata.wants_logprobs:
+            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprob_tensors=None)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.wants_logprobs else None
         if metadata.penalties is not None:
@@ -68,14 +75,15 @@ class Sampler:
         token_ids = self._sample(logits, metadata)
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, token_ids, metadata.num_logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+            logprobs = select_logprobs(raw_logprobs, token_ids, metadata.num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprob_tensors=logprobs)
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
         if metadata.all_greedy:
             assert greedy_ids is not None
             return greedy_ids
+        assert metadata.temperature is not None and metadata.greedy is not None
         logits = logits / metadata.temperature.unsqueeze(1)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)
@@ -156,20 +164,47 @@ def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
 ) -> list[TokenLogprobs | None]:
     """The sampled token's logprob and rank (1 = most likely; ties rank below) and the top-n."""
+    return select_logprobs(logprobs, token_ids, num_logprobs).to_list()
+
+
+@dataclass
+class LogprobTensors:
+    """The logprobs a step returns, still on the device (no host sync until `to_list`)."""
+
+    rows: list[int]  # batch rows that asked for logprobs
+    num_logprobs: list[int | None]  # per batch row
+    token_ids: torch.Tensor  # [len(rows)] the sampled tokens of those rows
+    token_logprobs: torch.Tensor  # [len(rows)]
+    ranks: torch.Tensor  # [len(rows)]
+    top_logprobs: torch.Tensor | None  # [len(rows), max_n]
+    top_ids: torch.Tensor | None
+
+    def to_list(self) -> list[TokenLogprobs | None]:
+        values: list[list[float]] = [[] for _ in self.rows]
+        ids: list[list[int]] = [[] for _ in self.rows]
+        if self.top_logprobs is not None and self.top_ids is not None:
+            values, ids = self.top_logprobs.tolist(), self.top_ids.tolist()
+        tokens, token_logprobs = self.token_ids.tolist(), self.token_logprobs.tolist()
+        out: list[TokenLogprobs | None] = [None] * len(self.num_logprobs)
+        for j, (row, rank) in enumerate(zip(self.rows, self.ranks.tolist())):
+            n = self.num_logprobs[row] or 0
+            out[row] = TokenLogprobs(tokens[j], token_logprobs[j], rank, ids[j][:n], values[j][:n])
+        return out
+
+
+def select_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
+) -> LogprobTensors:
+    """gather_logprobs' device half: index, gather, rank and top-k, all asynchronous."""
     rows = [i for i, n in enumerate(num_logprobs) if n is not None]
-    index = torch.tensor(rows, device=logprobs.device)
+    index = torch.tensor(rows).to(logprobs.device, non_blocking=True)
     row_logprobs, row_tokens = logprobs.index_select(0, index), token_ids.index_select(0, index)
     token_logprobs = row_logprobs.gather(1, row_tokens.unsqueeze(1))
     ranks = (row_logprobs >= token_logprobs).sum(dim=-1)
     max_n = max(num_logprobs[i] or 0 for i in rows)
-    values: list[list[float]] = [[] for _ in rows]
-    ids: list[list[int]] = [[] for _ in rows]
+    top_values = top_ids = None
     if max_n:
         top_values, top_ids = row_logprobs.topk(max_n, dim=-1)
-        values, ids = top_values.tolist(), top_ids.tolist()
-    token_list, logprob_list = row_tokens.tolist(), token_logprobs.squeeze(1).tolist()
-    out: list[TokenLogprobs | None] = [None] * len(num_logprobs)
-    for j, (row, rank) in enumerate(zip(rows, ranks.tolist())):
-        n = num_logprobs[row] or 0
-        out[row] = TokenLogprobs(token_list[j], logprob_list[j], rank, ids[j][:n], values[j][:n])
-    return out
+    return LogprobTensors(
+        rows, num_logprobs, row_tokens, token_logprobs.squeeze(1), ranks, top_values, top_ids
+    )

@@ -1,0 +1,218 @@
+"""Anatomy of one decode step in the worker's ModelRunner, without the actors: where a step's
+time goes (host input preparation, the forward through the CUDA graph or eagerly, sampling, the
+device-to-host sync), the time per step when steps are pipelined as the worker runs them
+(launch N + 1, then finish N), whether the captured graph gives the eager forward's hidden
+states, and a torch.profiler table of the busiest ops. Dummy weights from a real config; KV
+contexts are declared computed (their contents are zeros), which changes no timing.
+
+    python scripts/gpu/step_anatomy.py [--model scripts/gpu/configs/qwen3-0.6b]
+        [--batches 1 256] [--context 1024] [--device cuda] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from pagedserve.actors.messages import (  # noqa: E402
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    StepPlan,
+)
+from pagedserve.actors.worker.model_runner import ModelRunner  # noqa: E402
+from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.kernels.attention import cdiv  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+
+
+class DecodeSession:
+    """`batch` requests with `context` computed tokens each, advanced one decode step at a
+    time through runner.execute (the runner appends its own sampled tokens)."""
+
+    def __init__(self, runner: ModelRunner, batch: int, context: int, first_block: int) -> None:
+        self.runner, self.batch = runner, batch
+        self.block_size = runner.block_size
+        self.ids = [f"d{batch}-{i}" for i in range(batch)]
+        self.num_computed = [context] * batch
+        self.blocks_per_request = cdiv(min(context + 512, 4096), self.block_size)
+        self.step_id = 0
+        new = []
+        for i, request_id in enumerate(self.ids):
+            start = first_block + i * self.blocks_per_request
+            blocks = list(range(start, start + self.blocks_per_request))
+            tokens = [(7 * i + t) % 1000 for t in range(context + 1)]
+            new.append(NewRequestData(request_id, tokens, GREEDY, blocks, context))
+        self.pending_new: list[NewRequestData] = new
+
+    @property
+    def num_blocks(self) -> int:
+        return self.batch * self.blocks_per_request
+
+    def plan(self) -> StepPlan:
+        cached = CachedRequestData([], [], [])
+        if not self.pending_new:
+            cached = CachedRequestData(
+                list(self.ids), [[] for _ in self.ids], list(self.num_computed)
+            )
+        plan = StepPlan(
+            step_id=self.step_id, new_requests=self.pending_new, cached_requests=cached,
+            scheduled_ids=list(self.ids), num_scheduled_tokens=[1] * self.batch,
+        )  # fmt: skip
+        self.pending_new = []
+        self.step_id += 1
+        self.num_computed = [n + 1 for n in self.num_computed]
+        return plan
+
+    def close(self) -> None:
+        for request_id in self.ids:
+            self.runner.input_batch.remove_request(request_id)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_parts(runner: ModelRunner, session: DecodeSession, iters: int) -> dict[str, float]:
+    """Median ms of each part of runner.execute, each part synchronised."""
+    device, parts = runner.device, {"prepare": [], "forward": [], "sample": [], "execute": []}
+    for _ in range(iters):
+        plan = session.plan()
+        sync(device)
+        t0 = time.perf_counter()
+        runner._apply_plan(plan)
+        inputs = runner._prepare_inputs(plan)
+        sync(device)
+        t1 = time.perf_counter()
+        hidden = runner._forward(inputs)
+        sync(device)
+        t2 = time.perf_counter()
+        output = runner._sample(hidden, inputs)
+        sampled = output.token_ids.cpu().numpy()
+        runner.input_batch.append_sampled(inputs.sampling_rows, sampled)
+        t3 = time.perf_counter()
+        parts["prepare"].append(t1 - t0)
+        parts["forward"].append(t2 - t1)
+        parts["sample"].append(t3 - t2)
+    for _ in range(iters):
+        plan = session.plan()
+        sync(device)
+        t0 = time.perf_counter()
+        runner.execute(plan)
+        sync(device)
+        parts["execute"].append(time.perf_counter() - t0)
+    medians = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):  # the worker's way: launch N + 1, then finish N
+        runner.launch(session.plan())
+    runner.finish()
+    sync(device)
+    medians["pipelined"] = (time.perf_counter() - t0) / iters * 1e3
+    return medians
+
+
+def graph_vs_eager(runner: ModelRunner, session: DecodeSession) -> float | None:
+    """Max |hidden| difference between the graph replay and the eager forward of one step
+    (computed before either writes this step's KV twice: the KV write is idempotent)."""
+    graphs = runner.decode_graphs
+    if graphs is None:
+        return None
+    plan = session.plan()
+    runner._apply_plan(plan)
+    inputs = runner._prepare_inputs(plan)
+    assert graphs.can_run(inputs.attn_metadata), "a decode step must run through the graph"
+    graph_hidden = runner._forward(inputs).clone()
+    assert runner.model is not None
+    eager_hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+    output = runner._sample(eager_hidden, inputs)
+    runner.input_batch.append_sampled(inputs.sampling_rows, output.token_ids.cpu().numpy())
+    return (graph_hidden.float() - eager_hidden.float()).abs().max().item()
+
+
+def profile_table(runner: ModelRunner, session: DecodeSession, steps: int) -> str:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            runner.execute(session.plan())
+        sync(runner.device)
+    key = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=str(ROOT / "scripts/gpu/configs/qwen3-0.6b"))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 256])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    blocks_needed = sum(b * cdiv(min(args.context + 512, 4096), 16) for b in args.batches)
+    config = EngineConfig(
+        model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
+        max_model_len=4096, max_num_seqs=max(args.batches), num_kv_blocks=blocks_needed,
+        attention_backend=args.backend, enforce_eager=args.eager, skip_tokenizer_init=True,
+    ).resolve()  # fmt: skip
+    runner = ModelRunner(config)
+    t0 = time.perf_counter()
+    runner.load_model()
+    t1 = time.perf_counter()
+    runner.init_kv_cache(blocks_needed)
+    t2 = time.perf_counter()
+    graphs = runner.decode_graphs
+    lines = [
+        f"# Decode-step anatomy: {Path(args.model).name}, {args.dtype}, {config.device}, "
+        f"backend {runner.attention_backend} ({datetime.datetime.now():%Y-%m-%d %H:%M})\n",
+        f"command: `python scripts/gpu/step_anatomy.py {' '.join(sys.argv[1:])}`\n",
+        f"- load {t1 - t0:.1f} s; KV cache + graph capture {t2 - t1:.1f} s; "
+        f"graphs captured: {len(graphs.graphs) if graphs else 0}",
+        "",
+        "| batch | context | prepare ms | forward ms | sample+sync ms | execute ms "
+        "| pipelined ms/step | graph vs eager |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    first_block, tables = 0, []
+    for batch in args.batches:
+        session = DecodeSession(runner, batch, args.context, first_block)
+        first_block += session.num_blocks
+        runner.execute(session.plan())  # admit + warm up
+        diff = graph_vs_eager(runner, session)
+        parts = time_parts(runner, session, args.iters)
+        check = "no graph" if diff is None else f"max diff {diff:.3g}"
+        lines.append(
+            f"| {batch} | {args.context} | {parts['prepare']:.3f} | {parts['forward']:.3f} | "
+            f"{parts['sample']:.3f} | {parts['execute']:.3f} | {parts['pipelined']:.3f} | "
+            f"{check} |"
+        )
+        print(lines[-1], flush=True)
+        tables.append(f"\n### profile, batch {batch} ({5} steps)\n\n```\n"
+                      f"{profile_table(runner, session, 5)}\n```")  # fmt: skip
+        session.close()
+    text = "\n".join(lines + tables) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
