@@ -344,6 +344,101 @@ def test_apply_rotary(dtype: torch.dtype) -> None:
     assert_ulp_close(k, expected_k)
 
 
+def rotary_caches(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[64, head_dim // 2] cos / sin caches of a rotary embedding (64 positions)."""
+    angles = torch.arange(64.0)[:, None] * 0.3 ** torch.arange(head_dim // 2.0)[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,index_dtype",
+    [
+        (4, 2, 64, torch.int64),  # GQA 2
+        (4, 2, 128, torch.int32),
+        (6, 1, 24, torch.int64),  # 7 heads, head_dim 24: padded head rows and columns
+    ],
+)
+def test_qk_norm_rotary(
+    dtype: torch.dtype,
+    norm: bool,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    index_dtype: torch.dtype,
+) -> None:
+    """In place on qk, a strided view of a fused qkv buffer (with spare columns beyond v):
+    q and k match the reference, v and the spare columns are untouched."""
+    gen = torch.Generator().manual_seed(head_dim + norm)
+    num_tokens, qk_width = 7, (num_heads + num_kv_heads) * head_dim
+    width = qk_width + num_kv_heads * head_dim
+    buffer = (2 * torch.randn(num_tokens, width + 8, generator=gen)).to(dtype)
+    qk = buffer[:, :width][:, :qk_width].view(num_tokens, num_heads + num_kv_heads, head_dim)
+    positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(index_dtype)
+    positions[-1] = positions[0]  # a repeated position
+    cos_cache, sin_cache = rotary_caches(head_dim, dtype)
+    weights = (None, None)
+    if norm:
+        weights = tuple((1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in "qk")
+    expected = ops.qk_norm_rotary(
+        qk, positions, cos_cache, sin_cache, *weights, 1e-6, num_q_heads=num_heads
+    )
+    if norm:  # the norm really ran: rotary alone differs
+        assert not torch.allclose(expected, ops.apply_rotary(qk, cos_cache[positions],
+                                                             sin_cache[positions]))  # fmt: skip
+    untouched = buffer[:, qk_width:].clone()
+    got = tops.qk_norm_rotary_(
+        qk, positions, cos_cache, sin_cache, *weights, 1e-6, num_q_heads=num_heads
+    )
+    assert got is qk
+    assert_ulp_close(qk, expected)
+    assert torch.equal(buffer[:, qk_width:], untouched)
+
+
+def test_qk_norm_rotary_single_token_and_empty() -> None:
+    """A decode step of one token (any row stride), and no tokens at all."""
+    cos_cache, sin_cache = rotary_caches(32, torch.float32)
+    qk = torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([17])
+    weight = torch.rand(32) + 0.5
+    expected = ops.qk_norm_rotary(qk, positions, cos_cache, sin_cache, weight, 2 * weight,
+                                  1e-5, num_q_heads=2)  # fmt: skip
+    tops.qk_norm_rotary_(qk, positions, cos_cache, sin_cache, weight, 2 * weight, 1e-5,
+                         num_q_heads=2)  # fmt: skip
+    assert_ulp_close(qk, expected)
+    empty = torch.empty(0, 3, 32)
+    assert tops.qk_norm_rotary_(empty, positions[:0], cos_cache, sin_cache) is empty
+
+
+def test_qk_norm_rotary_rejects_bad_arguments() -> None:
+    cos, sin = rotary_caches(16, torch.float32)
+    qkv = torch.zeros(3, 4 * 16)
+    qk = qkv[:, : 3 * 16].view(3, 3, 16)
+    pos = torch.zeros(3, dtype=torch.long)
+    w = torch.ones(16)
+    bf16 = torch.bfloat16
+    bad_calls: list[tuple[str, tuple, dict]] = [
+        ("num_tokens, num_heads, head_dim", (qkv, pos, cos, sin), {}),
+        ("packed", (qkv.view(3, 4, 16)[:, ::2], pos, cos, sin), {}),
+        ("overlap", (torch.zeros(1, 3, 16).expand(3, 3, 16), pos, cos, sin), {}),
+        ("head_dim // 2", (qk, pos, cos[:, :4], sin[:, :4]), {}),
+        ("promote", (qk.to(bf16), pos, cos, sin), {}),  # an fp32 cache on a bf16 qk
+        ("positions must be", (qk, pos[:2], cos, sin), {}),
+        ("int32 or int64", (qk, pos.float(), cos, sin), {}),
+        ("both", (qk, pos, cos, sin, w), {"num_q_heads": 2}),
+        ("num_q_heads", (qk, pos, cos, sin, w, w), {}),
+        ("num_q_heads", (qk, pos, cos, sin, w, w), {"num_q_heads": 4}),
+        ("k_weight must be", (qk, pos, cos, sin, w, w[:8]), {"num_q_heads": 2}),
+        ("q_weight dtype", (qk, pos, cos, sin, w.long(), w), {"num_q_heads": 2}),
+        ("promote", (qk.to(bf16), pos, cos.to(bf16), sin.to(bf16), w, w), {"num_q_heads": 2}),
+    ]
+    for message, args, kwargs in bad_calls:
+        with pytest.raises(ValueError, match=message):
+            tops.qk_norm_rotary_(*args, **kwargs)
+    assert torch.equal(qkv, torch.zeros_like(qkv))
+
+
 @pytest.mark.parametrize("dtype", OP_DTYPES)
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)

@@ -1,5 +1,6 @@
 """Pure-torch references for the small per-token kernels: RMSNorm (optionally fused with the
-residual add), rotary position embedding (neox / rotate-half layout) and SiLU-and-mul.
+residual add), rotary position embedding (neox / rotate-half layout), the attention's q/k step
+(per-head RMSNorm then rotary, `qk_norm_rotary`) and SiLU-and-mul.
 
 These are the CPU path and the reference that later Triton/CUDA kernels are checked against.
 Numerics follow Hugging Face transformers: the norm is computed in float32 and cast back to the
@@ -42,6 +43,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     sin = sin.unsqueeze(1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def qk_norm_rotary(
+    qk: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    num_q_heads: int | None = None,
+) -> torch.Tensor:
+    """The attention's q/k step on qk = [num_tokens, q_heads + kv_heads, head_dim] (q heads
+    first): with the weights (Qwen3), rms_norm of each head (q_weight on the first num_q_heads
+    heads, k_weight on the others); then apply_rotary with cos_cache[positions],
+    sin_cache[positions] (caches [max_pos, head_dim // 2]). Returns a new tensor."""
+    if q_weight is not None and k_weight is not None:
+        q = rms_norm(qk[:, :num_q_heads], q_weight, eps)
+        k = rms_norm(qk[:, num_q_heads:], k_weight, eps)
+        qk = torch.cat((q, k), dim=1)
+    return apply_rotary(qk, cos_cache[positions], sin_cache[positions])
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

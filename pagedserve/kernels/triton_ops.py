@@ -1,6 +1,7 @@
 """Triton kernels for the small per-token ops: RMSNorm (optionally fused with the residual add),
-rotate-half rotary embedding (per tensor, or fused over q and k with a cos/sin cache lookup)
-and SiLU-and-mul.
+rotate-half rotary embedding (per tensor, or fused over q and k with a cos/sin cache lookup),
+the attention's q/k step in one launch (optional per-head RMSNorm, then rotary, in place on the
+fused qkv output) and SiLU-and-mul.
 
 Numerics follow the pure-torch references in `pagedserve.kernels.ops` step by step: every value
 is computed in float32 and rounded to the torch result dtype wherever the reference's torch
@@ -21,6 +22,7 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_qk",
     "fused_add_rms_norm",
+    "qk_norm_rotary_",
     "reference",
     "rms_norm",
     "silu_and_mul",
@@ -84,6 +86,15 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _rotate_half(x1, x2, cos, sin, OUT_DTYPE: tl.constexpr):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) on fp32 values, each product and each sum rounded to
+    OUT_DTYPE like the torch expression (ops.apply_rotary)."""
+    o1 = _round(_round(x1 * cos, OUT_DTYPE) - _round(x2 * sin, OUT_DTYPE), OUT_DTYPE)
+    o2 = _round(_round(x2 * cos, OUT_DTYPE) + _round(x1 * sin, OUT_DTYPE), OUT_DTYPE)
+    return o1, o2
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,
     out_ptr,
@@ -105,8 +116,7 @@ def _rotate_heads(
     x1_ptrs = x_ptr + heads * stride_xh + cols
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = _round(_round(x1 * cos, OUT_DTYPE) - _round(x2 * sin, OUT_DTYPE), OUT_DTYPE)
-    o2 = _round(_round(x2 * cos, OUT_DTYPE) + _round(x1 * sin, OUT_DTYPE), OUT_DTYPE)
+    o1, o2 = _rotate_half(x1, x2, cos, sin, OUT_DTYPE)
     o1_ptrs = out_ptr + heads * stride_oh + cols
     tl.store(o1_ptrs, o1.to(OUT_DTYPE), mask=mask)
     tl.store(o1_ptrs + HALF, o2.to(OUT_DTYPE), mask=mask)
@@ -144,6 +154,60 @@ def _rotary_kernel(
         x_ptr + token * stride_xt, out_ptr + token * stride_ot, stride_xh, stride_oh, cos, sin,
         NUM_HEADS, HALF, HEADS_P, HALF_P, OUT_DTYPE,
     )  # fmt: skip
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    qk_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    stride_t,
+    stride_h,
+    stride_p,
+    stride_c,
+    stride_s,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    DTYPE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """Token t, in place on its NUM_HEADS heads x = [x1, x2] (halves of HALF), round = to DTYPE
+    (qk's dtype), as ops.qk_norm_rotary:
+      HAS_NORM, per head: h = x in fp32, y = round(h * rsqrt(mean(h^2) + eps)), x = round(w * y)
+        with w = q_weight for heads < NUM_Q_HEADS, k_weight for the others;
+      rotary, with c = cos_cache[positions[t]], s = sin_cache[positions[t]]:
+        x = [round(round(x1 c) - round(x2 s)), round(round(x2 c) + round(x1 s))]."""
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token * stride_p).to(tl.int64)
+    heads = tl.arange(0, HEADS_P)[:, None]
+    cols = tl.arange(0, HALF_P)[None, :]
+    col_mask = cols < HALF
+    mask = (heads < NUM_HEADS) & col_mask
+    x1_ptrs = qk_ptr + token * stride_t + heads * stride_h + cols
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        inv_rms = tl.rsqrt(variance + eps)[:, None]
+        is_q = heads < NUM_Q_HEADS
+        qw1 = tl.load(q_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        qw2 = tl.load(q_weight_ptr + HALF + cols, mask=col_mask, other=0.0).to(tl.float32)
+        kw1 = tl.load(k_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        kw2 = tl.load(k_weight_ptr + HALF + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x1 = _round(tl.where(is_q, qw1, kw1) * _round(x1 * inv_rms, DTYPE), DTYPE)
+        x2 = _round(tl.where(is_q, qw2, kw2) * _round(x2 * inv_rms, DTYPE), DTYPE)
+    cos = tl.load(cos_ptr + position * stride_c + cols, mask=col_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
+    o1, o2 = _rotate_half(x1, x2, cos, sin, DTYPE)
+    tl.store(x1_ptrs, o1.to(DTYPE), mask=mask)
+    tl.store(x1_ptrs + HALF, o2.to(DTYPE), mask=mask)
 
 
 @triton.jit
@@ -253,6 +317,66 @@ def apply_rotary_qk(
     _launch_rotary(q, q_out, cos_cache, sin_cache, positions)
     _launch_rotary(k, k_out, cos_cache, sin_cache, positions)
     return q_out, k_out
+
+
+def qk_norm_rotary_(
+    qk: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    num_q_heads: int | None = None,
+) -> torch.Tensor:
+    """ops.qk_norm_rotary in place on qk, one launch: optional per-head RMSNorm (q_weight on
+    the first num_q_heads heads, k_weight on the rest; Qwen3), then rotary with cos/sin rows
+    cos_cache[positions], sin_cache[positions]. Returns qk.
+
+    qk: [num_tokens, num_q_heads + num_kv_heads, head_dim], typically a strided view of the
+    fused qkv projection output (row stride the qkv width, head stride head_dim, last stride
+    1); positions: [num_tokens] int; caches: [max_pos, head_dim // 2]. Every dtype must promote
+    to qk's (the results are stored in place). num_q_heads is needed with the weights only."""
+    _check_rotary_input(qk, "qk")
+    num_tokens, num_heads, head_dim = qk.shape
+    _check(num_heads <= 1 or qk.stride(1) == head_dim, "qk's heads must be packed "
+           "(head stride head_dim)")  # fmt: skip
+    _check(num_tokens <= 1 or qk.stride(0) >= num_heads * head_dim, "qk's token rows overlap")
+    half = head_dim // 2
+    _check_cos_sin(cos_cache, sin_cache, half, qk.device)
+    _check(torch.promote_types(qk.dtype, cos_cache.dtype) == qk.dtype,
+           "in place needs the cos/sin cache dtype to promote to qk's")  # fmt: skip
+    _check(positions.shape == (num_tokens,), "positions must be [num_tokens]")
+    _check(positions.dtype in (torch.int32, torch.int64), "positions must be int32 or int64")
+    _check(positions.device == qk.device, "positions is on another device")
+    has_norm = q_weight is not None or k_weight is not None
+    if has_norm:
+        _check(q_weight is not None and k_weight is not None, "give both q_weight and k_weight")
+        _check(num_q_heads is not None and 0 <= num_q_heads <= num_heads,
+               "num_q_heads must be in 0..qk.shape[1] with the norm weights")  # fmt: skip
+        for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+            assert weight is not None
+            _check(weight.shape == (head_dim,), f"{name} must be [head_dim]")
+            _check(weight.dtype in _FLOAT_DTYPES, f"{name} dtype {weight.dtype} unsupported")
+            _check(torch.promote_types(qk.dtype, weight.dtype) == qk.dtype,
+                   f"in place needs the {name} dtype to promote to qk's")  # fmt: skip
+            _check(weight.device == qk.device, f"{name} is on another device")
+            _check(weight.is_contiguous(), f"{name} must be contiguous")
+    if num_tokens == 0 or num_heads == 0:
+        return qk
+    heads_p, half_p = triton.next_power_of_2(num_heads), triton.next_power_of_2(half)
+    _qk_norm_rotary_kernel[(num_tokens,)](
+        qk, positions, cos_cache, sin_cache,
+        q_weight if q_weight is not None else cos_cache,
+        k_weight if k_weight is not None else cos_cache,
+        qk.stride(0), qk.stride(1), positions.stride(0), cos_cache.stride(0),
+        sin_cache.stride(0), eps,
+        NUM_HEADS=num_heads, NUM_Q_HEADS=num_q_heads if has_norm else 0, HALF=half,
+        HEADS_P=heads_p, HALF_P=half_p, DTYPE=_TL_DTYPES[qk.dtype], HAS_NORM=has_norm,
+        num_warps=min(8, max(1, heads_p * half_p // 512)),
+    )  # fmt: skip
+    return qk
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,10 @@ lookup + all-reduce; LM head: local logits + all-gather).
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Callable
+from types import ModuleType
 from typing import overload
 
 import torch
@@ -105,6 +107,33 @@ def cpu_fast_path(x: torch.Tensor) -> bool:
         and not torch.is_grad_enabled()
         and cpu_kernels_loaded()
     )
+
+
+@functools.cache
+def triton_ops_module() -> ModuleType | None:
+    """pagedserve.kernels.triton_ops, imported on first use; None when triton is missing."""
+    try:
+        return importlib.import_module("pagedserve.kernels.triton_ops")
+    except ImportError:
+        return None
+
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def use_triton_ops(x: torch.Tensor) -> bool:
+    """Whether x goes through the Triton kernels (CUDA tensors of a float dtype they take,
+    triton importable): RMSNorm (fused with the residual add), SiLU-and-mul, and the
+    attention's q/k norm + rotary, one launch each. Tests patch this to run them interpreted
+    on the CPU."""
+    return x.is_cuda and x.dtype in _TRITON_DTYPES and triton_ops_module() is not None
+
+
+def _triton_ops() -> ModuleType:
+    module = triton_ops_module()
+    if module is None:
+        raise RuntimeError("the Triton path was chosen but triton is not importable")
+    return module
 
 
 def _new_parameter(*shape: int, loader: Callable[..., None]) -> nn.Parameter:
@@ -276,8 +305,9 @@ class LMHead(VocabParallelBase):
 
 class RMSNorm(nn.Module):
     """RMSNorm; with a residual it fuses the add: forward(x, residual) -> (normed, x + residual).
-    On the C++ CPU path the fused form works in place: residual becomes x + residual and x the
-    normed values (the decoder layers hand both over and use only the returned tensors)."""
+    On the C++ CPU path and on the Triton path (when x and residual are contiguous and the weight
+    has x's dtype) the fused form works in place: residual becomes x + residual and x the normed
+    values (the decoder layers hand both over and use only the returned tensors)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -296,6 +326,16 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton_ops(x) and (
+            residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)
+        ):
+            triton_ops = _triton_ops()
+            if residual is None:
+                return triton_ops.rms_norm(x, self.weight, self.eps)
+            inplace = (
+                self.weight.dtype == x.dtype and x.is_contiguous() and residual.is_contiguous()
+            )
+            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps, inplace)
         if x.dim() == 2 and cpu_fast_path(x) and self.weight.dtype == torch.float32:
             if residual is None:
                 out = torch.empty_like(x)
@@ -341,9 +381,12 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE over the full head_dim; cos/sin cached per position (float32 math,
     stored in the default dtype at construction time, i.e. the model dtype). The per-step
     tables (looked up at the step's positions) are kept for as long as the same positions
-    tensor object comes back (and, outside inference mode, is unmodified): every layer shares
-    this module, so one lookup serves them all. Positions are never edited in place (an
-    inference tensor has no version counter to tell)."""
+    tensor object comes back (and, outside inference mode, is unmodified) within one forward:
+    every layer shares this module, so one lookup serves them all. The model calls `new_step`
+    at the start of every forward, so each forward's first layer looks them up again: a CUDA
+    graph captured after eager warm-up runs with the same positions tensor must record the
+    lookup, not reuse the warm-up's tables. Positions are never edited in place (an inference
+    tensor has no version counter to tell)."""
 
     def __init__(
         self, head_dim: int, max_position: int, rope_theta: float, rope_scaling: dict | None
@@ -355,6 +398,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
         self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
+
+    def new_step(self) -> None:
+        """Forget the per-step tables: the next `tables` call looks them up again."""
+        self._step = None
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim] (cat(cos, cos), cat(-sin, sin)) at `positions` [T]."""
@@ -388,6 +435,34 @@ class RotaryEmbedding(nn.Module):
         """positions [T]; q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim]."""
         return self.rotate(positions, q), self.rotate(positions, k)
 
+    def norm_rotate_qk(
+        self,
+        positions: torch.Tensor,
+        qk: torch.Tensor,
+        num_q_heads: int,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk [T, q_heads + kv_heads, head_dim] (q heads first; a view of this step's own qkv
+        buffer, which may be overwritten) -> (q, k): with qk_norms = (q_norm, k_norm) each head
+        normed first (Qwen3), then rotated. The Triton path is one launch in place on qk; the
+        other paths rotate in place (no norms) or build new q and k (norms)."""
+        if use_triton_ops(qk) and (qk_norms is None or qk_norms[0].eps == qk_norms[1].eps):
+            weights: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+            eps = 1e-6
+            if qk_norms is not None:
+                weights, eps = (qk_norms[0].weight, qk_norms[1].weight), qk_norms[0].eps
+            _triton_ops().qk_norm_rotary_(
+                qk, positions, self.cos_cache, self.sin_cache, *weights, eps,
+                num_q_heads=num_q_heads,
+            )  # fmt: skip
+            return qk[:, :num_q_heads], qk[:, num_q_heads:]
+        if qk_norms is None:
+            qk = self.rotate_(positions, qk)
+            return qk[:, :num_q_heads], qk[:, num_q_heads:]
+        q_norm, k_norm = qk_norms
+        q, k = q_norm(qk[:, :num_q_heads]), k_norm(qk[:, num_q_heads:])
+        return self(positions, q, k)
+
 
 @functools.lru_cache(maxsize=8)
 def _cached_rope(
@@ -420,6 +495,8 @@ def _hashable(value: object) -> bool:
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton_ops(x):
+            return _triton_ops().silu_and_mul(x)
         if x.dim() == 2 and cpu_fast_path(x):
             out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
             torch.ops.pagedserve_cpu.silu_and_mul(out, x)

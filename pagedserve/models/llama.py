@@ -1,7 +1,8 @@
 """Llama (2, 3, 3.1 rope scaling) and Mistral, written against the shared layer set.
 
 The decoder pieces here are reused by the other architectures: a model subclass swaps the
-attention class (`attention_cls`) or overrides one of its small hooks (biases, q/k norm).
+attention class (`attention_cls`), which overrides one of its small hooks (biases) or sets
+`qk_norms` (Qwen3's per-head q/k RMSNorm).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pagedserve.models.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RMSNorm,
+    RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
     VocabEmbedding,
@@ -37,6 +39,9 @@ def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
 
 
 class LlamaAttention(nn.Module):
+    """qkv projection, rotary on q and k (after a per-head RMSNorm when `qk_norms` is set),
+    paged attention, o_proj."""
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.head_dim = head_dim = model_head_dim(config)
@@ -51,16 +56,15 @@ class LlamaAttention(nn.Module):
         theta, scaling = rope_settings(config)
         self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
+        # (q_norm, k_norm) applied per head before rotary, or None; a subclass registers the
+        # modules themselves (their parameters) and points this at them (see Qwen3Attention)
+        self.qk_norms: tuple[RMSNorm, RMSNorm] | None = None
 
     def qkv_bias(self, config: PretrainedConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
 
     def o_proj_bias(self, config: PretrainedConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
-
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook on q [T, heads, dim] and k [T, kv_heads, dim] before rotary (Qwen3: RMSNorm)."""
-        return q, k
 
     def forward(
         self,
@@ -70,21 +74,13 @@ class LlamaAttention(nn.Module):
         output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], or [n, hidden] for output_rows (see Attention)."""
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        qk_size = self.qkv_proj.q_size + self.qkv_proj.kv_size
         qkv = self.qkv_proj(hidden)
-        v = qkv[:, q_size + kv_size :]
-        if type(self).normalize_qk is LlamaAttention.normalize_qk:
-            # q and k side by side: one rotary pass over [T, heads + kv_heads, head_dim]
-            qk = qkv[:, : q_size + kv_size].view(
-                -1, self.num_heads + self.num_kv_heads, self.head_dim
-            )
-            qk = self.rotary_emb.rotate_(positions, qk)  # qkv is this step's own buffer
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        else:
-            q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
-            q, k = self.normalize_qk(q, k)
-            q, k = self.rotary_emb(positions, q, k)
+        v = qkv[:, qk_size:]
+        # q and k side by side, [T, heads + kv_heads, head_dim]: one pass over both (in place
+        # where it can: qkv is this step's own buffer)
+        qk = qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb.norm_rotate_qk(positions, qk, self.num_heads, self.qk_norms)
         return self.o_proj(self.attn(q, k, v, metadata, output_rows))
 
 
@@ -139,10 +135,15 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, attention_cls) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the rotary embeddings of the layers (one, shared), whose per-step tables each forward
+        # resets (modules() lists a shared module once)
+        self.rotary_embeddings = [m for m in self.modules() if isinstance(m, RotaryEmbedding)]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        for rotary_emb in self.rotary_embeddings:
+            rotary_emb.new_step()  # this forward's first layer looks its tables up again
         hidden, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):

@@ -3,7 +3,6 @@ by default (`attention_bias`), and head_dim read from the config."""
 
 from __future__ import annotations
 
-import torch
 from transformers import PretrainedConfig
 
 from pagedserve.models.layers import RMSNorm
@@ -15,9 +14,7 @@ class Qwen3Attention(LlamaAttention):
         super().__init__(config)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+        self.qk_norms = (self.q_norm, self.k_norm)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,160 @@
+"""The model layers' Triton path (RMSNorm, fused add + RMSNorm, SiLU-and-mul, and the
+attention's q/k norm + rotary in one launch), forced onto CPU tensors through Triton's
+interpreter (`layers.use_triton_ops` patched to True), against the torch path: tiny Llama and
+Qwen3 models give the same hidden states over a prefill step and a decode step. Also: every
+forward looks the rotary tables up again (the CUDA-graph capture hazard).
+
+conftest.py sets TRITON_INTERPRET=1 before triton is imported; when triton was imported in
+compiled mode anyway (or is missing), the Triton tests here are skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from pagedserve.config import EngineConfig
+from pagedserve.kernels import attention
+from pagedserve.kernels.attention import AttentionMetadata, build_attention_metadata
+from pagedserve.models import layers
+from pagedserve.models.loader import load_model
+from tests.tiny_models import save_tiny_model
+
+
+def _triton_interpreted() -> bool:
+    try:
+        import triton.language.standard as tl_standard
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(tl_standard.sum, InterpretedFunction)
+
+
+needs_interpreter = pytest.mark.skipif(
+    not _triton_interpreted(), reason="triton missing, or imported without TRITON_INTERPRET=1"
+)
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 8
+BACKEND = "torch_ref"  # token-major torch attention: no C++ kernel on either path
+
+
+@pytest.fixture(autouse=True)
+def _pure_torch_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path in pure torch (the C++ CPU kernels off, whether or not they are built)."""
+    monkeypatch.setattr(attention, "_cpu_kernel_state", False)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, nn.Module]:
+    """Tiny float32 Llama and Qwen3 (head_dim 32) with random norm weights (q_norm and k_norm
+    differ), loaded the way the engine does."""
+    loaded = {}
+    for seed, arch in enumerate(("llama", "qwen3")):
+        path = save_tiny_model(arch, tmp_path_factory.mktemp(arch), seed=seed, hidden_size=128)
+        model = load_model(EngineConfig(model=str(path)), torch.device("cpu"))
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.data.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
+        loaded[arch] = model
+    return loaded
+
+
+def _metadata(query_lens: list[int], seq_lens: list[int], slots: list[int]) -> AttentionMetadata:
+    """Request 0 in blocks 3, 0; request 1 in block 5."""
+    return build_attention_metadata(
+        torch.tensor(query_lens),
+        torch.tensor(seq_lens),
+        torch.tensor([[3, 0], [5, 0]], dtype=torch.int32),
+        torch.tensor(slots),
+        BLOCK_SIZE,
+        torch.device("cpu"),
+        backend=BACKEND,
+    )
+
+
+def _steps(vocab_size: int) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
+    """A prefill of two prompts (5 and 3 tokens), then a decode step of both."""
+    gen = torch.Generator().manual_seed(1)
+    prefill_ids = torch.randint(1, vocab_size, (8,), generator=gen)
+    prefill = (
+        prefill_ids,
+        torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]),
+        _metadata([5, 3], [5, 3], [12, 13, 14, 15, 0, 20, 21, 22]),
+    )
+    decode_ids = torch.randint(1, vocab_size, (2,), generator=gen)
+    decode = (decode_ids, torch.tensor([5, 3]), _metadata([1, 1], [6, 4], [1, 23]))
+    return [prefill, decode]
+
+
+def _run(model: nn.Module, steps: list) -> list[torch.Tensor]:
+    """The steps' hidden states, on fresh zeroed KV caches."""
+    for module in model.modules():
+        if isinstance(module, layers.Attention):
+            shape = attention.kv_cache_layer_shape(
+                BACKEND, NUM_BLOCKS, BLOCK_SIZE, module.num_kv_heads, module.head_dim
+            )
+            module.k_cache, module.v_cache = torch.zeros(shape), torch.zeros(shape)
+    with torch.inference_mode():
+        return [model(input_ids, positions, metadata) for input_ids, positions, metadata in steps]
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, module: object, name: str, calls: list) -> None:
+    original: Callable = getattr(module, name)
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append((name, args, kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_triton_path_matches_torch_path(
+    arch: str, models: dict[str, nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = models[arch]
+    steps = _steps(model.config.vocab_size)
+    expected = _run(model, steps)
+
+    triton_ops = layers.triton_ops_module()
+    assert triton_ops is not None
+    calls: list[tuple[str, tuple, dict]] = []
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rotary_"):
+        _spy(monkeypatch, triton_ops, name, calls)
+    monkeypatch.setattr(layers, "use_triton_ops", lambda x: True)
+    got = _run(model, steps)
+
+    for hidden, reference in zip(got, expected):
+        torch.testing.assert_close(hidden, reference, atol=1e-4, rtol=0)
+    # per step of a 2-layer model: 1 rms_norm, 4 fused add + norm (in place), 2 SiLU-and-mul,
+    # 2 q/k launches, with the norm weights on Qwen3 only: nothing fell back to torch
+    names = [name for name, _, _ in calls]
+    expected_counts = {"rms_norm": 1, "fused_add_rms_norm": 4, "silu_and_mul": 2}
+    expected_counts["qk_norm_rotary_"] = 2
+    for name, count in expected_counts.items():
+        assert names.count(name) == count * len(steps), name
+    assert all(args[-1] is True for name, args, _ in calls if name == "fused_add_rms_norm")
+    qk_calls = [(args, kwargs) for name, args, kwargs in calls if name == "qk_norm_rotary_"]
+    for args, kwargs in qk_calls:
+        assert kwargs["num_q_heads"] == 4
+        assert (args[4] is not None) == (arch == "qwen3")
+
+
+def test_each_forward_looks_the_rotary_tables_up_again(models: dict[str, nn.Module]) -> None:
+    """Two forwards with the same positions tensor, edited in place between them (as a CUDA
+    graph's static buffer is; an inference tensor has no version counter): the second forward
+    must rotate with the new positions, not the first forward's cached tables."""
+    model = models["qwen3"]  # rotates through the per-step tables on this path
+    input_ids, _, metadata = _steps(model.config.vocab_size)[0]
+    with torch.inference_mode():
+        positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+        _run(model, [(input_ids, positions, metadata)])
+        positions.copy_(torch.tensor([7, 8, 9, 10, 11, 20, 21, 22]))
+        reused = _run(model, [(input_ids, positions, metadata)])[0]
+        fresh = _run(model, [(input_ids, positions.clone(), metadata)])[0]
+    assert torch.equal(reused, fresh)
