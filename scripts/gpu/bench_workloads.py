@@ -8,6 +8,8 @@ W1 offline: Qwen3-0.6B, 256 requests, input and output lengths U[100, 1024].
 W2 offline: Llama-3.1-8B, 1000 requests, input U[100, 300], output U[80, 280].
    (per request: input length, output length, then the prompt ids, from random.Random(0))
 W3 latency: batch 1, 128-token prompt, 256 output tokens, time per output token.
+W1/W2 run with max_num_seqs 1024 and max_num_batched_tokens 16384 (vLLM's offline defaults on
+this GPU); W3 and start-up with pagedserve's defaults (256 / 8192).
 Start-up: from LLM(...) to the first request accepted (Qwen3-0.6B dummy, CUDA graphs on).
 profile: the device idle time between worker steps, from a torch.profiler window (W3, W1).
 transformers runs only the first --hf-prompts requests of W1/W2 (it needs minutes where
@@ -62,7 +64,8 @@ def offline(name: str, hf_prompts: int, args: argparse.Namespace) -> list[str]:
     model, num, input_len, output_len = WORKLOADS[name]
     vocab = int(read_hf_config(model)["vocab_size"])
     workload = bench.random_workload(num, input_len, output_len, vocab, seed=0)
-    rows = [bench.run_pagedserve(workload, engine_args(model, max_num_seqs=args.max_num_seqs))]
+    settings = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
+    rows = [bench.run_pagedserve(workload, engine_args(model, **settings))]
     free_gpu()
     if hf_prompts:
         subset = workload[:hf_prompts]
@@ -136,7 +139,7 @@ def profile(args: argparse.Namespace) -> list[str]:
         ),
         "W1 Qwen3-0.6B, first 128 requests": lambda prof: bench.run_pagedserve(
             bench.random_workload(256, (100, 1024), (100, 1024), vocab, seed=0)[:128],
-            engine_args(QWEN, max_num_seqs=args.max_num_seqs, profile=prof),
+            engine_args(QWEN, max_num_seqs=256, profile=prof),
         ),
     }
     for index, (name, run) in enumerate(runs.items()):
@@ -161,7 +164,7 @@ def startup(args: argparse.Namespace) -> list[str]:
     lines = ["### Start-up: LLM(Qwen3-0.6B dummy, CUDA graphs on) until it accepts a request\n"]
     for label in ("first start on this machine (cold Triton cache)", "second start"):
         start = time.perf_counter()
-        with LLM(**engine_args(QWEN, max_num_seqs=args.max_num_seqs)) as llm:
+        with LLM(**engine_args(QWEN)) as llm:
             ready = time.perf_counter() - start
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
         free_gpu()
@@ -177,7 +180,9 @@ def main() -> int:
     parser.add_argument("--hf-prompts", type=int, default=64)
     parser.add_argument("--hf-cb", action="store_true")
     parser.add_argument("--hf-latency", action="store_true")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    # W1/W2: vLLM's offline (LLM class) defaults on a GPU of this size, the peer's settings
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-batched-tokens", type=int, default=16384)
     args = parser.parse_args()
     sections = [
         f"# GPU workloads ({datetime.date.today()}, {torch.cuda.get_device_name()})\n",

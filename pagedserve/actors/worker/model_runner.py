@@ -30,11 +30,11 @@ from pagedserve.actors.messages import NewRequestData, SamplingParams, StepPlan,
 from pagedserve.actors.worker.cuda_graphs import DecodeGraphs
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
+from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention import (
     AttentionMetadata,
     OutputRows,
-    build_attention_metadata,
     cdiv,
     kv_cache_layer_shape,
     load_cpu_kernels,
@@ -133,6 +133,16 @@ def select_device(name: str, rank: int) -> torch.device:
     return torch.device(name)
 
 
+def _metadata_arrays(
+    query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, slots: np.ndarray
+) -> list[np.ndarray]:
+    """The device half of AttentionMetadata, in the dtypes the kernels take: slot_mapping
+    int64, query_start_loc int32 [batch + 1], seq_lens int32, block_tables int32."""
+    query_start_loc = np.zeros(len(query_lens) + 1, np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    return [slots.astype(np.int64), query_start_loc, seq_lens.astype(np.int32), block_tables]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         if config.max_model_len is None:
@@ -152,6 +162,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.pending: PendingStep | None = None  # the step launched last, not yet finished
+        self.uploader = Uploader(self.device)
         self._pending_index_buffer = np.full(config.max_num_seqs, -1, np.int64)
         self._host_token_buffers = [
             torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
@@ -361,51 +372,70 @@ class ModelRunner:
         offsets = np.arange(len(request_of_token)) - query_starts[request_of_token]
         positions = computed[request_of_token] + offsets
         token_rows = rows[request_of_token]
-        input_ids = batch.token_ids[token_rows, positions]
+        input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
         # tokens sampled by the step in flight: copied on the device from its output
-        from_device = positions == batch.num_tokens[token_rows]
+        targets = np.flatnonzero(positions == batch.num_tokens[token_rows])
+        sources = pending_index[request_of_token[targets]]
         blocks = batch.block_table_np[token_rows, positions // block_size].astype(np.int64)
         slot_mapping = blocks * block_size + positions % block_size
-        width = cdiv(int(seq_lens.max()), block_size)
-        block_tables = batch.block_table[torch.from_numpy(rows), :width]
-        metadata = build_attention_metadata(
-            torch.from_numpy(query_lens), torch.from_numpy(seq_lens), block_tables,
-            torch.from_numpy(slot_mapping), block_size, self.device, self.attention_backend,
-        )  # fmt: skip
+        block_tables = batch.block_table_np[rows, : cdiv(int(seq_lens.max()), block_size)]
         batch.num_computed_tokens[rows] = seq_lens
         samples = seq_lens >= known
         logits_indices = (query_starts + query_lens - 1)[samples]
-        device_logits_indices = self._to_device(logits_indices)
-        if 0 < len(logits_indices) < len(slot_mapping):
-            # prefill in the step: the last layer needs only the sampling rows past its k/v
-            sampled = torch.from_numpy(samples)
-            metadata.output_rows = OutputRows(
-                device_logits_indices,
-                build_attention_metadata(
-                    torch.ones(len(logits_indices), dtype=torch.int64),
-                    torch.from_numpy(seq_lens[samples]),
-                    block_tables[sampled],
-                    torch.from_numpy(slot_mapping[logits_indices]),
-                    block_size,
-                    self.device,
-                    self.attention_backend,
-                ),
-            )
-        device_input_ids = self._to_device(input_ids.astype(np.int64))
-        if from_device.any():
+        # prefill in the step: the last layer needs only the sampling rows past its k/v
+        with_output_rows = 0 < len(logits_indices) < len(slot_mapping)
+        arrays = [input_ids, positions, targets, sources, logits_indices]
+        arrays += _metadata_arrays(query_lens, seq_lens, block_tables, slot_mapping)
+        if with_output_rows:
+            arrays += _metadata_arrays(
+                np.ones(len(logits_indices), np.int64), seq_lens[samples],
+                block_tables[samples], slot_mapping[logits_indices],
+            )  # fmt: skip
+        device_input_ids, device_positions, device_targets, device_sources, *rest = (
+            self.uploader.upload(arrays)
+        )
+        device_logits_indices = rest[0]
+        metadata = self._metadata(rest[1:5], query_lens, seq_lens, block_tables)
+        if with_output_rows:
+            output_rows = self._metadata(
+                rest[5:9], np.ones(len(logits_indices), np.int64), seq_lens[samples],
+                block_tables[samples],
+            )  # fmt: skip
+            metadata.output_rows = OutputRows(device_logits_indices, output_rows)
+        if len(targets):
             assert self.pending is not None
-            targets = np.flatnonzero(from_device)
-            sources = pending_index[request_of_token[targets]]
-            device_input_ids[self._to_device(targets)] = self.pending.token_ids[
-                self._to_device(sources)
-            ]
+            fed = self.pending.token_ids.index_select(0, device_sources)
+            device_input_ids.index_copy_(0, device_targets, fed)
         return StepInputs(
             input_ids=device_input_ids,
-            positions=self._to_device(positions),
+            positions=device_positions,
             attn_metadata=metadata,
             logits_indices=device_logits_indices,
             sampling_rows=rows[samples],
             sampling_ids=[r for r, s in zip(plan.scheduled_ids, samples.tolist()) if s],
+        )
+
+    def _metadata(
+        self,
+        device: list[torch.Tensor],
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+    ) -> AttentionMetadata:
+        """AttentionMetadata from _metadata_arrays' uploaded tensors and their host arrays."""
+        slot_mapping, query_start_loc, device_seq_lens, device_block_tables = device
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=device_seq_lens,
+            block_tables=device_block_tables,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+            query_lens_cpu=torch.from_numpy(query_lens),
+            seq_lens_cpu=torch.from_numpy(seq_lens),
+            block_tables_cpu=torch.from_numpy(np.ascontiguousarray(block_tables)),
+            backend=self.attention_backend,
         )
 
     def _check_plan(
@@ -424,12 +454,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         metadata = self.input_batch.sampling_metadata(inputs.sampling_rows, self.vocab_size)
         return self.sampler(logits, metadata)
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
 
     # ------------------------------------------------------------------ memory profiling
 

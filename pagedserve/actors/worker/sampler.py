@@ -197,7 +197,9 @@ def select_logprobs(
 ) -> LogprobTensors:
     """gather_logprobs' device half: index, gather, rank and top-k, all asynchronous."""
     rows = [i for i, n in enumerate(num_logprobs) if n is not None]
-    index = torch.tensor(rows).to(logprobs.device, non_blocking=True)
+    index = torch.tensor(rows)
+    if logprobs.is_cuda:  # a pageable copy could wait for the device's queue to drain
+        index = index.pin_memory().to(logprobs.device, non_blocking=True)
     row_logprobs, row_tokens = logprobs.index_select(0, index), token_ids.index_select(0, index)
     token_logprobs = row_logprobs.gather(1, row_tokens.unsqueeze(1))
     ranks = (row_logprobs >= token_logprobs).sum(dim=-1)
