@@ -56,6 +56,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # runs; 3 = also the worker launches N+1 on the device before N's tokens reach the host.
     max_inflight_steps: int = 3
     enforce_eager: bool = False
+    # CUDA bf16/fp16: x W^T for batches of <= 16 rows (decode) by the Triton weight-streaming
+    # GEMM (kernels/triton_gemv.py) instead of cuBLAS
+    small_batch_gemm: bool = True
     run_dir: str | None = None  # where ipc:// sockets live; a private temp dir by default
     log_level: str = "WARNING"
     server: ServerConfig | None = None

@@ -56,3 +56,8 @@ def test_engine_profile_window_through_the_worker(tmp_path: Path) -> None:
     summary = json.loads((out / "worker0.idle.json").read_text())
     assert summary["num_steps"] == 8
     assert (out / "worker0.trace.json").stat().st_size > 0
+    worker = json.loads((out / "worker0.loop.json").read_text())
+    assert worker["launch"]["count"] >= 24 and worker["wait_for_plan"]["count"] >= 24
+    assert 0 < worker["launch"]["s"] < worker["wall_s"]
+    scheduler = json.loads((out / "scheduler.loop.json").read_text())
+    assert scheduler["plan"]["count"] >= 24 and scheduler["handle"]["s"] > 0

@@ -136,6 +136,39 @@ def _triton_ops() -> ModuleType:
     return module
 
 
+@functools.cache
+def triton_gemv_module() -> ModuleType | None:
+    """pagedserve.kernels.triton_gemv, imported on first use; None when triton is missing."""
+    try:
+        return importlib.import_module("pagedserve.kernels.triton_gemv")
+    except ImportError:
+        return None
+
+
+_small_batch_gemm = True
+
+
+def enable_small_batch_gemm(enabled: bool) -> None:
+    """Whether `linear` may use the Triton weight-streaming GEMM (EngineConfig's
+    small_batch_gemm, set by the model runner for its process)."""
+    global _small_batch_gemm
+    _small_batch_gemm = enabled
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight
+) -> torch.Tensor:
+    """x W^T + b for the linear layers and the LM head. CUDA fp16/bf16 batches of at most
+    SKINNY_MAX_M rows (decode steps) go through the Triton weight-streaming GEMM
+    (triton_gemv.skinny_linear: cuBLAS picks poor tiles for such skinny shapes); everything
+    else, fp32 and the CPU included, through `packed` (oneDNN on the CPU, else F.linear)."""
+    if _small_batch_gemm and use_triton_ops(x) and x.dtype != torch.float32:
+        gemv = triton_gemv_module()
+        if gemv is not None and gemv.skinny_linear_applies(x, weight, bias):
+            return gemv.skinny_linear(x, weight, bias)
+    return packed.linear(x, weight, bias)
+
+
 def _new_parameter(*shape: int, loader: Callable[..., None]) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
@@ -157,7 +190,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._packed.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self._packed)
 
 
 class ReplicatedLinear(LinearBase):
@@ -241,7 +274,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = self._packed.linear(x, self.weight, bias)
+        y = linear(x, self.weight, bias, self._packed)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
@@ -295,7 +328,7 @@ class LMHead(VocabParallelBase):
         self._packed = PackedWeight()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._packed.linear(hidden, self.weight, None)
+        logits = linear(hidden, self.weight, None, self._packed)
         if self.tp_size > 1:
             shards = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(shards, logits)

@@ -11,6 +11,8 @@ Attention: decode 256 x 1024, 1 x 8192 and 64 x 2048 tokens of context; prefill 
 mixed (a 512-token chunk over 1536 cached tokens + 63 decodes at 2048). The small ops at 256
 (decode) and 8192 (prefill) tokens; sampling over the vocabulary at batch 256 and 1.
 --sweep first checks attention over odd shapes (block sizes 1..256, GQA 1..8, head_dim 16..128).
+Linear (`--only gemv`): each model's projections (qkv, o_proj, gate_up, down, lm_head; weights
+[N, K] from the shapes above) at decode batches M = 1, 4 and 16, x @ W^T without bias.
 
 Attention rows, one per implementation (`impl`) on the same q, caches and block tables:
   triton      pagedserve.kernels.triton_attention.paged_attention (every shape)
@@ -24,6 +26,15 @@ Attention rows, one per implementation (`impl`) on the same q, caches and block 
 Ours are checked against the fp32 torch reference (max abs error < 3e-2); ours/FI is our GPU
 time over FlashInfer's. After the table, one line per attention shape says which of Triton and
 CUDA is faster.
+
+Linear rows, one per implementation on the same x and W:
+  triton      pagedserve.kernels.triton_gemv.skinny_linear (the weight-streaming GEMM the
+              layers use for CUDA fp16/bf16 batches of <= 16 rows); its check is the max error
+              in units in the last place against F.linear in fp32 rounded once (gated: <= 1),
+              then its speedup over cuBLAS, and the launch plan (inner loop, blocks, K splits)
+  cublas      F.linear (torch's cuBLAS / cuBLASLt GEMM), the same error (not gated)
+GB/s counts the weight bytes only (N * K * 2: x and y are tiny). After the table, one line per
+model and batch sums the four per-layer projections and the LM head, ours against cuBLAS.
 
 Columns: GPU time (µs: a CUDA graph of L2 flush + call, minus the flushes; see Timer) and
 eager time (triton's do_bench: launch overhead included, as a step without CUDA graphs pays
@@ -129,6 +140,7 @@ ATTENTION_CASES: dict[str, list[tuple[int, int]]] = {
 }
 OP_TOKENS = {"decode": 256, "prefill": 8192}
 SAMPLING_BATCHES = (256, 1)
+GEMV_BATCHES = (1, 4, 16)
 
 
 @dataclass
@@ -693,6 +705,120 @@ def bench_sampling(kernels: tuple, model: Model, batch: int, ctx: dict) -> list[
     return rows
 
 
+# --------------------------------------------------------------------------- skinny linear
+
+
+def projection_shapes(model: Model) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the weights a decode step streams: the four per-layer projections (q, k
+    and v fused; gate and up fused) and the LM head (the whole vocabulary, TP 1)."""
+    q_size, kv_size = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return [
+        ("qkv", q_size + 2 * kv_size, model.hidden),
+        ("o_proj", model.hidden, q_size),
+        ("gate_up", 2 * model.intermediate, model.hidden),
+        ("down", model.hidden, model.intermediate),
+        ("lm_head", model.vocab, model.hidden),
+    ]
+
+
+def load_gemv() -> tuple[types.ModuleType | None, str]:
+    """pagedserve.kernels.triton_gemv, or None and why it cannot be imported."""
+    import_package()
+    try:
+        return importlib.import_module("pagedserve.kernels.triton_gemv"), ""
+    except Exception as exc:  # noqa: BLE001 - triton missing or broken: report in the rows
+        return None, " ".join(f"{type(exc).__name__}: {exc}".split())[:100]
+
+
+def gemv_plan(gemv: types.ModuleType, m: int, n: int, k: int, elt: int, sms: int) -> str:
+    plan = gemv.plan_skinny_linear(m, n, k, sms, element_size=elt)
+    return f"plan {plan.describe()}"
+
+
+def ulp_error(got: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> float:
+    """Max |got - ref| in units in the last place of got's dtype, ref = F.linear in fp32
+    rounded once (computed in row chunks: no fp32 copy of a 1 GB weight)."""
+    x32 = x.float()
+    worst = 0.0
+    mantissa = {torch.bfloat16: 8, torch.float16: 11}[got.dtype]
+    for start in range(0, weight.shape[0], 16384):
+        ref = torch.nn.functional.linear(x32, weight[start : start + 16384].float())
+        ref = ref.to(got.dtype).float()
+        _, exponent = torch.frexp(ref)
+        ulp = torch.ldexp(torch.ones_like(ref), exponent - mantissa)
+        diff = (got[:, start : start + 16384].float() - ref).abs() / ulp
+        worst = max(worst, float(diff.max()))
+    return worst
+
+
+def bench_gemv(kernels: tuple, model: Model, ctx: dict) -> list[Row]:
+    """skinny_linear against F.linear (cuBLAS) on every projection of the model, at each of
+    GEMV_BATCHES rows: one weight per projection, reused across the batches."""
+    gemv, device, dtype, timer = ctx["gemv"], ctx["device"], ctx["dtype"], ctx["timer"]
+    elt = torch.empty(0, dtype=dtype).element_size()
+    rows = []
+    for name, n, k in projection_shapes(model):
+        weight = (torch.randn(n, k, device=device) * k**-0.5).to(dtype)
+        for m in GEMV_BATCHES:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            shape = f"{name} M={m} {n}x{k}"
+            ours = Row("linear", "triton", model.name, shape, bytes=n * k * elt)
+            theirs = Row("linear", "cublas", model.name, shape, bytes=n * k * elt)
+            rows += [ours, theirs]
+            if gemv is None:
+                ours.check, ours.ok = f"unavailable: {ctx['gemv_reason']}", False
+                continue
+
+            def ours_fn(x: torch.Tensor = x, weight: torch.Tensor = weight) -> torch.Tensor:
+                return gemv.skinny_linear(x, weight)
+
+            def cublas_fn(x: torch.Tensor = x, weight: torch.Tensor = weight) -> torch.Tensor:
+                return torch.nn.functional.linear(x, weight)
+
+            try:
+                err = ulp_error(ours_fn(), weight, x)
+                ours.check, ours.ok = f"err {err:.2f} ulp", err <= 1.0
+                theirs.check = f"err {ulp_error(cublas_fn(), weight, x):.2f} ulp"
+                timer.time(ours, ours_fn, cublas_fn)
+                theirs.us, theirs.eager_us = ours.ref_us, timer.eager(cublas_fn)
+                if ours.us and theirs.us:
+                    ours.check += f"; {theirs.us / ours.us:.2f}x cuBLAS"
+                ours.check += "; " + gemv_plan(gemv, m, n, k, elt, ctx["num_sms"])
+            except Exception as exc:  # noqa: BLE001 - report in the row, go on with the others
+                _sync_quietly()
+                message = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+                print(f"  skinny_linear failed on {model.name} {shape}: {message}")
+                ours.check, ours.ok = f"error {message[:100]}", False
+        del weight
+    return rows
+
+
+def gemv_summary(rows: list[Row]) -> list[str]:
+    """Per model and batch: the four per-layer projections summed (one decoder layer's weight
+    streaming) and the LM head, skinny_linear against cuBLAS (GPU time)."""
+    totals: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
+    for row in rows:
+        if row.kernel != "linear" or row.us is None:
+            continue
+        name, batch = row.shape.split()[0], int(row.shape.split()[1].removeprefix("M="))
+        part = "lm_head" if name == "lm_head" else "layer"
+        slot = totals.setdefault((row.model, batch), {}).setdefault(part, {})
+        slot[row.impl] = slot.get(row.impl, 0.0) + row.us
+        slot[row.impl + " bytes"] = slot.get(row.impl + " bytes", 0.0) + row.bytes
+    lines = []
+    for (model, batch), parts in totals.items():
+        cells = []
+        for part, label in (("layer", "per layer (qkv+o+gate_up+down)"), ("lm_head", "lm_head")):
+            t = parts.get(part, {})
+            if "triton" in t and "cublas" in t:
+                gbps = t["triton bytes"] / t["triton"] / 1e3
+                cells.append(f"{label} {t['triton']:.1f} µs vs cuBLAS {t['cublas']:.1f} µs "
+                             f"({t['cublas'] / t['triton']:.2f}x, {gbps:.0f} GB/s)")  # fmt: skip
+        if cells:
+            lines.append(f"{model} M={batch}: " + "; ".join(cells))
+    return lines
+
+
 # --------------------------------------------------------------------------- sweep
 
 SWEEP_MIXED = [(0, 7), (40, 1), (0, 1), (33, 20), (5, 1), (17, 16), (0, 150), (300, 1)]
@@ -758,8 +884,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--models", nargs="*", default=[m.name for m in MODELS],
                         choices=[m.name for m in MODELS])  # fmt: skip
-    parser.add_argument("--only", nargs="*", choices=["attention", "ops", "sampling"],
-                        default=["attention", "ops", "sampling"])  # fmt: skip
+    parser.add_argument("--only", nargs="*", choices=["attention", "ops", "sampling", "gemv"],
+                        default=["attention", "ops", "sampling", "gemv"])  # fmt: skip
     parser.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer")
     parser.add_argument("--no-cuda-kernel", action="store_true",
                         help="skip our CUDA C++ decode kernel (no nvcc build)")  # fmt: skip
@@ -789,6 +915,7 @@ def dry_run(args: argparse.Namespace, models: list[Model]) -> list[Row]:
             cuda_reason = load_cuda_attention()[1]
         if not args.no_flashinfer:
             fi_reason = load_flashinfer()[1]
+    gemv, gemv_reason = load_gemv() if "gemv" in args.only else (None, "")
     rows = []
     for model in models:
         if "attention" in args.only:
@@ -815,6 +942,17 @@ def dry_run(args: argparse.Namespace, models: list[Model]) -> list[Row]:
                 for kernel in ("sampling_thresholds", "sample_from_logits"):
                     shape = f"{batch}x{model.vocab} k50 p0.9"
                     rows.append(Row(kernel, "triton", model.name, shape))
+        if "gemv" in args.only:
+            for name, n, k in projection_shapes(model):
+                for m in GEMV_BATCHES:
+                    for impl in ("triton", "cublas"):
+                        row = Row("linear", impl, model.name, f"{name} M={m} {n}x{k}",
+                                  bytes=n * k * elt)  # fmt: skip
+                        row.check = f"{n * k * elt / 1e6:.1f} MB"
+                        if impl == "triton":  # the launch an H200 (132 SMs) gets
+                            extra = gemv_plan(gemv, m, n, k, elt, 132) if gemv else gemv_reason
+                            row.check += f"; {extra}"
+                        rows.append(row)
     return rows
 
 
@@ -838,6 +976,9 @@ def run(args: argparse.Namespace, models: list[Model]) -> list[Row]:
         "cuda_attention": cuda_attention,
         "cuda_reason": cuda_reason,
     }
+    if "gemv" in args.only:
+        ctx["gemv"], ctx["gemv_reason"] = load_gemv()
+        ctx["num_sms"] = torch.cuda.get_device_properties(device).multi_processor_count
     rows: list[Row] = sweep(kernels, device) if args.sweep else []
     for model in models:
         sections = []
@@ -847,6 +988,8 @@ def run(args: argparse.Namespace, models: list[Model]) -> list[Row]:
             sections += [(bench_ops, (model, p, t)) for p, t in OP_TOKENS.items()]
         if "sampling" in args.only:
             sections += [(bench_sampling, (model, b)) for b in SAMPLING_BATCHES]
+        if "gemv" in args.only:
+            sections += [(bench_gemv, (model,))]
         for fn, fn_args in sections:
             start = time.perf_counter()
             new_rows = fn(kernels, *fn_args, ctx)
@@ -879,6 +1022,11 @@ def main(argv: list[str] | None = None) -> int:
     if summary:
         print("\nAttention, Triton vs CUDA (GPU time):")
         print("\n".join(f"  {line}" for line in summary))
+    linear_lines = gemv_summary(rows)
+    if linear_lines:
+        print("\nLinear, skinny_linear vs cuBLAS (GPU time, summed over the projections):")
+        print("\n".join(f"  {line}" for line in linear_lines))
+    summary += linear_lines
     if args.out is not None:
         import triton
 

@@ -108,6 +108,13 @@ def latency(args: argparse.Namespace) -> list[str]:
         ours = bench.latency_pagedserve(engine_args(model, max_num_seqs=8), 128, 256, iters=3)
         free_gpu()
         lines.append(f"| {Path(model).name} | pagedserve | {ours['tpot_ms']:.2f} |")
+        if args.w3_cublas:  # the same without the Triton small-batch GEMM
+            plain = engine_args(model, max_num_seqs=8, small_batch_gemm=False)
+            cublas = bench.latency_pagedserve(plain, 128, 256, iters=3)
+            free_gpu()
+            lines.append(
+                f"| {Path(model).name} | pagedserve, cuBLAS projections | {cublas['tpot_ms']:.2f} |"
+            )
         if args.hf_latency:
             hf = bench.load_hf_model(model, "dummy", "bfloat16", "cuda", "sdpa")
             theirs = bench.latency_hf(hf, 128, 256, iters=1)
@@ -121,39 +128,69 @@ def latency(args: argparse.Namespace) -> list[str]:
 
 
 def profile(args: argparse.Namespace) -> list[str]:
-    """The device timeline of a window of worker steps (pagedserve.actors.worker.profiling):
-    W3's batch-1 decode and W1's first 128 requests in steady decode."""
+    """Where the time goes: a torch.profiler window over 20 worker steps (device busy time and
+    the idle gaps between kernels), and the worker's and scheduler's loop phases over the whole
+    run (pagedserve.actors.worker.profiling). W3's batch-1 decode and the whole of W1."""
     from pagedserve.config import ProfileConfig
 
-    lines = [
-        "### Device idle time between steps (torch.profiler window over 20 worker steps)\n",
-        "| run | steps | wall µs/step | GPU busy µs/step | idle | gaps > 10 µs | median gap µs "
-        "| largest gaps µs |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
     out = Path(args.out).parent
-    vocab = int(read_hf_config(QWEN)["vocab_size"])
+    model, num, input_len, output_len = WORKLOADS["W1"]
+    vocab = int(read_hf_config(model)["vocab_size"])
+    settings = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
     runs = {
-        "W3 Qwen3-0.6B batch 1": lambda prof: bench.latency_pagedserve(
-            engine_args(QWEN, max_num_seqs=8, profile=prof), 128, 256, iters=1
+        "W3 Qwen3-0.6B batch 1": (
+            lambda prof: bench.latency_pagedserve(
+                engine_args(QWEN, max_num_seqs=8, profile=prof), 128, 256, iters=1
+            ),
+            120,
         ),
-        "W1 Qwen3-0.6B, first 128 requests": lambda prof: bench.run_pagedserve(
-            bench.random_workload(256, (100, 1024), (100, 1024), vocab, seed=0)[:128],
-            engine_args(QWEN, max_num_seqs=256, profile=prof),
+        "W1 (all 256 requests)": (
+            lambda prof: bench.run_pagedserve(
+                bench.random_workload(num, input_len, output_len, vocab, seed=0),
+                engine_args(model, profile=prof, **settings),
+            ),
+            300,
         ),
     }
-    for index, (name, run) in enumerate(runs.items()):
+    idle = [
+        "### Device idle time (torch.profiler window over 20 worker steps)\n",
+        "| run | first step | wall µs/step | GPU busy µs/step | idle | gaps > 10 µs "
+        "| median gap µs | largest gaps µs |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    loops = [
+        "\n### Actor loops over the whole run (seconds)\n",
+        "| run | result | worker: wall | waits for plan | launch | finish | waits for device "
+        "| scheduler: waits | handles results | plans |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for index, (name, (run, first_step)) in enumerate(runs.items()):
         directory = out / f"profile{index}"
-        run(ProfileConfig(output_dir=str(directory), first_step=120, num_steps=20))
+        result = run(ProfileConfig(output_dir=str(directory), first_step=first_step, num_steps=20))
         free_gpu()
         s = json.loads((directory / "worker0.idle.json").read_text())
-        lines.append(
-            f"| {name} | {s['num_steps']} | {s['wall_per_step_us']:.0f} | "
+        idle.append(
+            f"| {name} | {first_step} | {s['wall_per_step_us']:.0f} | "
             f"{s['busy_per_step_us']:.0f} | {s['idle_fraction']:.1%} | {s['num_gaps_over_10us']} "
             f"| {s['median_gap_us']:.1f} | {', '.join(f'{g:.0f}' for g in s['largest_gaps_us'])} |"
         )
-        print(lines[-1], flush=True)
-    return lines
+        w = json.loads((directory / "worker0.loop.json").read_text())
+        c = json.loads((directory / "scheduler.loop.json").read_text())
+
+        def sec(d: dict, key: str) -> str:
+            return f"{d.get(key, {}).get('s', 0.0):.2f}"
+
+        summary = (
+            f"{result['tpot_ms']:.2f} ms/token" if isinstance(result, dict)
+            else f"{result.elapsed_s:.2f} s, {result.output_tok_s:,.0f} tok/s"
+        )  # fmt: skip
+        loops.append(
+            f"| {name} | {summary} | {w['wall_s']:.2f} | {sec(w, 'wait_for_plan')} | "
+            f"{sec(w, 'launch')} | {sec(w, 'finish')} | {sec(w, 'device_wait')} | "
+            f"{sec(c, 'wait')} | {sec(c, 'handle')} | {sec(c, 'plan')} |"
+        )
+        print(idle[-1], loops[-1], sep="\n", flush=True)
+    return idle + loops
 
 
 def startup(args: argparse.Namespace) -> list[str]:
@@ -180,6 +217,7 @@ def main() -> int:
     parser.add_argument("--hf-prompts", type=int, default=64)
     parser.add_argument("--hf-cb", action="store_true")
     parser.add_argument("--hf-latency", action="store_true")
+    parser.add_argument("--w3-cublas", action="store_true", help="W3 also with cuBLAS GEMMs")
     # W1/W2: vLLM's offline (LLM class) defaults on a GPU of this size, the peer's settings
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-batched-tokens", type=int, default=16384)

@@ -7,6 +7,7 @@ runs (decode needs exactly one more slot per running request, whatever step N sa
 from __future__ import annotations
 
 import logging
+import os
 
 from pagedserve.actors import bus
 from pagedserve.actors.actor import Actor
@@ -25,14 +26,17 @@ from pagedserve.actors.messages import (
     WorkerInbound,
 )
 from pagedserve.actors.scheduler.scheduler import Scheduler
+from pagedserve.actors.worker.profiling import LoopTimer
 
 logger = logging.getLogger(__name__)
 
 
 class SchedulerActor(Actor):
     name = "scheduler"
+    timer = LoopTimer()
 
     async def setup(self) -> dict:
+        self.timer = LoopTimer()
         assert self.config.num_kv_blocks, "the supervisor sizes the scheduler"
         self.scheduler = Scheduler(self.config, self.config.num_kv_blocks)
         self.inbox: bus.Receiver[SchedulerInbound] = bus.Receiver(
@@ -50,15 +54,24 @@ class SchedulerActor(Actor):
 
     async def run(self) -> None:
         while True:
-            messages = [await self.inbox.recv(), *self.inbox.recv_ready()]
+            with self.timer.phase("wait"):
+                messages = [await self.inbox.recv(), *self.inbox.recv_ready()]
             outputs: list[RequestOutput] = []
-            for message in messages:
-                if isinstance(message, Shutdown):
-                    return
-                outputs += await self.handle(message)
-            if outputs:
-                await self.to_tokenizer.send(EngineOutputs(outputs))
-            await self.plan_ahead()
+            with self.timer.phase("handle"):
+                for message in messages:
+                    if isinstance(message, Shutdown):
+                        return
+                    outputs += await self.handle(message)
+            with self.timer.phase("send_outputs"):
+                if outputs:
+                    await self.to_tokenizer.send(EngineOutputs(outputs))
+            with self.timer.phase("plan"):
+                await self.plan_ahead()
+
+    def close(self) -> None:
+        if self.config.profile is not None:
+            self.timer.write(os.path.join(self.config.profile.output_dir, "scheduler.loop.json"))
+        super().close()
 
     async def handle(
         self, message: AddRequest | AbortRequest | StatsRequest | StepResult

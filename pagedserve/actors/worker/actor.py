@@ -6,18 +6,22 @@ device always has the next step queued while the host prepares the one after."""
 
 from __future__ import annotations
 
+import os
+
 from pagedserve.actors import bus
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.messages import SchedulerInbound, Shutdown, StepResult, WorkerInbound
 from pagedserve.actors.worker.model_runner import ModelRunner
-from pagedserve.actors.worker.profiling import StepProfiler
+from pagedserve.actors.worker.profiling import LoopTimer, StepProfiler
 
 
 class WorkerActor(Actor):
     name = "worker"
     profiler: StepProfiler | None = None
+    timer = LoopTimer()
 
     async def setup(self) -> dict:
+        self.timer = LoopTimer()
         self.join_tensor_parallel_group()
         self.runner = ModelRunner(self.config, self.rank)
         self.runner.load_model()
@@ -39,8 +43,6 @@ class WorkerActor(Actor):
         size = self.config.tensor_parallel_size
         if size == 1:
             return
-        import os
-
         import torch.distributed as dist
 
         dist.init_process_group(
@@ -55,6 +57,9 @@ class WorkerActor(Actor):
 
         if self.profiler is not None:
             self.profiler.stop()  # a window cut short by the shutdown
+            self.timer.add("device_wait", self.runner.device_wait_s)
+            assert self.config.profile is not None
+            self.timer.write(os.path.join(self.config.profile.output_dir, "worker0.loop.json"))
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         super().close()
@@ -64,14 +69,18 @@ class WorkerActor(Actor):
         on the device behind it, or as soon as no plan is waiting."""
         while True:
             if self.runner.pending is not None and not self.inbox.has_ready():
-                await self.report(self.runner.finish())
-            message = await self.inbox.recv()
+                with self.timer.phase("finish"):
+                    await self.report(self.runner.finish())
+            with self.timer.phase("wait_for_plan"):
+                message = await self.inbox.recv()
             if isinstance(message, Shutdown):
                 return
             if self.profiler is not None:
                 self.profiler.on_launch()
-            await self.report(self.runner.launch(message))
+            with self.timer.phase("launch"):
+                await self.report(self.runner.launch(message))
 
     async def report(self, result: StepResult | None) -> None:
         if result is not None and self.to_scheduler is not None:
-            await self.to_scheduler.send(result)
+            with self.timer.phase("report"):
+                await self.to_scheduler.send(result)

@@ -40,7 +40,7 @@ from pagedserve.kernels.attention import (
     load_cpu_kernels,
     resolve_attention_backend,
 )
-from pagedserve.models.layers import Attention
+from pagedserve.models.layers import Attention, enable_small_batch_gemm
 from pagedserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -163,6 +163,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.pending: PendingStep | None = None  # the step launched last, not yet finished
         self.uploader = Uploader(self.device)
+        self.device_wait_s = 0.0  # host time spent waiting for steps' sampled tokens
         self._pending_index_buffer = np.full(config.max_num_seqs, -1, np.int64)
         self._host_token_buffers = [
             torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
@@ -172,6 +173,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
 
     def load_model(self) -> None:
+        enable_small_batch_gemm(self.config.small_batch_gemm)
         self.model = load_model(self.config, self.device)
         self.vocab_size = int(self.model.config.vocab_size)
         self.dtype = next(self.model.parameters()).dtype
@@ -288,7 +290,9 @@ class ModelRunner:
                             sampled_token_ids=[])  # fmt: skip
         if step.request_ids:
             if step.done is not None:
+                wait_start = time.perf_counter()
                 step.done.synchronize()
+                self.device_wait_s += time.perf_counter() - wait_start
             sampled = step.host_token_ids.numpy()
             row_of = self.input_batch.row_of
             rows = [row_of.get(r, -1) for r in step.request_ids]

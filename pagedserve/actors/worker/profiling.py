@@ -3,7 +3,9 @@
 With `EngineConfig.profile` set, rank 0's worker profiles `num_steps` steps after skipping
 `first_step` launches (warm-up, the prefill burst), writes the Chrome trace and a summary of
 the device timeline: how much of the window the GPU was busy, and the gaps between kernels
-(the host-side stalls between steps show up as the large ones).
+(the host-side stalls between steps show up as the large ones). The worker and the
+scheduler also write, when they close, how long their loops spent in each phase (LoopTimer):
+waiting for input, working, sending, and the worker's wait for the device.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -68,6 +74,35 @@ def idle_summary(intervals: list[tuple[float, float]], num_steps: int) -> IdleSu
         median_gap_us=gaps[len(gaps) // 2] if gaps else 0.0,
         largest_gaps_us=[round(g, 1) for g in gaps[::-1][:8]],
     )
+
+
+class LoopTimer:
+    """Wall seconds an actor's loop spends in each phase (waiting for input, working, sending),
+    written next to the profile window's files when the actor closes."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.counts: Counter[str] = Counter()
+        self.start = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+            self.counts[name] += 1
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+        self.counts[name] += 1
+
+    def write(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        phases = {n: {"s": round(s, 4), "count": self.counts[n]} for n, s in self.seconds.items()}
+        with open(path, "w") as f:
+            json.dump({"wall_s": round(time.perf_counter() - self.start, 4)} | phases, f, indent=1)
 
 
 class StepProfiler:
