@@ -226,9 +226,10 @@ def _spy_skinny(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 def test_linear_layers_dispatch_small_low_precision_batches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With the Triton path forced on (as on CUDA): bf16 batches of <= SKINNY_MAX_M rows go
-    through skinny_linear in the linear layers and the LM head, larger batches and fp32 through
-    F.linear; without it (the CPU), nothing changes."""
+    """With the Triton path forced on (as on CUDA): bf16 batches of at most
+    SMALL_BATCH_GEMM_MAX_ROWS rows go through skinny_linear in the linear layers and the LM
+    head, larger batches and fp32 through F.linear; without it (the CPU), nothing changes."""
+    assert layers.SMALL_BATCH_GEMM_MAX_ROWS == 1
     assert layers.triton_gemv_module() is tg
     calls = _spy_skinny(monkeypatch)
     gen = torch.Generator().manual_seed(11)
@@ -251,13 +252,32 @@ def test_linear_layers_dispatch_small_low_precision_batches(
             module.to(torch.bfloat16)
         xb = x.to(torch.bfloat16)
         for module, bias in modules:
-            for rows in (1, 16, 17):
+            for rows in (1, 2, 16):
                 out = module(xb[:rows])
                 weight = module.weight[: out.shape[-1]]
                 expected = F.linear(xb[:rows], module.weight, bias)[:, : out.shape[-1]]
                 assert out.dtype == torch.bfloat16 and out.shape == expected.shape
-                if rows <= 16:
+                if rows == 1:
                     assert_matches_linear(out, xb[:rows], weight, bias)
                 else:
                     assert torch.equal(out, expected)
-        assert calls == [(1, 200), (16, 200)] * 3
+        assert calls == [(1, 200)] * 3
+
+
+def test_small_batch_gemm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EngineConfig.small_batch_gemm=False (enable_small_batch_gemm) keeps cuBLAS / F.linear."""
+    calls = _spy_skinny(monkeypatch)
+    monkeypatch.setattr(layers, "use_triton_ops", lambda x: True)
+    linear = layers.ReplicatedLinear(200, 72, bias=False).to(torch.bfloat16)
+    linear.weight.data.copy_(torch.randn(72, 200, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(1, 200, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    try:
+        layers.enable_small_batch_gemm(False)
+        with torch.inference_mode():
+            assert torch.equal(linear(x), F.linear(x, linear.weight))
+        assert calls == []
+    finally:
+        layers.enable_small_batch_gemm(True)
+    with torch.inference_mode():
+        linear(x)
+    assert calls == [(1, 200)]

@@ -1,7 +1,8 @@
 """Starts the actor topology, watches it, and tears it down without leaving anything behind.
 
-Start order: workers first (they load the model and report how many KV blocks fit), then the
-scheduler (sized by the smallest worker's report) and the tokenizer. Every actor says
+Start order: the workers (they load the model and report how many KV blocks fit) together
+with the tokenizer and any extra actor (the HTTP server), then the scheduler, sized by the
+smallest worker's report. Every actor says
 `ActorReady` once its sockets are bound. `stop()` sends SIGTERM, waits, kills stragglers and
 removes the private run directory with its socket files. A watcher thread restarts the actors
 that hold no engine state (tokenizer, HTTP server) when they die; the death of any other actor
@@ -52,40 +53,43 @@ class Supervisor:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self.restarts: dict[str, int] = {}
+        self._readies: dict[str, ActorReady] = {}
         self.sized_config = self.config
         self._watcher: threading.Thread | None = None
 
     def start(self, extra_actors: tuple[str, ...] = ()) -> None:
         """Start the engine; `extra_actors` names more actors (see launch.ACTORS), e.g. the
-        HTTP server."""
+        HTTP server. The actors that need no KV-cache size start with the workers."""
         try:
-            for rank in range(self.config.tensor_parallel_size):
-                self._spawn("worker", self.config, rank)
-            readies = self._wait_ready(self.config.tensor_parallel_size)
-            self.num_kv_blocks = min(r.num_kv_blocks for r in readies)
+            workers = [
+                self._spawn("worker", self.config, r)
+                for r in range(self.config.tensor_parallel_size)
+            ]
+            others = [self._spawn(name, self.config, 0) for name in ("tokenizer", *extra_actors)]
+            readies = self._wait_ready(set(workers))
+            self.num_kv_blocks = min(readies[label].num_kv_blocks for label in workers)
             sized = msgspec.structs.replace(self.config, num_kv_blocks=self.num_kv_blocks)
             self.sized_config = sized
-            for name in ("scheduler", "tokenizer", *extra_actors):
-                self._spawn(name, sized, 0)
-            self._wait_ready(2 + len(extra_actors))
+            self._wait_ready({self._spawn("scheduler", sized, 0), *others})
         except BaseException:
             self.stop()
             raise
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="supervisor-watch")
         self._watcher.start()
 
-    def _spawn(self, name: str, config: EngineConfig, rank: int) -> None:
+    def _spawn(self, name: str, config: EngineConfig, rank: int) -> str:
         label = name if rank == 0 else f"{name}-{rank}"
         process = subprocess.Popen(launch.command(name, rank, self.run_dir), stdin=subprocess.PIPE)
         assert process.stdin is not None
         process.stdin.write(encode_config(config))
         process.stdin.close()
         self.processes[label] = process
+        return label
 
-    def _wait_ready(self, count: int) -> list[ActorReady]:
-        readies: list[ActorReady] = []
+    def _wait_ready(self, labels: set[str]) -> dict[str, ActorReady]:
+        """Wait until every actor in `labels` is ready (others' reports are kept too)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while len(readies) < count:
+        while not labels <= self._readies.keys():
             if time.monotonic() > deadline:
                 raise TimeoutError("actors did not become ready in time")
             self._raise_if_any_died()
@@ -96,8 +100,8 @@ class Supervisor:
                 raise EngineDeadError(f"{message.name} failed to start:\n{message.error}")
             if isinstance(message, ActorReady):
                 logger.info("%s ready (pid %d)", message.name, message.pid)
-                readies.append(message)
-        return readies
+                self._readies[message.name] = message
+        return self._readies
 
     def _raise_if_any_died(self) -> None:
         for label, process in self.processes.items():

@@ -146,6 +146,10 @@ def triton_gemv_module() -> ModuleType | None:
 
 
 _small_batch_gemm = True
+# Rows up to which `linear` prefers the Triton GEMM: on the H200 it beats cuBLAS at 1 row
+# (1.46x per Qwen3-0.6B layer, 1.11x per Llama-3.1-8B layer) but not at 4 (0.73x for Llama;
+# scripts/results/kernels_h200.md), so only single-row (batch-1 decode) products take it.
+SMALL_BATCH_GEMM_MAX_ROWS = 1
 
 
 def enable_small_batch_gemm(enabled: bool) -> None:
@@ -159,10 +163,16 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight
 ) -> torch.Tensor:
     """x W^T + b for the linear layers and the LM head. CUDA fp16/bf16 batches of at most
-    SKINNY_MAX_M rows (decode steps) go through the Triton weight-streaming GEMM
+    SMALL_BATCH_GEMM_MAX_ROWS rows (batch-1 decode) go through the Triton weight-streaming GEMM
     (triton_gemv.skinny_linear: cuBLAS picks poor tiles for such skinny shapes); everything
     else, fp32 and the CPU included, through `packed` (oneDNN on the CPU, else F.linear)."""
-    if _small_batch_gemm and use_triton_ops(x) and x.dtype != torch.float32:
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (
+        _small_batch_gemm
+        and rows <= SMALL_BATCH_GEMM_MAX_ROWS
+        and use_triton_ops(x)
+        and x.dtype != torch.float32
+    ):
         gemv = triton_gemv_module()
         if gemv is not None and gemv.skinny_linear_applies(x, weight, bias):
             return gemv.skinny_linear(x, weight, bias)
