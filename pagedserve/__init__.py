@@ -10,16 +10,25 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedserve.actors.messages import SamplingParams
     from pagedserve.api.llm import LLM
-    from pagedserve.config import EngineConfig
+    from pagedserve.config import EngineConfig, ProfileConfig
     from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "EngineConfig",
+    "ProfileConfig",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+]
 __version__ = "0.1.0"
 
 _HOMES = {
     "LLM": "pagedserve.api.llm",
     "SamplingParams": "pagedserve.actors.messages",
     "EngineConfig": "pagedserve.config",
+    "ProfileConfig": "pagedserve.config",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "Logprob": "pagedserve.outputs",

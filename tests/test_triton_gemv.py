@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -33,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pagedserve.models import layers  # noqa: E402
+from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
 
 IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
 if not IN_PROCESS:
@@ -58,13 +55,7 @@ def test_kernels_in_a_fresh_interpreter_process() -> None:
     """This file in a fresh process, when triton was imported too early to interpret here."""
     if IN_PROCESS:
         pytest.skip("the kernels run in this process")
-    root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert re.fullmatch(r"\d+ passed, 1 skipped in .*", summary), summary
+    assert_passes_in_fresh_interpreter(__file__)
 
 
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}  # significant bits, implicit one included

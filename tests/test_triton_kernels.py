@@ -20,10 +20,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -46,6 +42,7 @@ from pagedserve.kernels.attention import (  # noqa: E402
 )
 from pagedserve.kernels.attention import paged_attention as reference_attention  # noqa: E402
 from pagedserve.kernels.attention import write_kv_cache as reference_write  # noqa: E402
+from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
 
 IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
 NOT_IN_PROCESS = (
@@ -87,13 +84,7 @@ def test_kernels_in_a_fresh_interpreter_process() -> None:
     every test must pass there (only this one skips)."""
     if IN_PROCESS:
         pytest.skip("the kernels run in this process")
-    root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert re.fullmatch(r"\d+ passed, 1 skipped in .*", summary), summary
+    assert_passes_in_fresh_interpreter(__file__)
 
 
 CPU = torch.device("cpu")
