@@ -60,4 +60,6 @@ def test_engine_profile_window_through_the_worker(tmp_path: Path) -> None:
     assert worker["launch"]["count"] >= 24 and worker["wait_for_plan"]["count"] >= 24
     assert 0 < worker["launch"]["s"] < worker["wall_s"]
     scheduler = json.loads((out / "scheduler.loop.json").read_text())
-    assert scheduler["plan"]["count"] >= 24 and scheduler["handle"]["s"] > 0
+    plans, handles = scheduler["plan"]["count"], scheduler["handle"]["count"]
+    assert 0 < plans <= handles <= plans + 1  # each pass handles its messages, then plans
+    assert scheduler["handle"]["s"] > 0
