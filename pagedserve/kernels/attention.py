@@ -197,15 +197,50 @@ def build_attention_metadata(
     backend: str = "torch",
 ) -> AttentionMetadata:
     """From CPU tensors: query_lens/seq_lens [B] int64, block_tables [B, W] int32 (W blocks
-    cover the longest context), slot_mapping [num_tokens] int64."""
+    cover the longest context), slot_mapping [num_tokens] int64. (The model runner does the
+    two halves itself, metadata_inputs then assemble_attention_metadata, so that one transfer
+    carries all of a step's inputs.)"""
+    non_blocking = device.type == "cuda"
+    inputs = metadata_inputs(query_lens, seq_lens, block_tables, slot_mapping)
+    uploaded = [t.to(device, non_blocking=non_blocking) for t in inputs]
+    return assemble_attention_metadata(
+        uploaded, query_lens, seq_lens, block_tables, block_size, backend
+    )
+
+
+def metadata_inputs(
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> list[torch.Tensor]:
+    """The device half of AttentionMetadata as CPU tensors in the kernels' dtypes:
+    slot_mapping int64, query_start_loc [B + 1] int32, seq_lens int32, block_tables int32."""
     query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-    non_blocking = device.type == "cuda"
+    return [
+        slot_mapping.to(torch.int64),
+        query_start_loc,
+        seq_lens.to(torch.int32),
+        block_tables.to(torch.int32),
+    ]
+
+
+def assemble_attention_metadata(
+    device_inputs: list[torch.Tensor],
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    backend: str,
+) -> AttentionMetadata:
+    """AttentionMetadata from metadata_inputs' tensors on the device and the host tensors."""
+    slot_mapping, query_start_loc, device_seq_lens, device_block_tables = device_inputs
     return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device, non_blocking=non_blocking),
-        query_start_loc=query_start_loc.to(device, non_blocking=non_blocking),
-        seq_lens=seq_lens.to(torch.int32).to(device, non_blocking=non_blocking),
-        block_tables=block_tables.to(device, non_blocking=non_blocking),
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=device_seq_lens,
+        block_tables=device_block_tables,
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
         block_size=block_size,

@@ -34,9 +34,11 @@ from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention import (
     AttentionMetadata,
     OutputRows,
+    assemble_attention_metadata,
     cdiv,
     kv_cache_layer_shape,
     load_cpu_kernels,
+    metadata_inputs,
     resolve_attention_backend,
 )
 from pagedserve.models.layers import Attention, enable_small_batch_gemm
@@ -82,14 +84,15 @@ def select_device(name: str, rank: int) -> torch.device:
     return torch.device(name)
 
 
-def _metadata_arrays(
+HostMetadata = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _metadata_host(
     query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, slots: np.ndarray
-) -> list[np.ndarray]:
-    """The device half of AttentionMetadata, in the dtypes the kernels take: slot_mapping
-    int64, query_start_loc int32 [batch + 1], seq_lens int32, block_tables int32."""
-    query_start_loc = np.zeros(len(query_lens) + 1, np.int32)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    return [slots.astype(np.int64), query_start_loc, seq_lens.astype(np.int32), block_tables]
+) -> HostMetadata:
+    """(query_lens, seq_lens, block_tables, slot_mapping) as CPU tensors sharing the arrays."""
+    arrays = (query_lens, seq_lens, np.ascontiguousarray(block_tables), slots)
+    return tuple(torch.from_numpy(a) for a in arrays)  # type: ignore[return-value]
 
 
 class ModelRunner:
@@ -337,23 +340,22 @@ class ModelRunner:
         logits_indices = (query_starts + query_lens - 1)[samples]
         # prefill in the step: the last layer needs only the sampling rows past its k/v
         with_output_rows = 0 < len(logits_indices) < len(slot_mapping)
-        arrays = [input_ids, positions, targets, sources, logits_indices]
-        arrays += _metadata_arrays(query_lens, seq_lens, block_tables, slot_mapping)
+        host = _metadata_host(query_lens, seq_lens, block_tables, slot_mapping)
         if with_output_rows:
-            arrays += _metadata_arrays(
+            rows_host = _metadata_host(
                 np.ones(len(logits_indices), np.int64), seq_lens[samples],
                 block_tables[samples], slot_mapping[logits_indices],
             )  # fmt: skip
+        arrays = [input_ids, positions, targets, sources, logits_indices]
+        for part in [host, rows_host] if with_output_rows else [host]:
+            arrays += [t.numpy() for t in metadata_inputs(*part)]
         device_input_ids, device_positions, device_targets, device_sources, *rest = (
             self.uploader.upload(arrays)
         )
         device_logits_indices = rest[0]
-        metadata = self._metadata(rest[1:5], query_lens, seq_lens, block_tables)
+        metadata = self._assemble(rest[1:5], host)
         if with_output_rows:
-            output_rows = self._metadata(
-                rest[5:9], np.ones(len(logits_indices), np.int64), seq_lens[samples],
-                block_tables[samples],
-            )  # fmt: skip
+            output_rows = self._assemble(rest[5:9], rows_host)
             metadata.output_rows = OutputRows(device_logits_indices, output_rows)
         if len(targets):
             assert self.pending is not None
@@ -368,28 +370,12 @@ class ModelRunner:
             sampling_ids=[r for r, s in zip(plan.scheduled_ids, samples.tolist()) if s],
         )
 
-    def _metadata(
-        self,
-        device: list[torch.Tensor],
-        query_lens: np.ndarray,
-        seq_lens: np.ndarray,
-        block_tables: np.ndarray,
-    ) -> AttentionMetadata:
-        """AttentionMetadata from _metadata_arrays' uploaded tensors and their host arrays."""
-        slot_mapping, query_start_loc, device_seq_lens, device_block_tables = device
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            seq_lens=device_seq_lens,
-            block_tables=device_block_tables,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=self.block_size,
-            query_lens_cpu=torch.from_numpy(query_lens),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
-            block_tables_cpu=torch.from_numpy(np.ascontiguousarray(block_tables)),
-            backend=self.attention_backend,
-        )
+    def _assemble(self, device_inputs: list[torch.Tensor], host: HostMetadata) -> AttentionMetadata:
+        query_lens, seq_lens, block_tables, _ = host
+        return assemble_attention_metadata(
+            device_inputs, query_lens, seq_lens, block_tables, self.block_size,
+            self.attention_backend,
+        )  # fmt: skip
 
     def _check_plan(
         self, plan: StepPlan, rows: np.ndarray, seq_lens: np.ndarray, known: np.ndarray
