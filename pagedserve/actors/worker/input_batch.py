@@ -71,6 +71,7 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, np.int64)
         self.sampling = _SamplingColumns.allocate(max_num_reqs)
         self.generators: dict[int, torch.Generator] = {}
+        self.penalty_rows: set[int] = set()  # rows whose sampling reads their past tokens
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -91,6 +92,8 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_block_ids(row, data.block_ids)
         self.sampling.set_row(row, data.sampling)
+        if self.needs_token_history(np.array([row])):
+            self.penalty_rows.add(row)
         if data.sampling.seed is not None:
             generator = torch.Generator(device=self.device)
             self.generators[row] = generator.manual_seed(data.sampling.seed)
@@ -100,6 +103,7 @@ class InputBatch:
         row = self.row_of.pop(request_id, None)
         if row is not None:
             self.generators.pop(row, None)
+            self.penalty_rows.discard(row)
             heapq.heappush(self._free_rows, row)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:

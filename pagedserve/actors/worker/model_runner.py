@@ -257,6 +257,8 @@ class ModelRunner:
         return result
 
     def _needs_host_tokens(self, plan: StepPlan) -> bool:
+        if not self.input_batch.penalty_rows:  # the usual case: no lookups per step
+            return False
         row_of = self.input_batch.row_of
         rows = np.fromiter((row_of[r] for r in plan.scheduled_ids), np.int64)
         return self.input_batch.needs_token_history(rows)
