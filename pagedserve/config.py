@@ -28,7 +28,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
 
 
 class ProfileConfig(msgspec.Struct, kw_only=True):
-    """A torch.profiler window over rank 0's worker steps (see actors/worker/profiling.py)."""
+    """Profiling of rank 0's worker (see actors/worker/profiling.py): a torch.profiler window
+    over `num_steps` steps (0: none), the actors' loop timers, and a log of every step (its
+    shape, host and device time, Triton compiles)."""
 
     output_dir: str
     first_step: int = 200  # launches skipped first (warm-up, the prefill burst)

@@ -286,6 +286,24 @@ def test_kv_cache_sizing_and_profile_run(tmp_path: Path) -> None:
     assert len(runner.input_batch) == 0
 
 
+def test_eager_kernel_warm_up_leaves_the_runner_as_it_was(tmp_path: Path) -> None:
+    """The start-up warm-up's synthetic mixed steps (run on CUDA by init_kv_cache) leave no
+    request behind and change no later result."""
+    save_hf_model("qwen3", tmp_path)
+    plan = StepPlan(
+        step_id=0,
+        new_requests=[NewRequestData("a", [1, 2, 3, 4], SamplingParams(temperature=1.0), [5], 0)],
+        scheduled_ids=["a"],
+        num_scheduled_tokens=[4],
+    )
+    expected = make_runner(tmp_path).execute(plan)
+    runner = make_runner(tmp_path)
+    runner.warm_up_eager_kernels(NUM_BLOCKS)
+    assert len(runner.input_batch) == 0 and runner.pending is None
+    got = runner.execute(plan)
+    assert got.sampled_token_ids == expected.sampled_token_ids and got.request_ids == ["a"]
+
+
 def _tensor_parallel_worker(rank: int, path: str, init_file: str, out_file: str) -> None:
     import torch.distributed as dist
 

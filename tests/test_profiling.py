@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.actors.worker.profiling import StepProfiler, idle_summary
+from pagedserve.actors.worker.profiling import (
+    StepLog,
+    StepProfiler,
+    TritonCompileLog,
+    idle_summary,
+)
 from pagedserve.config import ProfileConfig
 
 
@@ -59,7 +64,65 @@ def test_engine_profile_window_through_the_worker(tmp_path: Path) -> None:
     worker = json.loads((out / "worker0.loop.json").read_text())
     assert worker["launch"]["count"] >= 24 and worker["wait_for_plan"]["count"] >= 24
     assert 0 < worker["launch"]["s"] < worker["wall_s"]
+    steps = json.loads((out / "worker0.steps.json").read_text())
+    kinds = steps["by_kind"]
+    assert kinds["mixed"]["steps"] == 1 and kinds["decode"]["steps"] >= 23  # prompt, then 1/step
+    assert kinds["decode"]["tokens"] == kinds["decode"]["steps"]
+    assert steps["compiles"]["count"] == 0  # a CPU run compiles no Triton kernel
+    startup = llm.supervisor.startup_seconds
+    assert {"ready", "load_model", "kv_cache"} <= startup["worker"].keys()
+    assert startup["worker"]["ready"] >= startup["worker"]["load_model"] > 0
+    assert startup["scheduler"]["ready"] > 0 and startup["tokenizer"]["ready"] > 0
     scheduler = json.loads((out / "scheduler.loop.json").read_text())
     plans, handles = scheduler["plan"]["count"], scheduler["handle"]["count"]
     assert 0 < plans <= handles <= plans + 1  # each pass handles its messages, then plans
     assert scheduler["handle"]["s"] > 0
+
+
+def test_step_log_totals_steps_by_kind_and_ranks_the_slowest() -> None:
+    compiles = TritonCompileLog()
+    log = StepLog(torch.device("cpu"), compiles)
+    for tokens in ([100, 1], [1, 1, 1], [1, 1], [7]):
+        log.begin(tokens)
+        if tokens == [7]:
+            compiles.seconds["fake_kernel"] += 0.25  # as if the launch compiled a kernel
+            compiles.count["fake_kernel"] += 1
+        log.end()
+    summary = log.summary()
+    assert summary["by_kind"]["mixed"]["steps"] == 2
+    assert summary["by_kind"]["mixed"]["tokens"] == 108
+    assert summary["by_kind"]["decode"] == pytest.approx(
+        {"steps": 2, "tokens": 5, "host_s": summary["by_kind"]["decode"]["host_s"],
+         "compile_s": 0.0, "device_s": 0.0}
+    )  # fmt: skip
+    assert summary["by_kind"]["mixed"]["compile_s"] == 0.25
+    assert summary["compiles"]["count"] == 1
+    assert summary["compiles"]["kernels"]["fake_kernel"] == {"count": 1, "s": 0.25}
+    slowest = summary["slowest_host"]
+    assert len(slowest) == 4 and slowest[0]["host_s"] >= slowest[-1]["host_s"]
+
+
+def test_triton_compile_log_times_every_jit_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.runtime.jit import JITFunction
+
+    calls = []
+
+    def fake_compile(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(args)
+        return "compiled"
+
+    monkeypatch.setattr(JITFunction, "_do_compile", fake_compile)
+    log = TritonCompileLog()
+    log.install()
+
+    class Kernel:
+        __name__ = "my_kernel"
+
+    try:
+        assert JITFunction._do_compile(Kernel(), "key") == "compiled"
+        assert JITFunction._do_compile(Kernel(), "key2") == "compiled"
+    finally:
+        log.uninstall()
+    assert calls == [("key",), ("key2",)]
+    assert log.count == {"my_kernel": 2} and log.total_seconds >= 0
+    assert JITFunction._do_compile is fake_compile  # uninstalled

@@ -208,6 +208,13 @@ def test_paged_attention_decode(
     check_attention(step, num_splits)
 
 
+def test_paged_attention_decode_reduces_more_splits_than_one_chunk() -> None:
+    """20 splits: the reduce kernel reads them in two chunks of 16 (and an empty split for
+    the short request)."""
+    step = make_step([(1180, 1), (40, 1)], 16, 4, 2, 32, torch.float32, seed=11)
+    check_attention(step, num_splits=20)
+
+
 def test_paged_attention_backend_and_out() -> None:
     """The metadata adapter (ATTENTION_BACKENDS signature) and a caller-provided `out`."""
     step = make_step([(20, 1), (50, 1), (0, 1)], 4, 4, 2, 16, torch.float32, seed=9)

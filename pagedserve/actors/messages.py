@@ -242,6 +242,7 @@ class ActorReady(msgspec.Struct, tag=True, kw_only=True):
     name: str
     pid: int
     num_kv_blocks: int = 0  # workers report how many KV blocks fit in their memory
+    setup_s: dict[str, float] = {}  # seconds of each phase of the actor's setup
 
 
 class ActorFailed(msgspec.Struct, tag=True):

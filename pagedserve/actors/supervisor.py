@@ -54,6 +54,9 @@ class Supervisor:
         self._lock = threading.Lock()
         self.restarts: dict[str, int] = {}
         self._readies: dict[str, ActorReady] = {}
+        self._spawned_at: dict[str, float] = {}
+        # per actor: seconds from its spawn to ActorReady, and its own setup phases
+        self.startup_seconds: dict[str, dict[str, float]] = {}
         self.sized_config = self.config
         self._watcher: threading.Thread | None = None
 
@@ -84,6 +87,7 @@ class Supervisor:
         process.stdin.write(encode_config(config))
         process.stdin.close()
         self.processes[label] = process
+        self._spawned_at[label] = time.monotonic()
         return label
 
     def _wait_ready(self, labels: set[str]) -> dict[str, ActorReady]:
@@ -99,9 +103,16 @@ class Supervisor:
             if isinstance(message, ActorFailed):
                 raise EngineDeadError(f"{message.name} failed to start:\n{message.error}")
             if isinstance(message, ActorReady):
-                logger.info("%s ready (pid %d)", message.name, message.pid)
-                self._readies[message.name] = message
+                self._on_ready(message)
         return self._readies
+
+    def _on_ready(self, message: ActorReady) -> None:
+        since_spawn = time.monotonic() - self._spawned_at.get(message.name, time.monotonic())
+        timings = {"ready": round(since_spawn, 3)} | message.setup_s
+        self.startup_seconds[message.name] = timings
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())
+        logger.info("%s ready (pid %d): %s", message.name, message.pid, phases)
+        self._readies[message.name] = message
 
     def _raise_if_any_died(self) -> None:
         for label, process in self.processes.items():

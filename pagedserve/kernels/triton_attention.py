@@ -195,7 +195,7 @@ def _find_request(query_start_loc_ptr, qblock, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -297,7 +297,7 @@ def _decode_token(query_start_loc_ptr, seq, MIXED: tl.constexpr):
     return token
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -386,7 +386,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -398,29 +398,39 @@ def _decode_reduce_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
-    SPLITS_P: tl.constexpr,
+    SPLITS_CHUNK: tl.constexpr,
     MIXED: tl.constexpr,
 ):
     """out[b, h] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse) over the splits
-    of program (b, h); empty splits have lse = -inf and weigh 0."""
+    of program (b, h); empty splits have lse = -inf and weigh 0. The splits are read
+    SPLITS_CHUNK at a time (the max first, then the weighted sum), so one compiled kernel
+    serves any split count."""
     token = _decode_token(query_start_loc_ptr, tl.program_id(0), MIXED)
     if token < 0:
         return
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_P)
-    split_mask = splits < num_splits
     offs_d = tl.arange(0, HEAD_DIM_P)
     dim_mask = offs_d < HEAD_DIM
-    part = (seq * num_heads + head) * num_splits + splits
-    lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
+    first = (seq * num_heads + head) * num_splits
+    lse_max = float("-inf")
+    for start in range(0, num_splits, SPLITS_CHUNK):
+        splits = start + tl.arange(0, SPLITS_CHUNK)
+        lse = tl.load(part_lse_ptr + first + splits, mask=splits < num_splits, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, tl.max(lse, axis=0))
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp2(lse - lse_max)
-    o_ptrs = part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :]
-    o = tl.load(o_ptrs, mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(o * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    total = 0.0
+    acc = tl.zeros([HEAD_DIM_P], tl.float32)
+    for start in range(0, num_splits, SPLITS_CHUNK):
+        splits = start + tl.arange(0, SPLITS_CHUNK)
+        split_mask = splits < num_splits
+        lse = tl.load(part_lse_ptr + first + splits, mask=split_mask, other=float("-inf"))
+        weight = tl.exp2(lse - lse_max)
+        o_ptrs = part_out_ptr + (first + splits)[:, None] * HEAD_DIM_P + offs_d[None, :]
+        o = tl.load(o_ptrs, mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+        total += tl.sum(weight, axis=0)
+        acc += tl.sum(o * weight[:, None], axis=0)
+    out = acc / tl.where(total == 0.0, 1.0, total)
     o_dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d
     tl.store(o_dst, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
@@ -613,7 +623,7 @@ def _launch_decode(
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, query_start_loc, out, out.stride(0), out.stride(1), num_heads,
             num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-            SPLITS_P=triton.next_power_of_2(num_splits), MIXED=mixed,
+            SPLITS_CHUNK=16, MIXED=mixed,
             num_warps=4 if head_dim_p >= 128 else 1,
         )  # fmt: skip
 

@@ -60,13 +60,62 @@ def free_gpu() -> None:
     torch.cuda.empty_cache()
 
 
+def step_log_lines(directory: Path, label: str) -> list[str]:
+    """The worker's step log (EngineConfig.profile with no window) and the actors' loop
+    timers of one run, as markdown."""
+    steps = json.loads((directory / "worker0.steps.json").read_text())
+    worker = json.loads((directory / "worker0.loop.json").read_text())
+    scheduler = json.loads((directory / "scheduler.loop.json").read_text())
+    lines = [
+        f"\n#### {label}: where the steps' time goes\n",
+        "| steps | count | tokens | worker launch host s | Triton compiles s | device s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for kind, t in steps["by_kind"].items():
+        lines.append(
+            f"| {kind} | {t['steps']} | {t['tokens']} | {t['host_s']:.2f} | "
+            f"{t['compile_s']:.2f} | {t['device_s']:.2f} |"
+        )
+    compiles = steps["compiles"]
+    top = ", ".join(f"{k} {v['count']}x {v['s']:.2f} s" for k, v in compiles["kernels"].items())
+    total = f"{compiles['count']} ({compiles['s']:.2f} s)"
+    lines.append(f"\nTriton compiles during the run: {total}{': ' + top if top else ''}")
+    for key in ("slowest_device", "slowest_host"):
+        worst = "; ".join(
+            f"#{r['step']} {r['kind']} {r['num_requests']} req {r['num_tokens']} tok "
+            f"host {r['host_s'] * 1e3:.1f} ms device {r['device_s'] * 1e3:.1f} ms"
+            for r in steps[key][:5]
+        )
+        lines.append(f"\n{key.replace('_', ' ')}: {worst}")
+    phases = lambda d: ", ".join(  # noqa: E731
+        f"{k} {v['s']:.2f} s ({v['count']})" for k, v in d.items() if isinstance(v, dict)
+    )
+    lines.append(f"\nworker loop (wall {worker['wall_s']:.2f} s): {phases(worker)}")
+    lines.append(f"\nscheduler loop (wall {scheduler['wall_s']:.2f} s): {phases(scheduler)}")
+    return lines
+
+
 def offline(name: str, hf_prompts: int, args: argparse.Namespace) -> list[str]:
+    from pagedserve.config import ProfileConfig
+
     model, num, input_len, output_len = WORKLOADS[name]
     vocab = int(read_hf_config(model)["vocab_size"])
     workload = bench.random_workload(num, input_len, output_len, vocab, seed=0)
     settings = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
-    rows = [bench.run_pagedserve(workload, engine_args(model, **settings))]
-    free_gpu()
+    rows, details = [], []
+    for attempt in range(args.repeat):
+        extra = dict(settings)
+        directory = Path(args.out).parent / f"steps-{name}-{attempt}"
+        if args.step_log:
+            extra["profile"] = ProfileConfig(output_dir=str(directory), num_steps=0)
+        row = bench.run_pagedserve(workload, engine_args(model, **extra))
+        row.backend = "pagedserve" + (f" (run {attempt + 1})" if args.repeat > 1 else "")
+        if args.step_log:
+            row.backend += ", step log on"
+            details += step_log_lines(directory, row.backend)
+        rows.append(row)
+        print(json.dumps(row.row()), flush=True)
+        free_gpu()
     if hf_prompts:
         subset = workload[:hf_prompts]
         hf = bench.load_hf_model(model, "dummy", "bfloat16", "cuda", "sdpa")
@@ -92,10 +141,10 @@ def offline(name: str, hf_prompts: int, args: argparse.Namespace) -> list[str]:
             f"{r.output_tok_s:,.0f} | {r.req_s:.2f} |"
         )
     ours = rows[0].output_tok_s
-    for r in rows[1:]:
+    for r in rows[args.repeat :]:
         lines.append(f"\npagedserve / {r.backend} = {ours / r.output_tok_s:.1f}x (output tok/s)")
     print(json.dumps([r.row() for r in rows]), flush=True)
-    return lines
+    return lines + details
 
 
 def latency(args: argparse.Namespace) -> list[str]:
@@ -204,8 +253,13 @@ def startup(args: argparse.Namespace) -> list[str]:
         with LLM(**engine_args(QWEN)) as llm:
             ready = time.perf_counter() - start
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+            actors = llm.supervisor.startup_seconds
         free_gpu()
-        lines.append(f"- {label}: ready in {ready:.1f} s")
+        phases = "; ".join(
+            f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
+            for name, t in actors.items()
+        )
+        lines.append(f"- {label}: ready in {ready:.1f} s (seconds per actor: {phases})")
         print(lines[-1], flush=True)
     return lines
 
@@ -218,6 +272,12 @@ def main() -> int:
     parser.add_argument("--hf-cb", action="store_true")
     parser.add_argument("--hf-latency", action="store_true")
     parser.add_argument("--w3-cublas", action="store_true", help="W3 also with cuBLAS GEMMs")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="W1/W2: pagedserve runs, each a new engine"
+    )
+    parser.add_argument(
+        "--step-log", action="store_true", help="W1/W2: log every step (EngineConfig.profile)"
+    )
     # W1/W2: vLLM's offline (LLM class) defaults on a GPU of this size, the peer's settings
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-batched-tokens", type=int, default=16384)

@@ -11,6 +11,7 @@ import os
 
 from pagedserve.actors import bus
 from pagedserve.actors.actor import Actor
+from pagedserve.actors.loop_timer import LoopTimer
 from pagedserve.actors.messages import (
     AbortRequest,
     AddRequest,
@@ -26,7 +27,6 @@ from pagedserve.actors.messages import (
     WorkerInbound,
 )
 from pagedserve.actors.scheduler.scheduler import Scheduler
-from pagedserve.actors.worker.profiling import LoopTimer
 
 logger = logging.getLogger(__name__)
 

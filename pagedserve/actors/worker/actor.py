@@ -10,23 +10,40 @@ import os
 
 from pagedserve.actors import bus
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.messages import SchedulerInbound, Shutdown, StepResult, WorkerInbound
+from pagedserve.actors.messages import (
+    SchedulerInbound,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    WorkerInbound,
+)
 from pagedserve.actors.worker.model_runner import ModelRunner
-from pagedserve.actors.worker.profiling import LoopTimer, StepProfiler
+from pagedserve.actors.worker.profiling import LoopTimer, StepLog, StepProfiler, TritonCompileLog
 
 
 class WorkerActor(Actor):
     name = "worker"
     profiler: StepProfiler | None = None
+    step_log: StepLog | None = None
     timer = LoopTimer()
 
     async def setup(self) -> dict:
         self.timer = LoopTimer()
+        profiling = self.config.profile is not None and self.rank == 0
+        compiles = TritonCompileLog()
+        if profiling:
+            compiles.install()
         self.join_tensor_parallel_group()
         self.runner = ModelRunner(self.config, self.rank)
         self.runner.load_model()
         num_blocks = self.runner.num_kv_blocks()
         self.runner.init_kv_cache(num_blocks)
+        setup_s = dict(self.runner.setup_seconds)
+        if profiling:
+            setup_s["triton_compile"] = round(compiles.total_seconds, 3)
+            compiles.count.clear()
+            compiles.seconds.clear()
+            self.step_log = StepLog(self.runner.device, compiles)
         self.inbox: bus.Receiver[WorkerInbound] = bus.Receiver(
             self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound
         )
@@ -35,7 +52,7 @@ class WorkerActor(Actor):
             self.to_scheduler = bus.Sender(self.ctx, self.addresses.scheduler_inbox)
         if self.config.profile is not None and self.rank == 0:
             self.profiler = StepProfiler(self.config.profile, self.rank, self.runner.device)
-        return {"num_kv_blocks": num_blocks}
+        return {"num_kv_blocks": num_blocks, "setup_s": setup_s}
 
     def join_tensor_parallel_group(self) -> None:
         """With tensor_parallel_size > 1 the workers form one torch.distributed group (NCCL on
@@ -59,7 +76,10 @@ class WorkerActor(Actor):
             self.profiler.stop()  # a window cut short by the shutdown
             self.timer.add("device_wait", self.runner.device_wait_s)
             assert self.config.profile is not None
-            self.timer.write(os.path.join(self.config.profile.output_dir, "worker0.loop.json"))
+            directory = self.config.profile.output_dir
+            self.timer.write(os.path.join(directory, "worker0.loop.json"))
+            if self.step_log is not None:
+                self.step_log.write(os.path.join(directory, "worker0.steps.json"))
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         super().close()
@@ -75,10 +95,19 @@ class WorkerActor(Actor):
                 message = await self.inbox.recv()
             if isinstance(message, Shutdown):
                 return
-            if self.profiler is not None:
-                self.profiler.on_launch()
-            with self.timer.phase("launch"):
-                await self.report(self.runner.launch(message))
+            await self.report(self.launch(message))
+
+    def launch(self, plan: StepPlan) -> StepResult | None:
+        """runner.launch, inside the profiling hooks when they are on."""
+        if self.profiler is not None:
+            self.profiler.on_launch()
+        if self.step_log is not None:
+            self.step_log.begin(plan.num_scheduled_tokens)
+        with self.timer.phase("launch"):
+            result = self.runner.launch(plan)
+        if self.step_log is not None:
+            self.step_log.end()
+        return result
 
     async def report(self, result: StepResult | None) -> None:
         if result is not None and self.to_scheduler is not None:

@@ -46,6 +46,10 @@ from pagedserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
+# Prefill chunk lengths for warm_up_eager_kernels: chunk x GQA group spans the prefill
+# kernel's query tiles (16 to 128 rows) for groups 1 to 8.
+_WARMUP_CHUNKS = (2, 8, 16, 32, 64, 128)
+
 # The most expensive sampling settings, for the memory-profiling step.
 _PROFILE_SAMPLING = SamplingParams(
     temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.1,
@@ -116,6 +120,7 @@ class ModelRunner:
         self.pending: PendingStep | None = None  # the step launched last, not yet finished
         self.uploader = Uploader(self.device)
         self.device_wait_s = 0.0  # host time spent waiting for steps' sampled tokens
+        self.setup_seconds: dict[str, float] = {}  # load_model, memory profile, KV cache, graphs
         self._pending_index_buffer = np.full(config.max_num_seqs, -1, np.int64)
         self._host_token_buffers = [
             torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
@@ -124,7 +129,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
 
+    def _timed(self, phase: str, start: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.setup_seconds[phase] = round(time.perf_counter() - start, 3)
+
     def load_model(self) -> None:
+        start = time.perf_counter()
         enable_small_batch_gemm(self.config.small_batch_gemm)
         self.model = load_model(self.config, self.device)
         self.vocab_size = int(self.model.config.vocab_size)
@@ -132,6 +143,7 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if self.device.type == "cpu":
             load_cpu_kernels()  # C++ decode + per-token kernels, built on first use per machine
+        self._timed("load_model", start)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[layers, 2 (k, v), *one layer's cache]: [num_blocks, block_size, kv_heads_per_rank,
@@ -153,7 +165,9 @@ class ModelRunner:
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         if self.device.type == "cuda":
+            start = time.perf_counter()
             budget = self._profile_cuda_kv_budget()
+            self._timed("memory_profile", start)
         else:
             budget = int(self.config.cpu_kv_cache_gib * 2**30)
         num_blocks = budget // self.bytes_per_block()
@@ -162,12 +176,40 @@ class ModelRunner:
         return num_blocks
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        start = time.perf_counter()
         shape = self.kv_cache_shape(num_blocks)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu":
             advise_huge_pages(self.kv_cache)  # before the first touch
         self._bind_kv_cache(self.kv_cache.zero_())
+        self._timed("kv_cache", start)
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self.warm_up_eager_kernels(num_blocks)
+            self._timed("kernel_warmup", start)
+        start = time.perf_counter()
         self._capture_decode_graphs()
+        self._timed("cuda_graphs", start)
+
+    def warm_up_eager_kernels(self, num_blocks: int) -> None:
+        """Run a few synthetic mixed steps (a prefill chunk plus a decode) eagerly, so that
+        the Triton kernel variants eager steps pick by shape (the prefill kernel's query tile
+        by chunk length and GQA group, the decode kernel with or without split-K) are compiled,
+        or loaded from Triton's cache, now rather than in the middle of a run."""
+        assert self.config.max_model_len is not None
+        capacity = num_blocks * self.block_size
+        long_context = min(self.config.max_model_len, 4096, capacity - 256)
+        for index, chunk in enumerate(_WARMUP_CHUNKS):
+            context = 16 if index % 2 == 0 else long_context
+            if context < 2 or chunk + context > capacity:
+                continue
+            greedy = SamplingParams(temperature=0.0)
+            plan, _ = self._synthetic_plan([(chunk, 0), (1, context - 1)], greedy)
+            try:
+                self.execute(plan)
+            finally:
+                for request in plan.new_requests:
+                    self.input_batch.remove_request(request.request_id)
 
     def _capture_decode_graphs(self) -> None:
         """CUDA graphs for decode steps (cuda device, a graph-safe backend, not enforce_eager);
@@ -418,7 +460,7 @@ class ModelRunner:
         budget = config.max_num_batched_tokens
         num_requests = min(config.max_num_seqs, budget)
         lengths = [min(config.max_model_len, budget - num_requests + 1)] + [1] * (num_requests - 1)
-        plan, num_blocks = self._profile_plan(lengths)
+        plan, num_blocks = self._synthetic_plan([(n, 0) for n in lengths], _PROFILE_SAMPLING)
         self._bind_kv_cache(torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.dtype,
                                         device=self.device))  # fmt: skip
         try:
@@ -431,20 +473,25 @@ class ModelRunner:
             self.sampler.generator = torch.Generator(device=self.device)
             self.sampler.generator.manual_seed(config.seed)
 
-    def _profile_plan(self, lengths: list[int]) -> tuple[StepPlan, int]:
-        requests, next_block = [], 0
-        for index, length in enumerate(lengths):
+    def _synthetic_plan(
+        self, requests: list[tuple[int, int]], sampling: SamplingParams
+    ) -> tuple[StepPlan, int]:
+        """A step over made-up requests, each (tokens scheduled, tokens already computed), on
+        consecutive KV blocks from block 0; returns the plan and the blocks it uses."""
+        new_requests, next_block = [], 0
+        for index, (scheduled, computed) in enumerate(requests):
+            length = computed + scheduled
             num_blocks = cdiv(length, self.block_size)
             block_ids = list(range(next_block, next_block + num_blocks))
             next_block += num_blocks
             tokens = [index % self.vocab_size] * length
-            requests.append(
-                NewRequestData(f"profile-{index}", tokens, _PROFILE_SAMPLING, block_ids, 0)
+            new_requests.append(
+                NewRequestData(f"synthetic-{index}", tokens, sampling, block_ids, computed)
             )
         plan = StepPlan(
             step_id=-1,
-            new_requests=requests,
-            scheduled_ids=[r.request_id for r in requests],
-            num_scheduled_tokens=lengths,
+            new_requests=new_requests,
+            scheduled_ids=[r.request_id for r in new_requests],
+            num_scheduled_tokens=[scheduled for scheduled, _ in requests],
         )
         return plan, next_block
