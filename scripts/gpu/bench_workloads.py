@@ -23,6 +23,7 @@ import datetime
 import gc
 import json
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -105,7 +106,7 @@ def offline(name: str, hf_prompts: int, args: argparse.Namespace) -> list[str]:
     rows, details = [], []
     for attempt in range(args.repeat):
         extra = dict(settings)
-        directory = Path(args.out).parent / f"steps-{name}-{attempt}"
+        directory = Path(tempfile.gettempdir()) / "pagedserve-steps" / f"{name}-{attempt}"
         if args.step_log:
             extra["profile"] = ProfileConfig(output_dir=str(directory), num_steps=0)
         row = bench.run_pagedserve(workload, engine_args(model, **extra))
