@@ -13,6 +13,7 @@ from pagedserve.actors.worker.profiling import (
     StepProfiler,
     TritonCompileLog,
     idle_summary,
+    kernel_table,
 )
 from pagedserve.config import ProfileConfig
 
@@ -27,6 +28,14 @@ def test_idle_summary_merges_overlaps_and_measures_gaps() -> None:
     assert summary.num_gaps_over_10us == 2
     assert summary.median_gap_us == 18.0
     assert summary.wall_per_step_us == 80.0 and summary.busy_per_step_us == 20.5
+
+
+def test_kernel_table_totals_device_time_per_kernel_and_step() -> None:
+    spans = [("gemm", 10.0), ("norm", 2.0), ("gemm", 30.0), ("norm", 2.0), ("attn", 5.0)]
+    table = kernel_table(spans, num_steps=2)
+    assert [row["name"] for row in table] == ["gemm", "attn", "norm"]
+    assert table[0] == {"name": "gemm", "per_step": 1.0, "us_per_step": 20.0}
+    assert table[2] == {"name": "norm", "per_step": 1.0, "us_per_step": 2.0}
 
 
 def test_idle_summary_of_nothing() -> None:

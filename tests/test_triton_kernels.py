@@ -209,10 +209,10 @@ def test_paged_attention_decode(
 
 
 def test_paged_attention_decode_reduces_more_splits_than_one_chunk() -> None:
-    """20 splits: the reduce kernel reads them in two chunks of 16 (and an empty split for
+    """40 splits: the reduce kernel reads them in two chunks of 32 (and empty splits for
     the short request)."""
-    step = make_step([(1180, 1), (40, 1)], 16, 4, 2, 32, torch.float32, seed=11)
-    check_attention(step, num_splits=20)
+    step = make_step([(2400, 1), (40, 1)], 16, 4, 2, 32, torch.float32, seed=11)
+    check_attention(step, num_splits=40)
 
 
 def test_paged_attention_backend_and_out() -> None:

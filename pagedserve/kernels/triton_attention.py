@@ -623,7 +623,7 @@ def _launch_decode(
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, query_start_loc, out, out.stride(0), out.stride(1), num_heads,
             num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-            SPLITS_CHUNK=16, MIXED=mixed,
+            SPLITS_CHUNK=32, MIXED=mixed,
             num_warps=4 if head_dim_p >= 128 else 1,
         )  # fmt: skip
 

@@ -183,7 +183,6 @@ def profile(args: argparse.Namespace) -> list[str]:
     run (pagedserve.actors.worker.profiling). W3's batch-1 decode and the whole of W1."""
     from pagedserve.config import ProfileConfig
 
-    out = Path(args.out).parent
     model, num, input_len, output_len = WORKLOADS["W1"]
     vocab = int(read_hf_config(model)["vocab_size"])
     settings = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
@@ -214,8 +213,9 @@ def profile(args: argparse.Namespace) -> list[str]:
         "| scheduler: waits | handles results | plans |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    kernels_table: list[str] = []
     for index, (name, (run, first_step)) in enumerate(runs.items()):
-        directory = out / f"profile{index}"
+        directory = Path(tempfile.gettempdir()) / f"pagedserve-profile{index}"
         result = run(ProfileConfig(output_dir=str(directory), first_step=first_step, num_steps=20))
         free_gpu()
         s = json.loads((directory / "worker0.idle.json").read_text())
@@ -239,8 +239,17 @@ def profile(args: argparse.Namespace) -> list[str]:
             f"{sec(w, 'launch')} | {sec(w, 'finish')} | {sec(w, 'device_wait')} | "
             f"{sec(c, 'wait')} | {sec(c, 'handle')} | {sec(c, 'plan')} |"
         )
-        print(idle[-1], loops[-1], sep="\n", flush=True)
-    return idle + loops
+        kernels_table += [
+            f"\n#### {name}: device time per step by kernel (profiler window)\n",
+            "| kernel | launches / step | µs / step |",
+            "|---|---:|---:|",
+        ]
+        for row in json.loads((directory / "worker0.kernels.json").read_text())[:18]:
+            kernels_table.append(
+                f"| {row['name'][:90]} | {row['per_step']:.1f} | {row['us_per_step']:.1f} |"
+            )
+        print(idle[-1], loops[-1], *kernels_table, sep="\n", flush=True)
+    return idle + loops + kernels_table
 
 
 def startup(args: argparse.Namespace) -> list[str]:

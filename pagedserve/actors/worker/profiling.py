@@ -87,6 +87,20 @@ def idle_summary(intervals: list[tuple[float, float]], num_steps: int) -> IdleSu
     )
 
 
+def kernel_table(spans: list[tuple[str, float]], num_steps: int) -> list[dict]:
+    """Device time by kernel name (spans: name, duration µs), the largest first, per step."""
+    count: Counter[str] = Counter()
+    total: defaultdict[str, float] = defaultdict(float)
+    for name, duration in spans:
+        count[name] += 1
+        total[name] += duration
+    steps = max(num_steps, 1)
+    return [
+        {"name": name, "per_step": count[name] / steps, "us_per_step": total[name] / steps}
+        for name in sorted(total, key=total.__getitem__, reverse=True)
+    ]
+
+
 class StepProfiler:
     """Call `on_launch()` before each step is launched; the window opens after
     `first_step` launches and closes `num_steps` launches later (num_steps 0: no window)."""
@@ -123,15 +137,15 @@ class StepProfiler:
         os.makedirs(self.config.output_dir, exist_ok=True)
         prefix = os.path.join(self.config.output_dir, f"worker{self.rank}")
         profiler.export_chrome_trace(f"{prefix}.trace.json")
-        kernels = [
-            (e.time_range.start, e.time_range.end)
-            for e in profiler.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA
-        ]
+        events = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [(e.time_range.start, e.time_range.end) for e in events]
         steps = min(self.config.num_steps, self.launches - self.config.first_step)
         summary = idle_summary(kernels, steps)
         with open(f"{prefix}.idle.json", "w") as f:
             json.dump(summary.to_json(), f, indent=1)
+        spans = [(e.name, e.time_range.end - e.time_range.start) for e in events]
+        with open(f"{prefix}.kernels.json", "w") as f:
+            json.dump(kernel_table(spans, steps), f, indent=1)
         logger.info("profiled %d steps: %s", steps, summary)
 
 
