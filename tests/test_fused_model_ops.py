@@ -63,7 +63,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, nn.Module]:
     return loaded
 
 
-def _metadata(query_lens: list[int], seq_lens: list[int], slots: list[int]) -> AttentionMetadata:
+def _metadata(
+    query_lens: list[int], seq_lens: list[int], slots: list[int], backend: str
+) -> AttentionMetadata:
     """Request 0 in blocks 3, 0; request 1 in block 5."""
     return build_attention_metadata(
         torch.tensor(query_lens),
@@ -72,30 +74,32 @@ def _metadata(query_lens: list[int], seq_lens: list[int], slots: list[int]) -> A
         torch.tensor(slots),
         BLOCK_SIZE,
         torch.device("cpu"),
-        backend=BACKEND,
+        backend=backend,
     )
 
 
-def _steps(vocab_size: int) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
+def _steps(
+    vocab_size: int, backend: str = BACKEND
+) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
     """A prefill of two prompts (5 and 3 tokens), then a decode step of both."""
     gen = torch.Generator().manual_seed(1)
     prefill_ids = torch.randint(1, vocab_size, (8,), generator=gen)
     prefill = (
         prefill_ids,
         torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]),
-        _metadata([5, 3], [5, 3], [12, 13, 14, 15, 0, 20, 21, 22]),
+        _metadata([5, 3], [5, 3], [12, 13, 14, 15, 0, 20, 21, 22], backend),
     )
     decode_ids = torch.randint(1, vocab_size, (2,), generator=gen)
-    decode = (decode_ids, torch.tensor([5, 3]), _metadata([1, 1], [6, 4], [1, 23]))
+    decode = (decode_ids, torch.tensor([5, 3]), _metadata([1, 1], [6, 4], [1, 23], backend))
     return [prefill, decode]
 
 
-def _run(model: nn.Module, steps: list) -> list[torch.Tensor]:
+def _run(model: nn.Module, steps: list, backend: str = BACKEND) -> list[torch.Tensor]:
     """The steps' hidden states, on fresh zeroed KV caches."""
     for module in model.modules():
         if isinstance(module, layers.Attention):
             shape = attention.kv_cache_layer_shape(
-                BACKEND, NUM_BLOCKS, BLOCK_SIZE, module.num_kv_heads, module.head_dim
+                backend, NUM_BLOCKS, BLOCK_SIZE, module.num_kv_heads, module.head_dim
             )
             module.k_cache, module.v_cache = torch.zeros(shape), torch.zeros(shape)
     with torch.inference_mode():
@@ -114,20 +118,29 @@ def _spy(monkeypatch: pytest.MonkeyPatch, module: object, name: str, calls: list
 
 @needs_interpreter
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("backend", [BACKEND, "triton"])
 def test_triton_path_matches_torch_path(
-    arch: str, models: dict[str, nn.Module], monkeypatch: pytest.MonkeyPatch
+    arch: str, backend: str, models: dict[str, nn.Module], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """backend triton (its cache layout): the q/k rotary launch also writes the KV cache,
+    and no separate cache write is launched."""
+    assert attention.resolve_attention_backend(backend) == backend
     model = models[arch]
-    steps = _steps(model.config.vocab_size)
-    expected = _run(model, steps)
+    steps = _steps(model.config.vocab_size, backend)
+    expected = _run(model, steps, backend)
 
     triton_ops = layers.triton_ops_module()
     assert triton_ops is not None
     calls: list[tuple[str, tuple, dict]] = []
     for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rotary_"):
         _spy(monkeypatch, triton_ops, name, calls)
+    writes: list[tuple] = []
+    writer = attention.KV_CACHE_WRITERS[backend]
+    monkeypatch.setitem(
+        attention.KV_CACHE_WRITERS, backend, lambda *args: writes.append(args) or writer(*args)
+    )
     monkeypatch.setattr(layers, "use_triton_ops", lambda x: True)
-    got = _run(model, steps)
+    got = _run(model, steps, backend)
 
     for hidden, reference in zip(got, expected):
         torch.testing.assert_close(hidden, reference, atol=1e-4, rtol=0)
@@ -143,6 +156,8 @@ def test_triton_path_matches_torch_path(
     for args, kwargs in qk_calls:
         assert kwargs["num_q_heads"] == 4
         assert (args[4] is not None) == (arch == "qwen3")
+        assert (kwargs["kv_write"] is not None) == (backend == "triton")
+    assert len(writes) == (0 if backend == "triton" else 2 * len(steps))
 
 
 def test_each_forward_looks_the_rotary_tables_up_again(models: dict[str, nn.Module]) -> None:

@@ -394,6 +394,53 @@ def test_qk_norm_rotary(
     assert torch.equal(buffer[:, qk_width:], untouched)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,norm",
+    [(4, 2, 64, 16, True), (6, 3, 24, 4, False), (4, 1, 32, 1, True)],
+)
+def test_qk_norm_rotary_writes_the_kv_cache(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+    norm: bool,
+) -> None:  # fmt: skip
+    """kv_write: one launch gives what qk_norm_rotary_ then write_kv_cache give (the rotated
+    k and the untouched v in the paged caches at each token's slot; -1 slots skipped)."""
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    num_tokens, num_blocks = 9, 12
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (2 * torch.randn(num_tokens, width, generator=gen)).to(dtype)
+    qk_width = (num_heads + num_kv_heads) * head_dim
+    positions = torch.randint(0, 64, (num_tokens,), generator=gen)
+    cos_cache, sin_cache = rotary_caches(head_dim, dtype)
+    weights = (None, None)
+    if norm:
+        weights = tuple((1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in "qk")
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.randn(shape, generator=gen).to(dtype) for _ in "kv"]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=gen)[:2]] = -1
+
+    def split(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qk = buffer[:, :qk_width].view(num_tokens, num_heads + num_kv_heads, head_dim)
+        return qk, buffer[:, qk_width:].view(num_tokens, num_kv_heads, head_dim)
+
+    expected_qkv, expected_caches = qkv.clone(), [c.clone() for c in caches]
+    qk, v = split(expected_qkv)
+    tops.qk_norm_rotary_(qk, positions, cos_cache, sin_cache, *weights, 1e-6,
+                         num_q_heads=num_heads)  # fmt: skip
+    ta.write_kv_cache(qk[:, num_heads:], v, *expected_caches, slots)
+    qk, v = split(qkv)
+    write = tops.KVWrite(v, caches[0], caches[1], slots)
+    tops.qk_norm_rotary_(qk, positions, cos_cache, sin_cache, *weights, 1e-6,
+                         num_q_heads=num_heads, kv_write=write)  # fmt: skip
+    assert torch.equal(qkv, expected_qkv)
+    assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
+    with pytest.raises(ValueError, match="kv_write.v must be"):
+        bad = tops.KVWrite(v[:-1], caches[0], caches[1], slots)
+        tops.qk_norm_rotary_(qk, positions, cos_cache, sin_cache, num_q_heads=num_heads,
+                             kv_write=bad)  # fmt: skip
+
+
 def test_qk_norm_rotary_single_token_and_empty() -> None:
     """A decode step of one token (any row stride), and no tokens at all."""
     cos_cache, sin_cache = rotary_caches(32, torch.float32)

@@ -12,6 +12,8 @@ expression rounds (`_round`), so results match the reference up to fp32 rounding
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,7 @@ __all__ = [
     "apply_rotary_qk",
     "fused_add_rms_norm",
     "qk_norm_rotary_",
+    "KVWrite",
     "reference",
     "rms_norm",
     "silu_and_mul",
@@ -170,6 +173,18 @@ def _qk_norm_rotary_kernel(
     stride_c,
     stride_s,
     eps,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
     NUM_HEADS: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -177,13 +192,19 @@ def _qk_norm_rotary_kernel(
     HALF_P: tl.constexpr,
     DTYPE: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    KV_HEADS_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     """Token t, in place on its NUM_HEADS heads x = [x1, x2] (halves of HALF), round = to DTYPE
     (qk's dtype), as ops.qk_norm_rotary:
       HAS_NORM, per head: h = x in fp32, y = round(h * rsqrt(mean(h^2) + eps)), x = round(w * y)
         with w = q_weight for heads < NUM_Q_HEADS, k_weight for the others;
       rotary, with c = cos_cache[positions[t]], s = sin_cache[positions[t]]:
-        x = [round(round(x1 c) - round(x2 s)), round(round(x2 c) + round(x1 s))]."""
+        x = [round(round(x1 c) - round(x2 s)), round(round(x2 c) + round(x1 s))].
+    WRITE_KV (the paged cache's k/v write fused in, as triton_attention.write_kv_cache): with
+    slot = slot_mapping[t] >= 0, the k heads (heads >= NUM_Q_HEADS, after the above) go to
+    k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] and the token's v heads to v_cache there."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token * stride_p).to(tl.int64)
     heads = tl.arange(0, HEADS_P)[:, None]
@@ -208,6 +229,21 @@ def _qk_norm_rotary_kernel(
     o1, o2 = _rotate_half(x1, x2, cos, sin, DTYPE)
     tl.store(x1_ptrs, o1.to(DTYPE), mask=mask)
     tl.store(x1_ptrs + HALF, o2.to(DTYPE), mask=mask)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            kv_head = tl.maximum(heads - NUM_Q_HEADS, 0)
+            k_ptrs = k_cache_ptr + block * stride_kcb + offset * stride_kco + kv_head * stride_kch
+            k_mask = mask & (heads >= NUM_Q_HEADS)
+            tl.store(k_ptrs + cols, o1.to(DTYPE), mask=k_mask)
+            tl.store(k_ptrs + HALF + cols, o2.to(DTYPE), mask=k_mask)
+            v_heads = tl.arange(0, KV_HEADS_P)[:, None]
+            v_cols = tl.arange(0, 2 * HALF_P)[None, :]
+            v_mask = (v_heads < NUM_HEADS - NUM_Q_HEADS) & (v_cols < 2 * HALF)
+            v = tl.load(v_ptr + token * stride_vt + v_heads * stride_vh + v_cols, mask=v_mask)
+            v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + v_heads * stride_vch
+            tl.store(v_dst + v_cols, v, mask=v_mask)
 
 
 @triton.jit
@@ -329,15 +365,19 @@ def qk_norm_rotary_(
     eps: float = 1e-6,
     *,
     num_q_heads: int | None = None,
+    kv_write: KVWrite | None = None,
 ) -> torch.Tensor:
     """ops.qk_norm_rotary in place on qk, one launch: optional per-head RMSNorm (q_weight on
     the first num_q_heads heads, k_weight on the rest; Qwen3), then rotary with cos/sin rows
-    cos_cache[positions], sin_cache[positions]. Returns qk.
+    cos_cache[positions], sin_cache[positions]; with kv_write, also the paged cache write of
+    the new k (as rotated) and v heads (what triton_attention.write_kv_cache does). Returns qk.
 
     qk: [num_tokens, num_q_heads + num_kv_heads, head_dim], typically a strided view of the
     fused qkv projection output (row stride the qkv width, head stride head_dim, last stride
     1); positions: [num_tokens] int; caches: [max_pos, head_dim // 2]. Every dtype must promote
-    to qk's (the results are stored in place). num_q_heads is needed with the weights only."""
+    to qk's (the results are stored in place). num_q_heads is needed with the weights or
+    kv_write (KVWrite: v [num_tokens, num_kv_heads, head_dim], k/v caches [num_blocks,
+    block_size, num_kv_heads, head_dim] of qk's dtype, slot_mapping [num_tokens], < 0 skips)."""
     _check_rotary_input(qk, "qk")
     num_tokens, num_heads, head_dim = qk.shape
     _check(num_heads <= 1 or qk.stride(1) == head_dim, "qk's heads must be packed "
@@ -363,20 +403,62 @@ def qk_norm_rotary_(
                    f"in place needs the {name} dtype to promote to qk's")  # fmt: skip
             _check(weight.device == qk.device, f"{name} is on another device")
             _check(weight.is_contiguous(), f"{name} must be contiguous")
+    if kv_write is not None:
+        _check(num_q_heads is not None and 0 <= num_q_heads < num_heads,
+               "num_q_heads must be in 0..qk.shape[1] - 1 with kv_write")  # fmt: skip
+        assert num_q_heads is not None
+        _check_kv_write(qk, kv_write, num_heads - num_q_heads)
     if num_tokens == 0 or num_heads == 0:
         return qk
     heads_p, half_p = triton.next_power_of_2(num_heads), triton.next_power_of_2(half)
+    write = kv_write or KVWrite(qk, qk, qk, positions)  # unused pointers when not writing
+    k_cache, v_cache = write.k_cache, write.v_cache
+    block_size = k_cache.shape[1] if kv_write is not None else 1
     _qk_norm_rotary_kernel[(num_tokens,)](
         qk, positions, cos_cache, sin_cache,
         q_weight if q_weight is not None else cos_cache,
         k_weight if k_weight is not None else cos_cache,
         qk.stride(0), qk.stride(1), positions.stride(0), cos_cache.stride(0),
         sin_cache.stride(0), eps,
-        NUM_HEADS=num_heads, NUM_Q_HEADS=num_q_heads if has_norm else 0, HALF=half,
-        HEADS_P=heads_p, HALF_P=half_p, DTYPE=_TL_DTYPES[qk.dtype], HAS_NORM=has_norm,
-        num_warps=min(8, max(1, heads_p * half_p // 512)),
+        write.v, k_cache, v_cache, write.slot_mapping, write.v.stride(0), write.v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_Q_HEADS=num_q_heads if num_q_heads is not None else 0,
+        HALF=half, HEADS_P=heads_p, HALF_P=half_p, DTYPE=_TL_DTYPES[qk.dtype],
+        HAS_NORM=has_norm, WRITE_KV=kv_write is not None,
+        KV_HEADS_P=triton.next_power_of_2(max(1, num_heads - (num_q_heads or 0))),
+        BLOCK_SIZE=block_size, num_warps=min(8, max(1, heads_p * half_p // 512)),
     )  # fmt: skip
     return qk
+
+
+class KVWrite(NamedTuple):
+    """Where qk_norm_rotary_ also writes a step's new k/v: the token's v heads, the layer's
+    paged caches and each token's cache slot."""
+
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def _check_kv_write(qk: torch.Tensor, write: KVWrite, num_kv_heads: int) -> None:
+    num_tokens, _, head_dim = qk.shape
+    v, k_cache, v_cache, slots = write
+    _check(v.shape == (num_tokens, num_kv_heads, head_dim), "kv_write.v must be "
+           "[num_tokens, num_kv_heads, head_dim]")  # fmt: skip
+    _check(v.stride(-1) == 1 and v.dtype == qk.dtype, "kv_write.v: qk's dtype, dim contiguous")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
+        _check(cache.dim() == 4 and cache.shape[2:] == (num_kv_heads, head_dim),
+               f"kv_write.{name} must be {layout}")  # fmt: skip
+        _check(cache.dtype == qk.dtype and cache.stride(-1) == 1,
+               f"kv_write.{name}: qk's dtype, dim contiguous")  # fmt: skip
+        _check(cache.device == qk.device, f"kv_write.{name} is on another device")
+    _check(k_cache.shape == v_cache.shape, "kv_write caches differ in shape")
+    _check(slots.shape == (num_tokens,) and slots.device == qk.device,
+           "kv_write.slot_mapping must be [num_tokens] on qk's device")  # fmt: skip
+    _check(slots.dtype in (torch.int32, torch.int64), "slot_mapping must be int32 or int64")
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,15 @@ import importlib
 import math
 from collections.abc import Callable
 from types import ModuleType
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedserve.kernels.triton_ops import KVWrite
 
 from pagedserve.kernels.attention import (
     ATTENTION_BACKENDS,
@@ -484,11 +487,13 @@ class RotaryEmbedding(nn.Module):
         qk: torch.Tensor,
         num_q_heads: int,
         qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv_write: KVWrite | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """qk [T, q_heads + kv_heads, head_dim] (q heads first; a view of this step's own qkv
-        buffer, which may be overwritten) -> (q, k): with qk_norms = (q_norm, k_norm) each head
-        normed first (Qwen3), then rotated. The Triton path is one launch in place on qk; the
-        other paths rotate in place (no norms) or build new q and k (norms)."""
+        buffer, which may be overwritten) -> (q, k, kv_written): with qk_norms = (q_norm,
+        k_norm) each head normed first (Qwen3), then rotated. The Triton path is one launch in
+        place on qk, which also writes the paged KV cache when given kv_write (kv_written
+        says it did); the other paths rotate in place (no norms) or build new q and k."""
         if use_triton_ops(qk) and (qk_norms is None or qk_norms[0].eps == qk_norms[1].eps):
             weights: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
             eps = 1e-6
@@ -496,15 +501,15 @@ class RotaryEmbedding(nn.Module):
                 weights, eps = (qk_norms[0].weight, qk_norms[1].weight), qk_norms[0].eps
             _triton_ops().qk_norm_rotary_(
                 qk, positions, self.cos_cache, self.sin_cache, *weights, eps,
-                num_q_heads=num_q_heads,
+                num_q_heads=num_q_heads, kv_write=kv_write,
             )  # fmt: skip
-            return qk[:, :num_q_heads], qk[:, num_q_heads:]
+            return qk[:, :num_q_heads], qk[:, num_q_heads:], kv_write is not None
         if qk_norms is None:
             qk = self.rotate_(positions, qk)
-            return qk[:, :num_q_heads], qk[:, num_q_heads:]
+            return qk[:, :num_q_heads], qk[:, num_q_heads:], False
         q_norm, k_norm = qk_norms
         q, k = q_norm(qk[:, :num_q_heads]), k_norm(qk[:, num_q_heads:])
-        return self(positions, q, k)
+        return *self(positions, q, k), False
 
 
 @functools.lru_cache(maxsize=8)
@@ -547,6 +552,9 @@ class SiluAndMul(nn.Module):
         return silu_and_mul(x)
 
 
+_FUSED_KV_WRITE_BACKENDS = ("triton", "cuda")  # their KV write is triton_attention's
+
+
 class Attention(nn.Module):
     """Writes this step's k/v into the layer's paged cache, then paged attention over it.
     The model runner assigns `k_cache` / `v_cache` ([num_blocks, block_size, kv_heads, dim])."""
@@ -558,6 +566,14 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    def fusable_kv_write(self, v: torch.Tensor, metadata: AttentionMetadata) -> KVWrite | None:
+        """The cache write for the q/k rotary kernel to do in its launch (the Triton path on
+        a backend with the [num_blocks, block_size, kv_heads, dim] cache), or None."""
+        if metadata.backend not in _FUSED_KV_WRITE_BACKENDS or not use_triton_ops(v):
+            return None
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        return _triton_ops().KVWrite(v, self.k_cache, self.v_cache, metadata.slot_mapping)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -565,13 +581,17 @@ class Attention(nn.Module):
         v: torch.Tensor,
         metadata: AttentionMetadata,
         output_rows: OutputRows | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         """q [T, heads * dim], k/v [T, kv_heads * dim] -> [T, heads * dim]; with output_rows,
-        every row's k/v is cached but only those rows attend -> [n, heads * dim]."""
+        every row's k/v is cached but only those rows attend -> [n, heads * dim]. kv_written:
+        this step's k/v are in the cache already (see fusable_kv_write)."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        KV_CACHE_WRITERS[metadata.backend](k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
+        if not kv_written:
+            write = KV_CACHE_WRITERS[metadata.backend]
+            write(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
         if output_rows is not None:
             q, metadata = q.index_select(0, output_rows.indices), output_rows.metadata
         attend = ATTENTION_BACKENDS[metadata.backend]

@@ -80,8 +80,11 @@ class LlamaAttention(nn.Module):
         # q and k side by side, [T, heads + kv_heads, head_dim]: one pass over both (in place
         # where it can: qkv is this step's own buffer)
         qk = qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb.norm_rotate_qk(positions, qk, self.num_heads, self.qk_norms)
-        return self.o_proj(self.attn(q, k, v, metadata, output_rows))
+        kv_write = self.attn.fusable_kv_write(v, metadata)
+        q, k, kv_written = self.rotary_emb.norm_rotate_qk(
+            positions, qk, self.num_heads, self.qk_norms, kv_write
+        )
+        return self.o_proj(self.attn(q, k, v, metadata, output_rows, kv_written))
 
 
 class LlamaMLP(nn.Module):
