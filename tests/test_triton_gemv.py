@@ -11,8 +11,14 @@ about half the values).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.util
+import json
 import os
+import sys
+import types
+from pathlib import Path
 
 import pytest
 
@@ -195,6 +201,164 @@ def test_plans_fill_an_h200() -> None:
             assert plan.k_per_split % plan.block_k == 0 and plan.split_k <= tg.SKINNY_MAX_SPLIT_K
             assert (plan.split_k - 1) * plan.k_per_split < k <= plan.split_k * plan.k_per_split
             assert plan.use_dot == (m > 4) and plan.tiles * plan.block_n >= n
+
+
+# --------------------------------------------------------------------------- tuning
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _config(*args, **kwargs):
+    return tg.SkinnyConfig(*args, **kwargs) if tg is not None else None
+
+
+FORCED_CONFIGS = [  # (m, config): every knob of SkinnyConfig away from its default
+    (1, _config(1, False, 1, 256, 1, 1, w_cache=".cg", w_evict="")),
+    (1, _config(1, False, 2, 128, 2, 1, split_k=3, w_evict="")),
+    (1, _config(1, False, 8, 64, 1, 1, split_k=16, w_evict="evict_last")),
+    (2, _config(2, False, 4, 128, 1, 1, split_k=2, w_cache=".ca", w_evict="")),
+    (3, _config(4, False, 1, 512, 2, 1, w_cache=".cv", w_evict="")),
+    (8, _config(16, True, 16, 64, 1, 2, split_k=2, w_cache=".cg", w_evict="")),
+]
+
+
+@pytest.mark.parametrize("m,config", FORCED_CONFIGS)
+def test_forced_config(m: int, config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """skinny_linear(config=...) launches exactly that config (blocks clamped to the problem,
+    its split unless split_k says otherwise, its weight-load hints), whatever M's bucket and
+    SKINNY_TUNED say; results as F.linear (bias, K tail: 600 = 4 x 128 + 88)."""
+    monkeypatch.setattr(tg, "SKINNY_TUNED", {})
+    x, weight, b = operands(m, 20, 600, torch.bfloat16, True, seed=m)
+    plan = tg.plan_skinny_linear(m, 20, 600, tg._CPU_SMS, config=config)
+    assert (plan.use_dot, plan.num_warps, plan.num_stages) == (
+        config.use_dot, config.num_warps, config.num_stages)  # fmt: skip
+    assert (plan.w_cache, plan.w_evict) == (config.w_cache, config.w_evict)
+    assert plan.block_n == min(config.block_n, 32) and plan.block_k == config.block_k
+    if config.split_k is not None:  # whole chunks a split, no empty split
+        chunks = _cdiv(600, plan.block_k)
+        assert plan.split_k == _cdiv(chunks, _cdiv(chunks, min(config.split_k, chunks)))
+    out = tg.skinny_linear(x, weight, b, config=config)
+    assert_matches_linear(out, x, weight, b)
+    unsplit = tg.skinny_linear(x, weight, b, config=config, split_k=1)  # the keyword wins
+    assert_matches_linear(unsplit, x, weight, b)
+    assert not tg._counters(x.device).any()
+
+
+def test_tuned_table_overrides_the_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SKINNY_TUNED entry (SM count, bucket, N, K) replaces the bucket's config for every M
+    of the bucket on a GPU of that many SMs, 2-byte dtypes only; other shapes, SM counts,
+    buckets and fp32 keep SKINNY_TUNING; split_k= still wins over the entry's split."""
+    sms = tg._CPU_SMS
+    tuned = tg.SkinnyConfig(4, False, 1, 64, 1, 1, split_k=2, w_cache=".cg", w_evict="")
+    monkeypatch.setattr(tg, "SKINNY_TUNED", {(sms, 4, 12, 200): tuned})
+    for m in (3, 4):
+        plan = tg.plan_skinny_linear(m, 12, 200, sms)
+        assert (plan.block_n, plan.block_k, plan.split_k, plan.w_cache) == (1, 64, 2, ".cg")
+        assert tg.plan_skinny_linear(m, 12, 200, sms, split_k=1).split_k == 1
+    bucket4 = next(c for c in tg.SKINNY_TUNING if c.max_m == 4)
+    for args in [(2, 12, 200, sms), (4, 12, 200, 132), (4, 13, 200, sms), (4, 12, 208, sms)]:
+        plan = tg.plan_skinny_linear(*args)
+        assert plan.w_cache == "" and plan.w_evict == "evict_first", args
+        if args[0] == 4:
+            assert plan.block_n == min(bucket4.block_n, 16), args
+    assert tg.plan_skinny_linear(4, 12, 200, sms, element_size=4).block_k == 256
+    x, weight, b = operands(4, 12, 200, torch.bfloat16, True, seed=5)
+    out = tg.skinny_linear(x, weight, b)
+    assert_matches_linear(out, x, weight, b)
+    assert torch.equal(out, tg.skinny_linear(x, weight, b, config=tuned))
+    x32, w32, b32 = operands(4, 12, 200, torch.float32, True, seed=5)
+    assert_matches_linear(tg.skinny_linear(x32, w32, b32), x32, w32, b32)
+
+
+def test_bad_configs_are_rejected() -> None:
+    """Non-power-of-two blocks or warps, no stages, a split of 0, unknown hints, and a cache
+    modifier together with an eviction policy (ptxas rejects that load)."""
+    x, weight, _ = operands(1, 8, 64, torch.bfloat16, False)
+    good = tg.SkinnyConfig(1, False, 4, 64, 1, 1)
+    bad = [
+        ("block_n", {"block_n": 3}),
+        ("block_k", {"block_k": 96}),
+        ("num_warps", {"num_warps": 3}),
+        ("stages", {"num_stages": 0}),
+        ("split_k", {"split_k": 0}),
+        ("w_cache", {"w_cache": ".cs", "w_evict": ""}),
+        ("w_evict", {"w_evict": "evict_normal"}),
+        ("exclude each other", {"w_cache": ".cg"}),
+    ]
+    for message, change in bad:
+        config = dataclasses.replace(good, **change)
+        with pytest.raises(ValueError, match=message):
+            tg.check_skinny_config(config)
+        with pytest.raises(ValueError, match=message):
+            tg.skinny_linear(x, weight, config=config)
+    for config in tg.SKINNY_TUNING:
+        tg.check_skinny_config(config)
+
+
+def _sweep_script() -> types.ModuleType:
+    """scripts/gpu/sweep_gemv.py as a module (registered: its dataclasses need that)."""
+    name = "sweep_gemv_under_test"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "sweep_gemv.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_sweep_candidates_and_tuned_literal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/gpu/sweep_gemv.py: its candidates are valid configs (the bucket default first),
+    and the SKINNY_TUNED literal it prints is Python that fits ruff's 100 columns and gives
+    back the measured plan once pasted."""
+    sweep = _sweep_script()
+    for m in (1, 2, 4, 8):
+        blocks = sweep.block_configs(tg, m)
+        default = next(c for c in tg.SKINNY_TUNING if m <= c.max_m)
+        assert blocks[0] == dataclasses.replace(default, max_m=m) and len(blocks) >= 7, m
+        for config in blocks + sweep.split_configs(blocks[:2]) + sweep.hint_configs(blocks[:2]):
+            tg.check_skinny_config(config)
+    monkeypatch.setattr(tg, "SKINNY_TUNED", {})
+    shape = sweep.Shape("llama", "qkv", 6144, 4096)
+    config = tg.SkinnyConfig(1, False, 1, 8192, 4, 1, w_cache=".cg", w_evict="")
+    plan = tg.plan_skinny_linear(1, 6144, 4096, 132, config=config)
+    current = tg.plan_skinny_linear(1, 6144, 4096, 132)
+    best = sweep.Result("candidate", "hints", config, plan, us=12.0, confirm_us=[12.5])
+    entry = {"m": 1, "shape": shape, "best": best, "results": [best],
+             "current": sweep.Result("current", "ref", None, current, us=17.8),
+             "cublas": sweep.Result("cublas", "ref", us=20.8)}  # fmt: skip
+    text = sweep.tuned_literal(tg, [entry], 132, 0.02)
+    assert all(len(line) <= 100 for line in text.splitlines()), text
+    namespace = {"SkinnyConfig": tg.SkinnyConfig}
+    exec(text, namespace)
+    pinned = dataclasses.replace(config, block_k=4096, split_k=1)
+    assert namespace["SKINNY_TUNED"] == {(132, 1, 6144, 4096): pinned}
+    monkeypatch.setattr(tg, "SKINNY_TUNED", namespace["SKINNY_TUNED"])
+    assert tg.plan_skinny_linear(1, 6144, 4096, 132) == plan
+    assert tg.plan_skinny_linear(1, 6144, 4096, 114) == current  # another GPU: no entry
+    entry["best"] = entry["current"]  # the current plan wins: the entry is kept, no new one
+    again = sweep.tuned_literal(tg, [entry], 132, 0.02)
+    kept = {"SkinnyConfig": tg.SkinnyConfig}
+    exec(again, kept)
+    assert kept["SKINNY_TUNED"] == namespace["SKINNY_TUNED"] and "# kept" in again
+
+
+def test_sweep_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The sweep end to end on tiny shapes through the interpreter: every stage, the checks,
+    the report and its JSON."""
+    sweep = _sweep_script()
+    out = tmp_path / "sweep.md"
+    assert sweep.main(["--dry-run", "--top", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "constexpr sets (compiles)" in printed and "FAIL" not in printed
+    report = out.read_text()
+    assert "## Best config per shape" in report and "SKINNY_TUNED: dict" in report
+    rows = json.loads(out.with_suffix(".json").read_text())
+    stages = {row["stage"] for row in rows}
+    assert {"ref", "blocks", "splits", "hints"} <= stages
+    assert all(row["ok"] for row in rows) and sum(row["best"] for row in rows) == 2
 
 
 # --------------------------------------------------------------------------- layer dispatch

@@ -28,6 +28,12 @@ IEEE fp32 dots (no TF32).
 
 CUDA graphs: the grid, block sizes and split count come from the shapes only (no host sync, no
 data-dependent launch); the partial workspace comes from torch's caching allocator.
+
+Tuning: `plan_skinny_linear` first looks up SKINNY_TUNED, per-shape configs measured on one GPU
+model (keyed by its SM count, the M bucket, N and K), then falls back to the M bucket's
+SKINNY_TUNING entry and the split-K heuristic. `scripts/gpu/sweep_gemv.py` times candidate
+configs (blocks, warps, K splits, weight-load cache hints) against cuBLAS and prints SKINNY_TUNED
+entries to paste here; `skinny_linear(..., config=...)` forces one config (the sweep's way in).
 """
 
 from __future__ import annotations
@@ -44,8 +50,10 @@ from pagedserve.kernels.triton_ops import _round
 __all__ = [
     "SKINNY_MAX_M",
     "SKINNY_TUNING",
+    "SKINNY_TUNED",
     "SkinnyConfig",
     "SkinnyPlan",
+    "check_skinny_config",
     "plan_skinny_linear",
     "reference",
     "skinny_linear",
@@ -67,7 +75,15 @@ class SkinnyConfig:
     and block_k >= 8 * 32 * num_warps (bf16) keeps every warp along K, so x and W load straight
     into the accumulator's layout; its plain loads are not software-pipelined (num_stages 1).
     dot inner loop: BLOCK_M = 16, block_n and block_k >= 16, loads pipelined (cp.async) over
-    num_stages buffers."""
+    num_stages buffers.
+
+    split_k: None picks the K splits by the heuristic (SKINNY_PROGRAMS_PER_SM), a number forces
+    them (clamped to one BLOCK_K chunk per split at least). w_cache / w_evict: the cache
+    modifier ("", ".ca", ".cg": L2 only, so L1 keeps x; ".cv") or else the eviction policy
+    ("", "evict_first", "evict_last": L1 and L2 priority) of the weight loads, not both (ptxas
+    rejects the pair); hints only, the results are the same.
+    max_m only selects the SKINNY_TUNING bucket; a config passed to skinny_linear or found in
+    SKINNY_TUNED applies as is."""
 
     max_m: int
     use_dot: bool
@@ -75,18 +91,29 @@ class SkinnyConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int | None = None
+    w_cache: str = ""
+    w_evict: str = "evict_first"
 
 
-# First guesses for an H200 (132 SMs), not yet measured: tune them with
-# `scripts/gpu/bench_kernels.py --only gemv`. Each program streams block_n * block_k weight
-# elements per K step (8 KB of bf16 for M = 1, 4 KB for M = 2..4, 8 KB per stage for the dot
-# loop); the first entry whose max_m >= M applies.
+# First guesses for an H200 (132 SMs); M = 1 measured in scripts/results/kernels_h200.md.
+# Per-shape tuning goes into SKINNY_TUNED (`scripts/gpu/sweep_gemv.py`), a new default here
+# after `bench_kernels.py --only gemv` confirms it on every shape. Each program streams
+# block_n * block_k weight elements per K step (8 KB of bf16 for M = 1, 4 KB for M = 2..4, 8 KB
+# per stage for the dot loop); the first entry whose max_m >= M applies.
 SKINNY_TUNING: tuple[SkinnyConfig, ...] = (
     SkinnyConfig(max_m=1, use_dot=False, block_n=4, block_k=1024, num_warps=4, num_stages=1),
     SkinnyConfig(max_m=2, use_dot=False, block_n=2, block_k=1024, num_warps=4, num_stages=1),
     SkinnyConfig(max_m=4, use_dot=False, block_n=2, block_k=1024, num_warps=4, num_stages=1),
     SkinnyConfig(max_m=16, use_dot=True, block_n=32, block_k=128, num_warps=4, num_stages=4),
 )
+# Per-shape overrides measured by scripts/gpu/sweep_gemv.py (paste its printed literal here):
+# (num_sms, max_m of the SKINNY_TUNING bucket, N, K) -> the config for every M of that bucket on
+# a GPU of that many SMs, for 2-byte dtypes (fp16 / bf16) only. Empty: not yet measured.
+SKINNY_TUNED: dict[tuple[int, int, int, int], SkinnyConfig] = {}
+_W_CACHE_MODIFIERS = ("", ".ca", ".cg", ".cv")
+_W_EVICTION_POLICIES = ("", "evict_first", "evict_last")
+
 # Split K until about SKINNY_PROGRAMS_PER_SM programs per SM are in flight (more loads in
 # flight hide HBM latency), with at most SKINNY_MAX_SPLIT_K splits, at least one BLOCK_K chunk
 # each, and fp32 partials (written and read once: 8 * split * M * N bytes) of at most
@@ -112,6 +139,8 @@ class SkinnyPlan:
     k_per_split: int
     num_warps: int
     num_stages: int
+    w_cache: str = ""
+    w_evict: str = "evict_first"
 
     @property
     def programs(self) -> int:
@@ -119,9 +148,12 @@ class SkinnyPlan:
 
     def describe(self) -> str:
         loop = "dot" if self.use_dot else "fma"
+        hints = f" w_cache{self.w_cache}" if self.w_cache else ""
+        if self.w_evict != "evict_first":
+            hints += f" w_evict={self.w_evict or 'none'}"
         return (
             f"{loop} BM{self.block_m} BN{self.block_n} BK{self.block_k} split{self.split_k} "
-            f"w{self.num_warps} s{self.num_stages}: {self.programs} programs"
+            f"w{self.num_warps} s{self.num_stages}{hints}: {self.programs} programs"
         )
 
 
@@ -132,14 +164,23 @@ def plan_skinny_linear(
     num_sms: int,
     split_k: int | None = None,
     element_size: int = 2,
+    *,
+    config: SkinnyConfig | None = None,
 ) -> SkinnyPlan:
-    """The launch for x [m, k] @ W[n, k]^T on a GPU of num_sms SMs: the SKINNY_TUNING entry of
-    m's bucket with the blocks clamped to the problem, and split_k (None: automatic, see
-    SKINNY_PROGRAMS_PER_SM) splits of K, each a whole number of BLOCK_K chunks. Shapes only:
-    the same plan on every call."""
+    """The launch for x [m, k] @ W[n, k]^T on a GPU of num_sms SMs: `config` if given, else the
+    SKINNY_TUNED entry for (num_sms, m's bucket, n, k) (2-byte dtypes), else the SKINNY_TUNING
+    entry of m's bucket; its blocks clamped to the problem, and split_k (None: the config's
+    split_k, and if that is None automatic, see SKINNY_PROGRAMS_PER_SM) splits of K, each a
+    whole number of BLOCK_K chunks. Shapes only: the same plan on every call."""
     _check(1 <= m <= SKINNY_MAX_M, f"M must be in 1..{SKINNY_MAX_M}, got {m}")
     _check(n >= 1 and k >= 1, "N and K must be >= 1")
-    config = next(c for c in SKINNY_TUNING if m <= c.max_m)
+    if config is None:
+        config = next(c for c in SKINNY_TUNING if m <= c.max_m)
+        if element_size == 2:
+            config = SKINNY_TUNED.get((num_sms, config.max_m, n, k), config)
+    _check_config_once(config)
+    if split_k is None:
+        split_k = config.split_k
     floor = 16 if config.use_dot else 1  # tl.dot needs every dimension >= 16
     block_m = 16 if config.use_dot else triton.next_power_of_2(m)
     block_n = max(floor, min(config.block_n, triton.next_power_of_2(n)))
@@ -164,7 +205,28 @@ def plan_skinny_linear(
         k_per_split=k_per_split,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        w_cache=config.w_cache,
+        w_evict=config.w_evict,
     )
+
+
+def check_skinny_config(config: SkinnyConfig) -> None:
+    """ValueError unless config is launchable: power-of-two blocks and warps, num_stages >= 1,
+    split_k None or >= 1, known weight-load hints."""
+    for name in ("block_n", "block_k", "num_warps"):
+        value = getattr(config, name)
+        _check(value >= 1 and value & (value - 1) == 0, f"{name} must be a power of 2: {config}")
+    _check(config.num_warps <= 32 and config.num_stages >= 1, f"bad warps / stages: {config}")
+    _check(config.split_k is None or config.split_k >= 1, f"split_k must be >= 1: {config}")
+    _check(config.w_cache in _W_CACHE_MODIFIERS, f"w_cache not in {_W_CACHE_MODIFIERS}: {config}")
+    _check(config.w_evict in _W_EVICTION_POLICIES,
+           f"w_evict not in {_W_EVICTION_POLICIES}: {config}")  # fmt: skip
+    # the fma loop's ld.global takes a cache operator or an L1 eviction priority, not both
+    _check(not (config.w_cache and config.w_evict),
+           f"w_cache and w_evict exclude each other (set w_evict=''): {config}")  # fmt: skip
+
+
+_check_config_once = functools.cache(check_skinny_config)  # configs are frozen (hashable)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -182,6 +244,8 @@ def _fma_mainloop(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    W_CACHE: tl.constexpr,
+    W_EVICT: tl.constexpr,
 ):
     """sum over k in [k_start, k_end) of x[m, k] * w[n, k] in fp32 -> [BLOCK_M, BLOCK_N]:
     elementwise products accumulated in a [BLOCK_M, BLOCK_N, BLOCK_K] tile, reduced once after
@@ -195,11 +259,11 @@ def _fma_mainloop(
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x3, mask=x_row_ok, other=0.0)
-            w = tl.load(w3, eviction_policy="evict_first")
+            w = tl.load(w3, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         else:
             in_k = (k + rk) < K
             x = tl.load(x3, mask=x_row_ok & in_k, other=0.0)
-            w = tl.load(w3, mask=in_k, other=0.0, eviction_policy="evict_first")
+            w = tl.load(w3, mask=in_k, other=0.0, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         acc += x.to(tl.float32) * w.to(tl.float32)
         x3 += BLOCK_K
         w3 += BLOCK_K
@@ -220,6 +284,8 @@ def _dot_mainloop(
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_CACHE: tl.constexpr,
+    W_EVICT: tl.constexpr,
 ):
     """The same sum as tl.dot(x, W^T) tiles accumulated in fp32 (x rows >= M load as zeros: no
     memory traffic). UPCAST (CPU interpreter only): the interpreter multiplies bf16 as raw
@@ -230,11 +296,12 @@ def _dot_mainloop(
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=x_row_ok, other=0.0)
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            w = tl.load(w_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         else:
             in_k = (k + rk) < K
             x = tl.load(x_ptrs, mask=x_row_ok & in_k, other=0.0)
-            w = tl.load(w_ptrs, mask=in_k, other=0.0, eviction_policy="evict_first")
+            w = tl.load(w_ptrs, mask=in_k, other=0.0, cache_modifier=W_CACHE,
+                        eviction_policy=W_EVICT)  # fmt: skip
         if UPCAST:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
                          input_precision="ieee")  # fmt: skip
@@ -290,6 +357,8 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_CACHE: tl.constexpr,
+    W_EVICT: tl.constexpr,
 ):
     """Program (t, s) of a (tiles, S) grid, rows n in [t * BLOCK_N, (t + 1) * BLOCK_N) of W,
     K range [s * k_per_split, min((s + 1) * k_per_split, K)):
@@ -301,7 +370,7 @@ def _skinny_linear_kernel(
                and resets counter[t] = 0.
     round = nearest-even to out's dtype, once. Rows m >= M of the tile load x as zeros; columns
     n >= N read the clamped row N - 1 of W (every W load in bounds, no row mask); neither is
-    stored."""
+    stored. W_CACHE / W_EVICT: the weight loads' cache modifier and eviction policy (hints)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -314,10 +383,10 @@ def _skinny_linear_kernel(
     w_ptrs = w_ptr + w_rows[:, None] + (k_start + rk)[None, :]
     if USE_DOT:
         acc = _dot_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                            EVEN_K, PRECISION, UPCAST)  # fmt: skip
+                            EVEN_K, PRECISION, UPCAST, W_CACHE, W_EVICT)  # fmt: skip
     else:
         acc = _fma_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                            EVEN_K)  # fmt: skip
+                            EVEN_K, W_CACHE, W_EVICT)  # fmt: skip
     if SPLIT:
         num_splits = tl.num_programs(1)
         split_stride = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
@@ -369,13 +438,16 @@ def skinny_linear(
     bias: torch.Tensor | None = None,
     *,
     split_k: int | None = None,
+    config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), as F.linear, for x [..., K] with at most SKINNY_MAX_M rows in all.
 
     x: fp16/bf16/fp32, contiguous along K (rows may be strided: a view of a wider buffer is
     fine); weight [N, K] contiguous, x's dtype; bias [N] or None, x's dtype. Returns a new
-    [..., N] tensor of x's dtype. split_k forces the number of K splits (None: enough programs
-    for the SM count, see plan_skinny_linear). Raises ValueError on anything else."""
+    [..., N] tensor of x's dtype. config forces the launch config (None: SKINNY_TUNED, else the
+    M bucket's SKINNY_TUNING entry); split_k forces the number of K splits over the config's
+    (None: the config's, else enough programs for the SM count, see plan_skinny_linear).
+    Raises ValueError on anything else."""
     _check(x.dtype in _FLOAT_DTYPES, f"dtype {x.dtype} unsupported")
     _check(weight.dim() == 2, "weight must be [N, K]")
     _check(weight.dtype == x.dtype, f"weight dtype {weight.dtype} differs from x's {x.dtype}")
@@ -396,12 +468,14 @@ def skinny_linear(
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    plan = plan_skinny_linear(m, n, k, _num_sms(x.device), split_k, x.element_size())
+    plan = plan_skinny_linear(m, n, k, _num_sms(x.device), split_k, x.element_size(),
+                              config=config)  # fmt: skip
     counters = partials = out
     if plan.split_k > 1:
         counters = _counters(x.device)
         if counters is None:  # first use inside a CUDA graph capture: no split this time
-            plan = plan_skinny_linear(m, n, k, _num_sms(x.device), 1, x.element_size())
+            plan = plan_skinny_linear(m, n, k, _num_sms(x.device), 1, x.element_size(),
+                                      config=config)  # fmt: skip
             counters = out
         else:
             shape = (plan.split_k, plan.tiles, plan.block_m, plan.block_n)
@@ -413,6 +487,7 @@ def skinny_linear(
         USE_DOT=plan.use_dot, EVEN_K=k % plan.block_k == 0, SPLIT=plan.split_k > 1,
         HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
+        W_CACHE=plan.w_cache, W_EVICT=plan.w_evict,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
