@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.actors.messages import ChatMessage
+
+if TYPE_CHECKING:  # transformers (and torch with it) is imported only to load a tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 GENERATION_CONFIG = "generation_config.json"
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The model's HF tokenizer, from local files only (a directory or the HF cache)."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 

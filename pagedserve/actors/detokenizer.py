@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import tokenizers
-from transformers import PreTrainedTokenizerBase
 
 from pagedserve.actors.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded as context for the first output tokens
