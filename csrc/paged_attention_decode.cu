@@ -1,232 +1,97 @@
-// Paged-attention decode (one query token per request), GQA, split-K over the context.
+// Paged-attention decode (one query token per request), GQA, flash-decoding: the torch binding.
+// The kernels, their math and the launch plan are in paged_attention_decode.cuh; in short:
 //
-// Layout (as pagedserve.kernels.attention): q [batch, num_heads, head_dim];
-// k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; token t of request b
-// lives in block block_tables[b, t / block_size] at offset t % block_size.
-// With G = num_heads / num_kv_heads, query head h reads kv head h / G over keys 0..L_b-1:
-//     s_j = scale * <q[b, h], K[b, j, h / G]>,   out[b, h] = sum_j softmax(s)_j V[b, j, h / G]
+//   q [batch, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
+//   head_dim]; token t of request b in block block_tables[b, t / block_size] at offset
+//   t % block_size; G = num_heads / num_kv_heads query heads share kv head h / G:
+//       out[b, h] = sum_j softmax_j(scale * <q[b, h], K[b, j, h / G]>) V[b, j, h / G]
 //
-// Grid (num_kv_heads, batch, num_partitions); one CTA of NUM_THREADS threads owns the G query
-// heads of one kv head for one partition of PARTITION keys, so each K/V row is read from HBM
-// once for all G heads. Phase 1: each warp takes keys round-robin; a lane holds HEAD_DIM/32
-// elements of the row (vectorised loads) and warp shuffles reduce the G dot products. Phase 2:
-// per-head max and sum over the partition's scores (in shared memory). Phase 3: thread d sums
-// p_j * V[j, d] for every head of the group. With more than one partition each CTA writes an
-// unnormalised partial output plus its max and sum, and `reduce_partitions` merges them.
+//   Grid (num_kv_heads, batch, num_splits) of 128-thread CTAs, each owning the G heads of one kv
+//   head over one split of the context (num_splits from max_seq_len, the SM count and the
+//   kernel's occupancy). A lane group (head_dim * sizeof(T) / 16 lanes: half a warp for bf16
+//   head_dim 128) owns a key row, one 16-byte vector a lane; the 8 groups of a CTA take 4 keys
+//   each per stage (32 keys). Each thread cp.asyncs its vectors of the K and V rows of its keys
+//   into a private 3-stage ring in shared memory (two stages in flight while one is computed)
+//   and keeps q (scaled by scale * log2 e) and the fp32 output accumulators of its dims for the
+//   G heads in registers. Per stage: partial dot products, a reduce-scatter over the lane group
+//   (each lane ends with one (head, key) score), an online softmax (base 2) on that score,
+//   then acc[g] = acc[g] * 2^(m - m') + sum_keys p * V with p broadcast by shuffles. The lane
+//   groups and warps merge (max / rescale / sum) at the end; one split writes out = acc / l,
+//   several write partial acc, max and sum that a second small kernel merges.
+//
+// Supported: bf16, fp16, fp32; head_dim 64 and 128; G in {1, 2, 4, 8}; any block size (t /
+// block_size by a multiply); caches with any strides whose head_dim is contiguous and whose rows
+// are 16-byte aligned.
+// No host sync and no data-dependent allocation, so the launch can be captured in a CUDA graph
+// (the split count and scratch size depend only on shapes and max_seq_len).
 
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-#include <cfloat>
+#include "paged_attention_decode.cuh"
 
 namespace {
 
-constexpr int WARP = 32;
-constexpr int NUM_THREADS = 128;
-constexpr int NUM_WARPS = NUM_THREADS / WARP;
-constexpr int PARTITION = 512;
-constexpr int MAX_GROUP = 8;
-
-template <typename T> __device__ inline float to_float(T x);
-template <> __device__ inline float to_float(float x) { return x; }
-template <> __device__ inline float to_float(__half x) { return __half2float(x); }
-template <> __device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ inline T from_float(float x);
-template <> __device__ inline float from_float(float x) { return x; }
-template <> __device__ inline __half from_float(float x) { return __float2half(x); }
-template <> __device__ inline __nv_bfloat16 from_float(float x) { return __float2bfloat16(x); }
-
-__device__ inline float warp_sum(float x) {
-#pragma unroll
-  for (int offset = WARP / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
-  return x;
-}
+namespace pd = pagedserve_decode;
 
 template <typename T, int HEAD_DIM, int GROUP>
-__global__ void decode_kernel(
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-    T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
-    float* __restrict__ part_sum, float scale, int block_size, int max_blocks,
-    int64_t q_stride_b, int64_t q_stride_h, int64_t cache_stride_block, int64_t cache_stride_tok,
-    int64_t cache_stride_head, int num_partitions) {
-  constexpr int PER_LANE = HEAD_DIM / WARP;
-  const int kv_head = blockIdx.x, b = blockIdx.y, part = blockIdx.z;
-  const int num_kv_heads = gridDim.x;
-  const int seq_len = seq_lens[b];
-  const int start = part * PARTITION;
-  if (start >= seq_len) return;
-  const int end = min(start + PARTITION, seq_len);
-  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+         const torch::Tensor& seq_lens, double scale, int64_t max_seq_len) {
+  const int batch = static_cast<int>(q.size(0));
+  const int num_heads = static_cast<int>(q.size(1));
+  const int num_kv_heads = static_cast<int>(k_cache.size(2));
+  const int block_size = static_cast<int>(k_cache.size(1));
+  const int device = q.get_device();
+  const pd::SplitPlan plan = pd::plan<T, HEAD_DIM, GROUP>(batch, num_kv_heads, max_seq_len, device);
 
-  __shared__ float scores[GROUP][PARTITION];
-  __shared__ float red[GROUP][NUM_WARPS];
-  __shared__ float head_max[GROUP], head_sum[GROUP];
+  pd::Params p{};
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int>();
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.out = out.data_ptr();
+  p.qk_scale = static_cast<float>(scale * 1.4426950408889634);
+  p.batch = batch;
+  p.num_heads = num_heads;
+  p.block_size = block_size;
+  pd::block_divider(block_size, p.block_magic, p.block_shift);
+  p.keys_per_split = plan.keys_per_split;
+  p.num_splits = plan.num_splits;
+  p.q_stride_b = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.stride_block = static_cast<int>(k_cache.stride(0));
+  p.stride_tok = static_cast<int>(k_cache.stride(1));
+  p.stride_head = static_cast<int>(k_cache.stride(2));
+  p.bt_stride = block_tables.stride(0);
 
-  float qr[GROUP][PER_LANE];
-#pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    const T* qh = q + b * q_stride_b + (kv_head * GROUP + g) * q_stride_h;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) qr[g][i] = to_float(qh[lane * PER_LANE + i]) * scale;
+  torch::Tensor part_out, part_ml;
+  if (plan.num_splits > 1) {  // scratch from torch's caching allocator (graph-safe)
+    auto opts = q.options().dtype(torch::kFloat32);
+    part_out = torch::empty({batch, num_heads, plan.num_splits, HEAD_DIM}, opts);
+    part_ml = torch::empty({2, batch, num_heads, plan.num_splits}, opts);
+    p.part_out = part_out.data_ptr<float>();
+    p.part_m = part_ml[0].data_ptr<float>();
+    p.part_l = part_ml[1].data_ptr<float>();
   }
-  const int* table = block_tables + (int64_t)b * max_blocks;
-
-  // Phase 1: scores.
-  for (int j = start + warp; j < end; j += NUM_WARPS) {
-    const int64_t row = (int64_t)table[j / block_size] * cache_stride_block +
-                        (j % block_size) * cache_stride_tok + kv_head * cache_stride_head;
-    const T* kr = k_cache + row + lane * PER_LANE;
-    float kv[PER_LANE];
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) kv[i] = to_float(kr[i]);
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      float dot = 0.f;
-#pragma unroll
-      for (int i = 0; i < PER_LANE; ++i) dot += qr[g][i] * kv[i];
-      dot = warp_sum(dot);
-      if (lane == 0) scores[g][j - start] = dot;
-    }
-  }
-  __syncthreads();
-
-  // Phase 2: per-head max and sum of exp over this partition.
-  const int n = end - start;
-#pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    float m = -FLT_MAX;
-    for (int j = threadIdx.x; j < n; j += NUM_THREADS) m = fmaxf(m, scores[g][j]);
-#pragma unroll
-    for (int offset = WARP / 2; offset > 0; offset /= 2)
-      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, offset));
-    if (lane == 0) red[g][warp] = m;
-  }
-  __syncthreads();
-  if (threadIdx.x < GROUP) {
-    float m = -FLT_MAX;
-    for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, red[threadIdx.x][w]);
-    head_max[threadIdx.x] = m;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    float s = 0.f;
-    for (int j = threadIdx.x; j < n; j += NUM_THREADS) {
-      const float p = __expf(scores[g][j] - head_max[g]);
-      scores[g][j] = p;
-      s += p;
-    }
-    s = warp_sum(s);
-    if (lane == 0) red[g][warp] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x < GROUP) {
-    float s = 0.f;
-    for (int w = 0; w < NUM_WARPS; ++w) s += red[threadIdx.x][w];
-    head_sum[threadIdx.x] = s;
-  }
-  __syncthreads();
-
-  // Phase 3: out[g, d] = sum_j p[g, j] V[j, d]; thread d (and d + NUM_THREADS, ...) of the row.
-  for (int d = threadIdx.x; d < HEAD_DIM; d += NUM_THREADS) {
-    float acc[GROUP];
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) acc[g] = 0.f;
-    for (int j = start; j < end; ++j) {
-      const int64_t row = (int64_t)table[j / block_size] * cache_stride_block +
-                          (j % block_size) * cache_stride_tok + kv_head * cache_stride_head;
-      const float v = to_float(v_cache[row + d]);
-#pragma unroll
-      for (int g = 0; g < GROUP; ++g) acc[g] += scores[g][j - start] * v;
-    }
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      const int h = kv_head * GROUP + g;
-      if (num_partitions == 1) {
-        out[(int64_t)b * num_kv_heads * GROUP * HEAD_DIM + h * HEAD_DIM + d] =
-            from_float<T>(acc[g] / head_sum[g]);
-      } else {
-        const int64_t idx = ((int64_t)b * num_kv_heads * GROUP + h) * num_partitions + part;
-        part_out[idx * HEAD_DIM + d] = acc[g];
-        if (d == 0) {
-          part_max[idx] = head_max[g];
-          part_sum[idx] = head_sum[g];
-        }
-      }
-    }
-  }
-}
-
-// Merge partitions: out = sum_p e^{m_p - M} o_p / sum_p e^{m_p - M} s_p, one CTA per (b, h).
-template <typename T, int HEAD_DIM>
-__global__ void reduce_partitions(T* __restrict__ out, const float* __restrict__ part_out,
-                                  const float* __restrict__ part_max,
-                                  const float* __restrict__ part_sum,
-                                  const int* __restrict__ seq_lens, int num_heads,
-                                  int num_partitions) {
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int used = (seq_lens[b] + PARTITION - 1) / PARTITION;
-  const int64_t base = ((int64_t)b * num_heads + h) * num_partitions;
-  float m = -FLT_MAX;
-  for (int p = 0; p < used; ++p) m = fmaxf(m, part_max[base + p]);
-  float denom = 0.f;
-  for (int p = 0; p < used; ++p) denom += __expf(part_max[base + p] - m) * part_sum[base + p];
-  for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
-    float acc = 0.f;
-    for (int p = 0; p < used; ++p)
-      acc += __expf(part_max[base + p] - m) * part_out[(base + p) * HEAD_DIM + d];
-    out[((int64_t)b * num_heads + h) * HEAD_DIM + d] = from_float<T>(acc / denom);
-  }
-}
-
-template <typename T, int HEAD_DIM, int GROUP>
-void launch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-            const torch::Tensor& seq_lens, double scale, int64_t max_seq_len) {
-  const int batch = q.size(0), num_heads = q.size(1);
-  const int num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  const int num_partitions = std::max<int64_t>(1, (max_seq_len + PARTITION - 1) / PARTITION);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  auto opts = q.options().dtype(torch::kFloat32);
-  torch::Tensor part_out, part_max, part_sum;
-  if (num_partitions > 1) {
-    part_out = torch::empty({batch, num_heads, num_partitions, HEAD_DIM}, opts);
-    part_max = torch::empty({batch, num_heads, num_partitions}, opts);
-    part_sum = torch::empty({batch, num_heads, num_partitions}, opts);
-  }
-  dim3 grid(num_kv_heads, batch, num_partitions);
-  decode_kernel<T, HEAD_DIM, GROUP><<<grid, NUM_THREADS, 0, stream>>>(
-      reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k_cache.data_ptr()),
-      reinterpret_cast<const T*>(v_cache.data_ptr()), block_tables.data_ptr<int>(),
-      seq_lens.data_ptr<int>(), reinterpret_cast<T*>(out.data_ptr()),
-      num_partitions > 1 ? part_out.data_ptr<float>() : nullptr,
-      num_partitions > 1 ? part_max.data_ptr<float>() : nullptr,
-      num_partitions > 1 ? part_sum.data_ptr<float>() : nullptr, static_cast<float>(scale),
-      block_size, block_tables.size(1), q.stride(0), q.stride(1), k_cache.stride(0),
-      k_cache.stride(1), k_cache.stride(2), num_partitions);
-  if (num_partitions > 1) {
-    reduce_partitions<T, HEAD_DIM><<<dim3(num_heads, batch), NUM_THREADS, 0, stream>>>(
-        reinterpret_cast<T*>(out.data_ptr()), part_out.data_ptr<float>(),
-        part_max.data_ptr<float>(), part_sum.data_ptr<float>(), seq_lens.data_ptr<int>(),
-        num_heads, num_partitions);
-  }
+  const cudaError_t err = pd::launch<T, HEAD_DIM, GROUP>(
+      p, num_kv_heads, c10::cuda::getCurrentCUDAStream(device).stream());
+  TORCH_CHECK(err == cudaSuccess, "paged_attention_decode launch failed: ",
+              cudaGetErrorString(err));
 }
 
 template <typename T, int HEAD_DIM>
 void dispatch_group(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k,
                     const torch::Tensor& v, const torch::Tensor& bt, const torch::Tensor& sl,
                     double scale, int64_t max_seq_len) {
-  const int group = q.size(1) / k.size(2);
+  const int64_t group = q.size(1) / k.size(2);
   switch (group) {
-    case 1: return launch<T, HEAD_DIM, 1>(out, q, k, v, bt, sl, scale, max_seq_len);
-    case 2: return launch<T, HEAD_DIM, 2>(out, q, k, v, bt, sl, scale, max_seq_len);
-    case 4: return launch<T, HEAD_DIM, 4>(out, q, k, v, bt, sl, scale, max_seq_len);
-    case 8: return launch<T, HEAD_DIM, 8>(out, q, k, v, bt, sl, scale, max_seq_len);
+    case 1: return run<T, HEAD_DIM, 1>(out, q, k, v, bt, sl, scale, max_seq_len);
+    case 2: return run<T, HEAD_DIM, 2>(out, q, k, v, bt, sl, scale, max_seq_len);
+    case 4: return run<T, HEAD_DIM, 4>(out, q, k, v, bt, sl, scale, max_seq_len);
+    case 8: return run<T, HEAD_DIM, 8>(out, q, k, v, bt, sl, scale, max_seq_len);
     default: TORCH_CHECK(false, "unsupported GQA group size ", group);
   }
 }
@@ -242,28 +107,62 @@ void dispatch_head_dim(torch::Tensor& out, const torch::Tensor& q, const torch::
   }
 }
 
+bool aligned16(const torch::Tensor& cache) {
+  const int64_t elt = cache.element_size();
+  if (reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if ((cache.stride(d) * elt) % 16 != 0) return false;
+  return true;
+}
+
 }  // namespace
 
 void paged_attention_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor block_tables,
                             torch::Tensor seq_lens, double scale, int64_t max_seq_len) {
-  TORCH_CHECK(q.is_cuda() && k_cache.is_cuda() && v_cache.is_cuda(), "CUDA tensors expected");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B, H, D], cache [N, bs, KVH, D]");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && out.is_contiguous(), "inner stride");
+  TORCH_CHECK(q.is_cuda() && k_cache.is_cuda() && v_cache.is_cuda() && out.is_cuda() &&
+                  block_tables.is_cuda() && seq_lens.is_cuda(),
+              "CUDA tensors expected");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "q [B, H, D], caches [N, bs, KVH, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches must have the same shape");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the caches must share head_dim");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(),
+              "q, the caches and out must share a dtype");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "out must be contiguous like q");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1, "head_dim must be contiguous");
   TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k and v caches must share strides");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+  TORCH_CHECK(k_cache.size(1) > 0, "block_size must be positive");
+  for (int d = 0; d < 3; ++d)
+    TORCH_CHECK(k_cache.stride(d) >= 0 && k_cache.stride(d) < (int64_t{1} << 31),
+                "cache strides must fit in int32");
+  TORCH_CHECK(aligned16(k_cache) && aligned16(v_cache),
+              "cache rows must be 16-byte aligned (base pointer and strides)");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 &&
+                  seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(1) / k_cache.size(2) <= MAX_GROUP,
-              "num_heads must be a multiple (<= 8x) of num_kv_heads");
-  const at::cuda::OptionalCUDAGuard guard(q.device());
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                  block_tables.size(0) >= q.size(0),
+              "block_tables must be [>= batch, max_blocks] with contiguous rows");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(),
+              "seq_lens must be [batch], contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.size(0) <= 65535 && k_cache.size(2) <= 65535, "batch / kv heads too large");
+  if (q.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
   switch (q.scalar_type()) {
     case torch::kBFloat16:
       return dispatch_head_dim<__nv_bfloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
                                               scale, max_seq_len);
+    case torch::kHalf:
+      return dispatch_head_dim<__half>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                       max_seq_len);
     case torch::kFloat32:
       return dispatch_head_dim<float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
                                       max_seq_len);
-    default: TORCH_CHECK(false, "unsupported dtype");
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
 }
 

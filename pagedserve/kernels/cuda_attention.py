@@ -1,14 +1,18 @@
 """The `cuda` attention backend: the CUDA C++ decode kernel of csrc/paged_attention_decode.cu
-(built just-in-time with nvcc for sm_90 on first use), Triton for prefill and the KV write.
+(+ its device code in paged_attention_decode.cuh; built just-in-time with nvcc for the device's
+architecture, sm_90 on an H100/H200, on first use), Triton for prefill and the KV write.
 
-Decode math and layout are those of `pagedserve.kernels.attention` (the reference). Importing this
-module builds the kernel; on a machine without CUDA or nvcc the import raises ImportError and
-the engine falls back (see `attention.resolve_attention_backend`).
+Decode math and layout are those of `pagedserve.kernels.attention` (the reference): a
+flash-decoding kernel (one CTA per kv head x request x context split, the G query heads of a kv
+head together, an online softmax in one pass, a reduce kernel over the splits; see the comment at
+the top of the .cuh). Importing this module builds the kernel; on a machine without CUDA or nvcc
+the import raises ImportError and the engine falls back (see `attention.resolve_attention_backend`).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 
 import torch
@@ -16,9 +20,24 @@ import torch
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.attention import paged_attention as reference_paged_attention
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_decode.cu"
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = CSRC_DIR / "paged_attention_decode.cu"
+CSRC_HEADER = CSRC_DIR / "paged_attention_decode.cuh"
 
 __all__ = ["decode", "paged_attention_backend", "write_kv_cache", "reference_paged_attention"]
+
+# What the kernel is instantiated for (csrc/paged_attention_decode.cu).
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GROUPS = (1, 2, 4, 8)
+
+
+def _sources_digest() -> str:
+    """The build's cache key covers the header too (torch only hashes the listed sources)."""
+    digest = hashlib.sha256()
+    for path in (CSRC, CSRC_HEADER):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 @functools.cache
@@ -26,15 +45,16 @@ def load_extension():
     """Compile (once, cached by torch under ~/.cache/torch_extensions) and import the kernel."""
     if not torch.cuda.is_available():
         raise ImportError("the cuda attention backend needs a CUDA device")
-    if not CSRC.exists():
-        raise ImportError(f"CUDA sources not found at {CSRC}")
+    if not CSRC.exists() or not CSRC_HEADER.exists():
+        raise ImportError(f"CUDA sources not found in {CSRC_DIR}")
     from torch.utils.cpp_extension import load
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
     return load(
-        name=f"pagedserve_paged_attention_sm{arch}",
+        name=f"pagedserve_paged_attention_sm{arch}_{_sources_digest()}",
         sources=[str(CSRC)],
+        extra_include_paths=[str(CSRC_DIR)],
         extra_cuda_cflags=[
             "-O3",
             "--use_fast_math",
@@ -68,14 +88,25 @@ def decode(
     return out
 
 
-def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The shapes the kernel is instantiated for (csrc/paged_attention_decode.cu)."""
+def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None) -> bool:
+    """The shapes the kernel is instantiated for (csrc/paged_attention_decode.cu), with cache
+    rows it can copy in 16-byte pieces (base pointer and strides 16-byte aligned)."""
     group = q.shape[1] // k_cache.shape[2]
     return (
-        q.shape[-1] in (64, 128)
-        and q.dtype in (torch.bfloat16, torch.float32)
-        and group in (1, 2, 4, 8)
+        q.shape[-1] in HEAD_DIMS
+        and q.dtype in DTYPES
+        and group in GROUPS
         and q.shape[1] == group * k_cache.shape[2]
+        and all(_rows_aligned(c) for c in (k_cache, v_cache) if c is not None)
+    )
+
+
+def _rows_aligned(cache: torch.Tensor) -> bool:
+    elt = cache.element_size()
+    return (
+        cache.data_ptr() % 16 == 0
+        and cache.stride(-1) == 1
+        and all(stride * elt % 16 == 0 for stride in cache.stride()[:-1])
     )
 
 
@@ -89,7 +120,7 @@ def paged_attention_backend(
     """Decode-only steps run the CUDA kernel; steps with prefill chunks run Triton's."""
     from pagedserve.kernels import triton_attention
 
-    if metadata.max_query_len != 1 or not supported(q, k_cache):
+    if metadata.max_query_len != 1 or not supported(q, k_cache, v_cache):
         return triton_attention.paged_attention_backend(q, k_cache, v_cache, metadata, scale)
     return decode(
         q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, metadata.max_seq_len
