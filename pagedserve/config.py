@@ -52,7 +52,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | torch | triton | cuda
+    attention_backend: str = "auto"  # auto (cuda on a GPU, else torch) | torch | triton | cuda
     tensor_parallel_size: int = 1
     # Plans at the workers at once: 1 = no overlap; 2 = the scheduler plans step N+1 while N
     # runs; 3 = also the worker launches N+1 on the device before N's tokens reach the host.
@@ -98,8 +98,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if device == "auto":
             device = "cuda" if _cuda_available() else "cpu"
         backend = self.attention_backend
-        if backend == "auto":
-            backend = "triton" if device == "cuda" else "torch"
+        if backend == "auto":  # the CUDA C++ decode kernel measured fastest on an H200
+            backend = "cuda" if device == "cuda" else "torch"
         return msgspec.structs.replace(
             self,
             max_model_len=max_len,

@@ -22,7 +22,9 @@ from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.config import EngineConfig
 from pagedserve.kernels import attention
 from pagedserve.kernels.attention import cdiv
+from pagedserve.models.llama import model_head_dim, rope_settings
 from pagedserve.models.loader import load_model
+from pagedserve.models.model_config import ModelConfig, load_model_config
 from tests.tiny_models import hf_greedy
 
 LOGPROB_ATOL = 1e-4  # float32 on CPU
@@ -246,6 +248,29 @@ def test_sharded_safetensors_index(tmp_path: Path) -> None:
     assert single.keys() == sharded.keys()
     for name, tensor in single.items():
         assert torch.equal(tensor, sharded[name]), name
+
+
+@pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
+def test_model_config_reads_what_transformers_reads(arch: str, tmp_path: Path) -> None:
+    """ModelConfig (config.json without transformers) gives the fields the models read as
+    transformers' config class does, also when the file leaves defaults out."""
+    hf = HF_CONFIGS[arch]()
+    hf.save_pretrained(tmp_path)
+    ours = load_model_config(str(tmp_path))
+    bare = {"model_type": hf.model_type, "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 16}  # fmt: skip
+    sparse = ModelConfig(bare)
+    reference = type(hf)(**{k: v for k, v in bare.items() if k != "model_type"})
+    for config, expected in ((ours, hf), (sparse, reference)):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                     "max_position_embeddings", "tie_word_embeddings"):  # fmt: skip
+            assert getattr(config, name) == getattr(expected, name), (arch, name)
+        assert model_head_dim(config) == model_head_dim(expected), arch
+        assert rope_settings(config) == rope_settings(expected), arch
+        assert bool(getattr(config, "attention_bias", False)) == bool(
+            getattr(expected, "attention_bias", False)
+        )
 
 
 def test_dummy_weights_are_seeded(tmp_path: Path) -> None:

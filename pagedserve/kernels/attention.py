@@ -5,7 +5,10 @@ Backends (ATTENTION_BACKENDS / KV_CACHE_WRITERS, by name):
     the Triton / CUDA kernels are checked against it.
   * "torch": the CPU backend (further down): a head-major cache, a C++ decode kernel (built on
     first use; pure torch when it cannot be) and per-request SDPA for prefill chunks.
-  * "triton", "cuda": in their own modules, token-major.
+  * "triton", "cuda": in their own modules, token-major. On a GPU the engine's default
+    ("auto") is "cuda": the CUDA C++ decode kernel of csrc/ (measured faster than Triton's on
+    an H200, scripts/results/kernels_h200.md) with Triton for prefill chunks; "triton" where
+    the CUDA kernel cannot be built.
 KV_CACHE_LAYOUTS gives each backend's per-layer cache layout; `kv_cache_layer_shape` the shape.
 
 Token-major KV cache, per layer: `k_cache`, `v_cache` of shape
@@ -769,7 +772,8 @@ _BACKEND_MODULES = {
 
 
 def resolve_attention_backend(name: str) -> str:
-    """Register `name` (importing its module on first use); fall back to 'torch' if absent."""
+    """Register `name` (importing its module on first use); fall back to 'triton' (for 'cuda'
+    on a CUDA machine) or 'torch' if absent."""
     if name not in ATTENTION_BACKENDS and name in _BACKEND_MODULES:
         try:
             module = importlib.import_module(_BACKEND_MODULES[name])
@@ -778,6 +782,9 @@ def resolve_attention_backend(name: str) -> str:
         except (ImportError, AttributeError) as exc:
             logger.warning("attention backend %r failed to load: %s", name, exc)
     if name not in ATTENTION_BACKENDS:
+        if name == "cuda" and torch.cuda.is_available():  # no nvcc, say: Triton's kernels
+            logger.warning("attention backend 'cuda' unavailable; using triton")
+            return resolve_attention_backend("triton")
         logger.warning("attention backend %r unavailable; using torch", name)
         return "torch"
     return name

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedserve.kernels.attention import AttentionMetadata, OutputRows
 from pagedserve.models.layers import (
@@ -24,17 +23,20 @@ from pagedserve.models.layers import (
     VocabEmbedding,
     get_rope,
 )
+from pagedserve.models.model_config import ModelConfig
 
 
-def model_head_dim(config: PretrainedConfig) -> int:
+def model_head_dim(config: ModelConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
+def rope_settings(config: ModelConfig) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict) from transformers 5 `rope_parameters` or the older fields."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     params = dict(params or {})
     theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
+    if params == {"rope_type": "default"}:  # what transformers 5 fills in for no scaling
+        params = {}
     return float(theta), params or None
 
 
@@ -42,7 +44,7 @@ class LlamaAttention(nn.Module):
     """qkv projection, rotary on q and k (after a per-head RMSNorm when `qk_norms` is set),
     paged attention, o_proj."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.head_dim = head_dim = model_head_dim(config)
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -60,10 +62,10 @@ class LlamaAttention(nn.Module):
         # modules themselves (their parameters) and points this at them (see Qwen3Attention)
         self.qk_norms: tuple[RMSNorm, RMSNorm] | None = None
 
-    def qkv_bias(self, config: PretrainedConfig) -> bool:
+    def qkv_bias(self, config: ModelConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
 
-    def o_proj_bias(self, config: PretrainedConfig) -> bool:
+    def o_proj_bias(self, config: ModelConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
 
     def forward(
@@ -88,7 +90,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
@@ -103,7 +105,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
         self.self_attn = attention_cls(config)
         self.mlp = LlamaMLP(config)
@@ -131,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -167,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.attention_cls)

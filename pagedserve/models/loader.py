@@ -19,10 +19,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
 
 from pagedserve.config import EngineConfig
 from pagedserve.models.layers import default_weight_loader
+from pagedserve.models.model_config import ModelConfig, load_model_config
 from pagedserve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -31,11 +31,7 @@ DUMMY_WEIGHT_STD = 0.02
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_hf_config(model_path: str) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(model_path)
-
-
-def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, hf_config: ModelConfig, device: torch.device) -> torch.dtype:
     """'auto': float32 off CUDA; on CUDA bfloat16, unless the checkpoint says float16."""
     if dtype != "auto":
         if dtype not in _DTYPES:
@@ -57,7 +53,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(hf_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The architecture's model with uninitialised parameters of `dtype` on `device`."""
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
     window = getattr(hf_config, "sliding_window", None)
@@ -69,7 +65,7 @@ def build_model(hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.d
 
 
 def load_model(config: EngineConfig, device: torch.device) -> nn.Module:
-    hf_config = load_hf_config(config.model_path)
+    hf_config = load_model_config(config.model_path)
     model = build_model(hf_config, resolve_dtype(config.dtype, hf_config, device), device)
     with torch.no_grad():
         if config.load_format == "dummy":

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
 from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedserve.models.model_config import ModelConfig
 
 
 class Qwen2Attention(LlamaAttention):
-    def qkv_bias(self, config: PretrainedConfig) -> bool:
+    def qkv_bias(self, config: ModelConfig) -> bool:
         return True
 
-    def o_proj_bias(self, config: PretrainedConfig) -> bool:
+    def o_proj_bias(self, config: ModelConfig) -> bool:
         return False
 
 

@@ -3,14 +3,13 @@ by default (`attention_bias`), and head_dim read from the config."""
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
 from pagedserve.models.layers import RMSNorm
 from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedserve.models.model_config import ModelConfig
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

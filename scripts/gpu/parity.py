@@ -2,7 +2,7 @@
 through the whole multi-process engine on CUDA, with each attention backend (and CUDA graphs
 on), against transformers. float32 on both sides (TF32 off) so that tokens must be identical.
 
-    python scripts/gpu/parity.py [--backends triton cuda] [--out FILE]
+    python scripts/gpu/parity.py [--backends triton cuda] [--archs llama qwen2 qwen3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def check(arch: str, backend: str, eager: bool, workdir: Path) -> tuple[int, int
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backends", nargs="+", default=["triton", "cuda"])
+    parser.add_argument("--archs", nargs="+", default=["llama", "qwen2", "qwen3"])
     parser.add_argument("--out", default=None)
     parser.add_argument("--eager-too", action="store_true", help="also run without CUDA graphs")
     args = parser.parse_args()
@@ -71,7 +72,7 @@ def main() -> int:
     ]
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in ("llama", "qwen2", "qwen3"):
+        for arch in args.archs:
             for backend in args.backends:
                 for eager in (False, True) if args.eager_too else (False,):
                     graphs = "off" if eager else "on"
@@ -84,6 +85,8 @@ def main() -> int:
                         lines.append(f"| {arch} | {backend} | {graphs} | ERROR | |")
                         ok = False
                     print(lines[-1], flush=True)
+                    if args.out:  # as it goes: a run cut short keeps its rows
+                        Path(args.out).write_text("\n".join(lines) + "\n")
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -1,0 +1,65 @@
+"""A model's config.json as attributes, read without transformers.
+
+The worker builds the model from these attributes. Reading them through transformers'
+AutoConfig imports its modelling stack (and torch.distributed with it), which on a fresh
+machine costs the worker several seconds of start-up. Keys missing from the file take the
+defaults of the matching transformers config class (`DEFAULTS`), for the fields the models
+read (`num_key_value_heads` left unset means num_attention_heads for Llama, a fixed number for
+the others, as there; `head_dim` unset means hidden_size // num_attention_heads, but 128 for
+Qwen3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+_COMMON: dict[str, Any] = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "rope_parameters": None,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "head_dim": None,
+    "sliding_window": None,
+    "use_sliding_window": False,
+}
+# transformers' defaults per model_type (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {
+        "max_position_embeddings": 4096 * 32,
+        "num_key_value_heads": 8,
+        "sliding_window": 4096,
+        "use_sliding_window": True,
+    },
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+}
+
+
+class ModelConfig:
+    """Attribute access to config.json plus defaults; `to_dict()` gives them back."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        model_type = values.get("model_type")
+        defaults = _COMMON | DEFAULTS.get(str(model_type), {})
+        merged = defaults | {k: v for k, v in values.items() if v is not None or k not in defaults}
+        if merged.get("num_key_value_heads") is None and "num_attention_heads" in merged:
+            merged["num_key_value_heads"] = merged["num_attention_heads"]
+        self.__dict__.update(merged)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"ModelConfig({self.__dict__})"
+
+
+def load_model_config(model_path: str) -> ModelConfig:
+    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+        return ModelConfig(json.load(f))
