@@ -63,8 +63,7 @@ _MAX_SPLITS = 64
 # (TILE_N, num_warps, num_stages); decode (TILE_N, num_warps, num_stages).
 PREFILL_TUNING: dict[int, tuple[int, int, int]] = {
     16: (64, 4, 2),
-    32: (64, 4, 2),
-    64: (64, 4, 2),
+    64: (64, 4, 2),  # the CPU interpreter's large tile
     128: (64, 4, 3),
 }
 DECODE_TUNING: tuple[int, int, int] = (64, 4, 3)
@@ -632,10 +631,13 @@ def _launch_decode(
 
 
 def _prefill_block_m(group: int, max_query_len: int, device: torch.device) -> int:
-    """Query-tile rows: BLOCK_Q queries x group heads, >= 16 (tl.dot), up to 128 rows for long
-    chunks (K/V reuse), fewer for short ones (less masked work)."""
-    rows = triton.next_power_of_2(max_query_len * group)
-    return max(16, triton.next_power_of_2(group), min(rows, 128 if device.type == "cuda" else 64))
+    """Query-tile rows (BLOCK_Q queries x group heads): the small tile (16 rows, tl.dot's
+    least, or one query's heads) when the step's longest chunk fits it, else the large one
+    (128 rows on CUDA: K/V reuse). Two sizes only, so that start-up compiles few variants;
+    a mid-length chunk in the large tile computes masked rows, on attention that is small."""
+    small = max(16, triton.next_power_of_2(group))
+    large = max(small, 128 if device.type == "cuda" else 64)
+    return small if max_query_len * group <= small else large
 
 
 def _decode_num_splits(num_programs: int, num_tiles: int, device: torch.device) -> int:

@@ -24,7 +24,12 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
 
 
 def capture_sizes(max_batch: int) -> list[int]:
-    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 1025, 32))
+    """Batch sizes with a graph (17 up to 256, 25 up to 1024: each one costs start-up time to
+    capture). A decode step pads up to the next size; padded rows are cheap (they attend one
+    key and decode is bound by reading weights and K/V), at most 45% extra rows at batch 33
+    and under 25% from 64 up."""
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+    sizes += [320, 384, 448, 512, 640, 768, 896, 1024]
     return [s for s in sizes if s < max_batch] + [max_batch]
 
 

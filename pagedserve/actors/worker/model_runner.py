@@ -16,6 +16,7 @@ C++ CPU kernels (kernels.attention.load_cpu_kernels).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -46,9 +47,9 @@ from pagedserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
-# Prefill chunk lengths for warm_up_eager_kernels: chunk x GQA group spans the prefill
-# kernel's query tiles (16 to 128 rows) for groups 1 to 8.
-_WARMUP_CHUNKS = (2, 8, 16, 32, 64, 128)
+# Prefill chunk lengths for warm_up_eager_kernels: one that fits the prefill kernel's small
+# query tile (for GQA groups up to 8) and one that needs its large tile.
+_WARMUP_CHUNKS = (2, 128)
 
 # The most expensive sampling settings, for the memory-profiling step.
 _PROFILE_SAMPLING = SamplingParams(
@@ -193,14 +194,13 @@ class ModelRunner:
 
     def warm_up_eager_kernels(self, num_blocks: int) -> None:
         """Run a few synthetic mixed steps (a prefill chunk plus a decode) eagerly, so that
-        the Triton kernel variants eager steps pick by shape (the prefill kernel's query tile
-        by chunk length and GQA group, the decode kernel with or without split-K) are compiled,
+        the Triton kernel variants eager steps pick by shape (the prefill kernel's small or
+        large query tile, the decode kernel with or without split-K) are compiled,
         or loaded from Triton's cache, now rather than in the middle of a run."""
         assert self.config.max_model_len is not None
         capacity = num_blocks * self.block_size
         long_context = min(self.config.max_model_len, 4096, capacity - 256)
-        for index, chunk in enumerate(_WARMUP_CHUNKS):
-            context = 16 if index % 2 == 0 else long_context
+        for chunk, context in itertools.product(_WARMUP_CHUNKS, (16, long_context)):
             if context < 2 or chunk + context > capacity:
                 continue
             greedy = SamplingParams(temperature=0.0)
