@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from pathlib import Path
 
 import torch
@@ -24,12 +25,24 @@ CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 CSRC = CSRC_DIR / "paged_attention_decode.cu"
 CSRC_HEADER = CSRC_DIR / "paged_attention_decode.cuh"
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["decode", "paged_attention_backend", "write_kv_cache", "reference_paged_attention"]
 
 # What the kernel is instantiated for (csrc/paged_attention_decode.cu).
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GROUPS = (1, 2, 4, 8)
+
+
+def _is_built(name: str) -> bool:
+    """Whether torch's extension cache already holds this build (then `load` only imports)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:  # a private helper of torch's: when it changes, just do not tell
+        return True
 
 
 def _sources_digest() -> str:
@@ -51,8 +64,15 @@ def load_extension():
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
+    name = f"pagedserve_paged_attention_sm{arch}_{_sources_digest()}"
+    if not _is_built(name):
+        logger.warning(
+            "building the CUDA decode kernel with nvcc: once per machine and source version, "
+            "1-2 minutes (`python -c 'import pagedserve.kernels.cuda_attention'` builds it "
+            "ahead of time; attention_backend='triton' needs no build)"
+        )
     return load(
-        name=f"pagedserve_paged_attention_sm{arch}_{_sources_digest()}",
+        name=name,
         sources=[str(CSRC)],
         extra_include_paths=[str(CSRC_DIR)],
         extra_cuda_cflags=[
