@@ -378,6 +378,45 @@ def qk_norm_rotary_(
     to qk's (the results are stored in place). num_q_heads is needed with the weights or
     kv_write (KVWrite: v [num_tokens, num_kv_heads, head_dim], k/v caches [num_blocks,
     block_size, num_kv_heads, head_dim] of qk's dtype, slot_mapping [num_tokens], < 0 skips)."""
+    _check_qk_norm_rotary(qk, positions, cos_cache, sin_cache, q_weight, k_weight,
+                          num_q_heads, kv_write)  # fmt: skip
+    num_tokens, num_heads, head_dim = qk.shape
+    half = head_dim // 2
+    has_norm = q_weight is not None
+    if num_tokens == 0 or num_heads == 0:
+        return qk
+    heads_p, half_p = triton.next_power_of_2(num_heads), triton.next_power_of_2(half)
+    write = kv_write or KVWrite(qk, qk, qk, positions)  # unused pointers when not writing
+    k_cache, v_cache = write.k_cache, write.v_cache
+    block_size = k_cache.shape[1] if kv_write is not None else 1
+    _qk_norm_rotary_kernel[(num_tokens,)](
+        qk, positions, cos_cache, sin_cache,
+        q_weight if q_weight is not None else cos_cache,
+        k_weight if k_weight is not None else cos_cache,
+        qk.stride(0), qk.stride(1), positions.stride(0), cos_cache.stride(0),
+        sin_cache.stride(0), eps,
+        write.v, k_cache, v_cache, write.slot_mapping, write.v.stride(0), write.v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_Q_HEADS=num_q_heads if num_q_heads is not None else 0,
+        HALF=half, HEADS_P=heads_p, HALF_P=half_p, DTYPE=_TL_DTYPES[qk.dtype],
+        HAS_NORM=has_norm, WRITE_KV=kv_write is not None,
+        KV_HEADS_P=triton.next_power_of_2(max(1, num_heads - (num_q_heads or 0))),
+        BLOCK_SIZE=block_size, num_warps=min(8, max(1, heads_p * half_p // 512)),
+    )  # fmt: skip
+    return qk
+
+
+def _check_qk_norm_rotary(
+    qk: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    num_q_heads: int | None,
+    kv_write: KVWrite | None,
+) -> None:
     _check_rotary_input(qk, "qk")
     num_tokens, num_heads, head_dim = qk.shape
     _check(num_heads <= 1 or qk.stride(1) == head_dim, "qk's heads must be packed "
@@ -408,28 +447,6 @@ def qk_norm_rotary_(
                "num_q_heads must be in 0..qk.shape[1] - 1 with kv_write")  # fmt: skip
         assert num_q_heads is not None
         _check_kv_write(qk, kv_write, num_heads - num_q_heads)
-    if num_tokens == 0 or num_heads == 0:
-        return qk
-    heads_p, half_p = triton.next_power_of_2(num_heads), triton.next_power_of_2(half)
-    write = kv_write or KVWrite(qk, qk, qk, positions)  # unused pointers when not writing
-    k_cache, v_cache = write.k_cache, write.v_cache
-    block_size = k_cache.shape[1] if kv_write is not None else 1
-    _qk_norm_rotary_kernel[(num_tokens,)](
-        qk, positions, cos_cache, sin_cache,
-        q_weight if q_weight is not None else cos_cache,
-        k_weight if k_weight is not None else cos_cache,
-        qk.stride(0), qk.stride(1), positions.stride(0), cos_cache.stride(0),
-        sin_cache.stride(0), eps,
-        write.v, k_cache, v_cache, write.slot_mapping, write.v.stride(0), write.v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=num_heads, NUM_Q_HEADS=num_q_heads if num_q_heads is not None else 0,
-        HALF=half, HEADS_P=heads_p, HALF_P=half_p, DTYPE=_TL_DTYPES[qk.dtype],
-        HAS_NORM=has_norm, WRITE_KV=kv_write is not None,
-        KV_HEADS_P=triton.next_power_of_2(max(1, num_heads - (num_q_heads or 0))),
-        BLOCK_SIZE=block_size, num_warps=min(8, max(1, heads_p * half_p // 512)),
-    )  # fmt: skip
-    return qk
 
 
 class KVWrite(NamedTuple):
