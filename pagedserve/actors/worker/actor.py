@@ -41,17 +41,16 @@ class WorkerActor(Actor):
         setup_s = dict(self.runner.setup_seconds)
         if profiling:
             setup_s["triton_compile"] = round(compiles.total_seconds, 3)
-            compiles.count.clear()
-            compiles.seconds.clear()
+            compiles.reset()  # the step log counts the run's compiles only
             self.step_log = StepLog(self.runner.device, compiles)
+            assert self.config.profile is not None
+            self.profiler = StepProfiler(self.config.profile, self.rank, self.runner.device)
         self.inbox: bus.Receiver[WorkerInbound] = bus.Receiver(
             self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound
         )
         self.to_scheduler: bus.Sender[SchedulerInbound] | None = None
         if self.rank == 0:
             self.to_scheduler = bus.Sender(self.ctx, self.addresses.scheduler_inbox)
-        if self.config.profile is not None and self.rank == 0:
-            self.profiler = StepProfiler(self.config.profile, self.rank, self.runner.device)
         return {"num_kv_blocks": num_blocks, "setup_s": setup_s}
 
     def join_tensor_parallel_group(self) -> None:

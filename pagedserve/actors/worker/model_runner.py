@@ -205,11 +205,7 @@ class ModelRunner:
                 continue
             greedy = SamplingParams(temperature=0.0)
             plan, _ = self._synthetic_plan([(chunk, 0), (1, context - 1)], greedy)
-            try:
-                self.execute(plan)
-            finally:
-                for request in plan.new_requests:
-                    self.input_batch.remove_request(request.request_id)
+            self._execute_synthetic(plan)
 
     def _capture_decode_graphs(self) -> None:
         """CUDA graphs for decode steps (cuda device, a graph-safe backend, not enforce_eager);
@@ -464,14 +460,20 @@ class ModelRunner:
         self._bind_kv_cache(torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.dtype,
                                         device=self.device))  # fmt: skip
         try:
-            self.execute(plan)
+            self._execute_synthetic(plan)
         finally:
-            for request in plan.new_requests:
-                self.input_batch.remove_request(request.request_id)
             if self.kv_cache is not None:
                 self._bind_kv_cache(self.kv_cache)
             self.sampler.generator = torch.Generator(device=self.device)
             self.sampler.generator.manual_seed(config.seed)
+
+    def _execute_synthetic(self, plan: StepPlan) -> None:
+        """execute() a _synthetic_plan, then drop its requests from the persistent batch."""
+        try:
+            self.execute(plan)
+        finally:
+            for request in plan.new_requests:
+                self.input_batch.remove_request(request.request_id)
 
     def _synthetic_plan(
         self, requests: list[tuple[int, int]], sampling: SamplingParams

@@ -163,6 +163,10 @@ class TritonCompileLog:
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
 
+    def reset(self) -> None:
+        self.count.clear()
+        self.seconds.clear()
+
     def install(self) -> None:
         try:
             from triton.runtime.jit import JITFunction
