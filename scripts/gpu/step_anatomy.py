@@ -1,8 +1,8 @@
-"""Anatomy of one decode step in the worker's ModelRunner, without the actors: where a step's
-time goes (host input preparation, the forward through the CUDA graph or eagerly, sampling, the
-device-to-host sync), the time per step when steps are pipelined as the worker runs them
-(launch N + 1, then finish N), whether the captured graph gives the eager forward's hidden
-states, and a torch.profiler table of the busiest ops. Dummy weights from a real config; KV
+"""Anatomy of one decode step in the worker's ModelRunner, without the actors: the host's time
+to launch a step (inputs, graph launch, sampling, the copy back), a step run to completion, the
+time per step when steps are pipelined as the worker runs them (launch N + 1, then finish N),
+whether the captured graph gives the eager run's logits, and a torch.profiler table of the
+busiest ops. Dummy weights from a real config; KV
 contexts are declared computed (their contents are zeros), which changes no timing.
 
     python scripts/gpu/step_anatomy.py [--model scripts/gpu/configs/qwen3-0.6b]
@@ -85,26 +85,18 @@ def sync(device: torch.device) -> None:
 
 
 def time_parts(runner: ModelRunner, session: DecodeSession, iters: int) -> dict[str, float]:
-    """Median ms of each part of runner.execute, each part synchronised."""
-    device, parts = runner.device, {"prepare": [], "forward": [], "sample": [], "execute": []}
+    """Median ms of: the host's work to launch a step (nothing in flight, no sync after), a
+    step run to completion, and (mean) a step when pipelined as the worker runs them."""
+    device, parts = runner.device, {"launch": [], "execute": []}
     for _ in range(iters):
         plan = session.plan()
         sync(device)
         t0 = time.perf_counter()
-        runner._apply_plan(plan)
-        inputs = runner._prepare_inputs(plan)
-        sync(device)
+        runner.launch(plan)
         t1 = time.perf_counter()
-        hidden = runner._forward(inputs)
+        runner.finish()
         sync(device)
-        t2 = time.perf_counter()
-        output = runner._sample(hidden, inputs)
-        sampled = output.token_ids.cpu().numpy()
-        runner.input_batch.append_sampled(inputs.sampling_rows, sampled)
-        t3 = time.perf_counter()
-        parts["prepare"].append(t1 - t0)
-        parts["forward"].append(t2 - t1)
-        parts["sample"].append(t3 - t2)
+        parts["launch"].append(t1 - t0)
     for _ in range(iters):
         plan = session.plan()
         sync(device)
@@ -124,21 +116,17 @@ def time_parts(runner: ModelRunner, session: DecodeSession, iters: int) -> dict[
 
 
 def graph_vs_eager(runner: ModelRunner, session: DecodeSession) -> float | None:
-    """Max |hidden| difference between the graph replay and the eager forward of one step
-    (computed before either writes this step's KV twice: the KV write is idempotent)."""
-    graphs = runner.decode_graphs
-    if graphs is None:
+    """Max |logits| difference between a decode step's graph replay and the same step's
+    function run eagerly on the same static inputs (the KV write is idempotent)."""
+    step = runner.decode_step
+    if step is None or not step.graphs:
         return None
-    plan = session.plan()
-    runner._apply_plan(plan)
-    inputs = runner._prepare_inputs(plan)
-    assert graphs.can_run(inputs.attn_metadata), "a decode step must run through the graph"
-    graph_hidden = runner._forward(inputs).clone()
-    assert runner.model is not None
-    eager_hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-    output = runner._sample(eager_hidden, inputs)
-    runner.input_batch.append_sampled(inputs.sampling_rows, output.token_ids.cpu().numpy())
-    return (graph_hidden.float() - eager_hidden.float()).abs().max().item()
+    runner.execute(session.plan())
+    graph_logits = step.graphs[step.padded_size(session.batch)][1][: session.batch].clone()
+    metadata = step.metadata(step.padded_size(session.batch), step.max_model_len)
+    with torch.inference_mode():
+        eager_logits = step.forward(step.padded_size(session.batch), metadata)[: session.batch]
+    return (graph_logits.float() - eager_logits.float()).abs().max().item()
 
 
 def profile_table(runner: ModelRunner, session: DecodeSession, steps: int) -> str:
@@ -178,17 +166,17 @@ def main() -> int:
     t1 = time.perf_counter()
     runner.init_kv_cache(blocks_needed)
     t2 = time.perf_counter()
-    graphs = runner.decode_graphs
+    graphs = runner.decode_step.graphs if runner.decode_step else {}
     lines = [
         f"# Decode-step anatomy: {Path(args.model).name}, {args.dtype}, {config.device}, "
         f"backend {runner.attention_backend} ({datetime.datetime.now():%Y-%m-%d %H:%M})\n",
         f"command: `python scripts/gpu/step_anatomy.py {' '.join(sys.argv[1:])}`\n",
         f"- load {t1 - t0:.1f} s; KV cache + graph capture {t2 - t1:.1f} s; "
-        f"graphs captured: {len(graphs.graphs) if graphs else 0}",
+        f"graphs captured: {len(graphs)}",
         "",
-        "| batch | context | prepare ms | forward ms | sample+sync ms | execute ms "
-        "| pipelined ms/step | graph vs eager |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| batch | context | host launch ms | execute ms | pipelined ms/step "
+        "| graph vs eager logits |",
+        "|---:|---:|---:|---:|---:|---|",
     ]
     first_block, tables = 0, []
     for batch in args.batches:
@@ -199,9 +187,8 @@ def main() -> int:
         parts = time_parts(runner, session, args.iters)
         check = "no graph" if diff is None else f"max diff {diff:.3g}"
         lines.append(
-            f"| {batch} | {args.context} | {parts['prepare']:.3f} | {parts['forward']:.3f} | "
-            f"{parts['sample']:.3f} | {parts['execute']:.3f} | {parts['pipelined']:.3f} | "
-            f"{check} |"
+            f"| {batch} | {args.context} | {parts['launch']:.3f} | {parts['execute']:.3f} | "
+            f"{parts['pipelined']:.3f} | {check} |"
         )
         print(lines[-1], flush=True)
         tables.append(f"\n### profile, batch {batch} ({5} steps)\n\n```\n"

@@ -1,26 +1,41 @@
-"""CUDA graphs for decode steps: the model's forward captured once per batch size in
-CAPTURE_SIZES (up to max_num_seqs), a decode step of batch B replays the smallest captured size
->= B with padded inputs.
+"""Decode steps through static buffers, replayed as CUDA graphs on a GPU.
 
-The graphs read their inputs from static buffers (token ids, positions, KV slots, block tables,
-context lengths); `run` copies a step's inputs into them and replays. Padded rows write no KV
-(slot -1), attend one key of block 0, and their outputs are dropped. The attention kernels
-size their decode splits from `max_seq_len`, a host int, so graphs are captured with the
-model's max_model_len: captured grids cover any context.
+A decode step (one token per request, every request samples) reads its inputs from
+DecodeBuffers and runs one function: take the tokens the previous step sampled (still on the
+device, in `sampled`) where the host does not know them yet, the model's forward, the LM head,
+and the greedy argmax written back into `sampled`. On a GPU that function is captured once per
+batch size in CAPTURE_SIZES (up to max_num_seqs) and a step of batch B replays the smallest
+captured size >= B with padded rows, so the host's work per step is one input copy, one graph
+launch and one copy of the sampled ids back. Padded rows write no KV (slot -1), attend one key
+of an old block, and their outputs are dropped. Rows that sample other than greedily take the
+returned logits to the sampler, which writes its tokens into `sampled`.
+
+The attention kernels size their decode splits from `max_seq_len`, a host int, so graphs are
+captured with the model's max_model_len: captured grids cover any context. Without graphs (the
+CPU, enforce_eager, a failed capture) the same function runs eagerly at the step's own batch
+size, with max_seq_len from the step.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
+import numpy as np
 import torch
 
-from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.actors.worker.decode_buffers import DecodeBuffers, DecodeFields
+from pagedserve.kernels.attention import AttentionMetadata, cdiv
 
 logger = logging.getLogger(__name__)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+class CausalLM(Protocol):
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -33,81 +48,96 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [s for s in sizes if s < max_batch] + [max_batch]
 
 
-class DecodeGraphs:
+class DecodeStep:
     def __init__(
         self,
-        forward: Forward,
+        model: CausalLM,
+        sampled: torch.Tensor,
         max_batch: int,
-        max_blocks: int,
         max_model_len: int,
         block_size: int,
         backend: str,
-        device: torch.device,
     ) -> None:
-        self.forward = forward
-        self.max_batch = max_batch
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.backend = backend
-        self.device = device
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        """sampled: [>= max_batch] int64 on the device, the runner's buffer of the last step's
+        sampled ids (read by this step's feed, written by its argmax)."""
+        self.model, self.sampled = model, sampled
+        self.max_batch, self.max_model_len = max_batch, max_model_len
+        self.block_size, self.backend = block_size, backend
+        self.device = sampled.device
+        self.buffers = DecodeBuffers(max_batch, cdiv(max_model_len + 1, block_size), self.device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
+        self.query_lens_cpu = torch.ones(max_batch, dtype=torch.int64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
 
-    def metadata(self, batch: int) -> AttentionMetadata:
-        empty = torch.empty(0)
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch],
-            query_start_loc=self.query_start_loc[: batch + 1],
-            seq_lens=self.seq_lens[:batch],
-            block_tables=self.block_tables[:batch],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            block_size=self.block_size,
-            query_lens_cpu=empty,
-            seq_lens_cpu=empty,
-            block_tables_cpu=empty,
-            backend=self.backend,
-        )
+    def padded_size(self, batch: int) -> int:
+        """The batch a step of `batch` rows runs at: the smallest captured size that holds it."""
+        if not self.graphs:
+            return batch
+        return min(size for size in self.graphs if size >= batch)
 
     def capture(self) -> None:
-        """Largest size first, so smaller graphs reuse its memory pool."""
+        """One graph per size in capture_sizes, largest first, so that the smaller graphs reuse
+        its memory pool. Captures with padding inputs (the buffers' initial contents)."""
+        pool = None
         for index, size in enumerate(sorted(capture_sizes(self.max_batch), reverse=True)):
-            args = (self.input_ids[:size], self.positions[:size], self.metadata(size))
+            metadata = self.metadata(size, self.max_model_len)
             for _ in range(2 if index == 0 else 1):  # warm up: JIT builds, lazy initialisation
-                self.forward(*args)
+                self.forward(size, metadata)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = self.forward(*args)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = (graph, output)
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.forward(size, metadata)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[size] = (graph, logits)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode graphs (batch 1..%d)", len(self.graphs), self.max_batch)
 
-    def can_run(self, metadata: AttentionMetadata) -> bool:
-        batch = metadata.seq_lens.shape[0]
-        return bool(self.graphs) and metadata.max_query_len == 1 and batch <= self.max_batch
+    def metadata(
+        self, size: int, max_seq_len: int, host: DecodeFields[np.ndarray] | None = None
+    ) -> AttentionMetadata:
+        """Attention metadata over the first `size` rows of the device buffers; its host
+        halves (which the CPU reference backend reads) from `host`, the staging views."""
+        t = self.buffers.tensors
+        width = cdiv(max_seq_len, self.block_size)
+        empty = torch.empty(0)
+        return AttentionMetadata(
+            slot_mapping=t.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=t.seq_lens[:size],
+            block_tables=t.block_tables[:size, :width],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            block_size=self.block_size,
+            query_lens_cpu=empty if host is None else self.query_lens_cpu[:size],
+            seq_lens_cpu=empty if host is None else torch.from_numpy(host.seq_lens[:size]),
+            block_tables_cpu=empty if host is None
+            else torch.from_numpy(host.block_tables[:size, :width]),
+            backend=self.backend,
+        )  # fmt: skip
+
+    def forward(self, size: int, metadata: AttentionMetadata) -> torch.Tensor:
+        """Feed, forward, LM head and argmax over the first `size` rows; returns the logits."""
+        t = self.buffers.tensors
+        feed = t.feed_index[:size]
+        fed = self.sampled.index_select(0, feed.clamp(min=0))
+        input_ids = torch.where(feed >= 0, fed, t.token_ids[:size])
+        hidden = self.model(input_ids, t.positions[:size], metadata)
+        logits = self.model.compute_logits(hidden)
+        self.sampled[:size].copy_(logits.argmax(dim=-1))
+        return logits
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self, batch: int, size: int, max_seq_len: int, host: DecodeFields[np.ndarray]
     ) -> torch.Tensor:
-        batch = input_ids.shape[0]
-        size = min(s for s in self.graphs if s >= batch)
-        graph, output = self.graphs[size]
-        width = metadata.block_tables.shape[1]
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(metadata.slot_mapping, non_blocking=True)
-        self.slot_mapping[batch:size].fill_(-1)
-        self.block_tables[:batch, :width].copy_(metadata.block_tables, non_blocking=True)
-        self.seq_lens[:batch].copy_(metadata.seq_lens, non_blocking=True)
-        self.seq_lens[batch:size].fill_(1)
+        """Upload `host` (the staging views, filled for `size` rows, `size` from padded_size)
+        and run the step; returns the batch rows' logits (valid until the next step) and leaves
+        their argmax in sampled[:batch]."""
+        entry = self.graphs.get(size)
+        if entry is None:
+            metadata = self.metadata(size, max_seq_len, host)
+            self.buffers.upload(size)
+            return self.forward(size, metadata)[:batch]
+        self.buffers.upload(size)
+        graph, logits = entry
         graph.replay()
-        return output[:batch]
+        return logits[:batch]

@@ -32,6 +32,7 @@ class _SamplingColumns:
     frequency: np.ndarray
     repetition: np.ndarray
     num_logprobs: np.ndarray  # -1: not asked
+    plain_greedy: np.ndarray  # bool: greedy, no penalties, no logprobs (the argmax is all)
 
     @classmethod
     def allocate(cls, rows: int) -> _SamplingColumns:
@@ -39,7 +40,7 @@ class _SamplingColumns:
         return cls(
             np.ones(rows, f32), np.zeros(rows, np.int64), np.ones(rows, f32), np.zeros(rows, f32),
             np.zeros(rows, f32), np.zeros(rows, f32), np.ones(rows, f32),
-            np.full(rows, -1, np.int64),
+            np.full(rows, -1, np.int64), np.ones(rows, bool),
         )  # fmt: skip
 
     def set_row(self, row: int, params: SamplingParams) -> None:
@@ -51,6 +52,13 @@ class _SamplingColumns:
         self.frequency[row] = params.frequency_penalty
         self.repetition[row] = params.repetition_penalty
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.plain_greedy[row] = (
+            params.temperature < GREEDY_TEMPERATURE
+            and params.logprobs is None
+            and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0
+        )
 
 
 class InputBatch:
@@ -117,6 +125,10 @@ class InputBatch:
         fits = positions < self.token_capacity
         self.token_ids[rows[fits], positions[fits]] = token_ids[fits]
         self.num_tokens[rows[fits]] += 1
+
+    def all_plain_greedy(self, rows: np.ndarray) -> bool:
+        """Whether these rows' tokens are just the argmax of their logits."""
+        return bool(self.sampling.plain_greedy[rows].all())
 
     def sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
         """Settings of the given rows, in order, as device tensors."""

@@ -27,7 +27,7 @@ from torch import nn
 
 from pagedserve.actors.messages import NewRequestData, SamplingParams, StepPlan, StepResult
 from pagedserve.actors.worker.cpu_tuning import advise_huge_pages, tune_cpu_malloc
-from pagedserve.actors.worker.cuda_graphs import DecodeGraphs
+from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
 from pagedserve.actors.worker.uploader import Uploader
@@ -60,11 +60,11 @@ _PROFILE_SAMPLING = SamplingParams(
 
 @dataclass
 class PendingStep:
-    """A launched step whose sampled tokens are still on their way to the host."""
+    """A launched step whose sampled tokens are still on their way to the host (they are in
+    the runner's `sampled` buffer on the device, batch order, until the next step samples)."""
 
     step_id: int
     request_ids: list[str]  # the requests that sample a token, batch order
-    token_ids: torch.Tensor  # [len(request_ids)] int64 on the device
     start: float  # perf_counter() when the step's plan arrived
     host_token_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     done: torch.cuda.Event | None = None  # recorded after the device-to-host copy
@@ -117,8 +117,10 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.attention_layers: list[Attention] = []
         self.kv_cache: torch.Tensor | None = None
-        self.decode_graphs: DecodeGraphs | None = None
+        self.decode_step: DecodeStep | None = None  # decode steps' static path (init_kv_cache)
         self.pending: PendingStep | None = None  # the step launched last, not yet finished
+        # the last step's sampled ids, batch order: the next step takes its fed tokens here
+        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.uploader = Uploader(self.device)
         self.device_wait_s = 0.0  # host time spent waiting for steps' sampled tokens
         self.setup_seconds: dict[str, float] = {}  # load_model, memory profile, KV cache, graphs
@@ -189,7 +191,7 @@ class ModelRunner:
             self.warm_up_eager_kernels(num_blocks)
             self._timed("kernel_warmup", start)
         start = time.perf_counter()
-        self._capture_decode_graphs()
+        self._build_decode_step()
         self._timed("cuda_graphs", start)
 
     def warm_up_eager_kernels(self, num_blocks: int) -> None:
@@ -207,33 +209,26 @@ class ModelRunner:
             plan, _ = self._synthetic_plan([(chunk, 0), (1, context - 1)], greedy)
             self._execute_synthetic(plan)
 
-    def _capture_decode_graphs(self) -> None:
-        """CUDA graphs for decode steps (cuda device, a graph-safe backend, not enforce_eager);
-        a capture failure is logged and the runner stays eager."""
+    def _build_decode_step(self) -> None:
+        """The static decode path, with its steps captured as CUDA graphs on a cuda device
+        with a graph-safe backend (unless enforce_eager); a capture failure is logged and
+        decode steps run the same path eagerly."""
         config = self.config
-        if self.device.type != "cuda" or config.enforce_eager:
-            return
-        if self.attention_backend not in ("triton", "cuda"):
-            return
         assert self.model is not None and config.max_model_len is not None
-        graphs = DecodeGraphs(
-            self.model, config.max_num_seqs, cdiv(config.max_model_len, self.block_size),
-            config.max_model_len, self.block_size, self.attention_backend, self.device,
-        )  # fmt: skip
+        step = DecodeStep(
+            self.model, self.sampled, config.max_num_seqs, config.max_model_len,
+            self.block_size, self.attention_backend,
+        )  # type: ignore[arg-type]  # fmt: skip
+        self.decode_step = step
+        graphs_apply = self.attention_backend in ("triton", "cuda") and not config.enforce_eager
+        if self.device.type != "cuda" or not graphs_apply:
+            return
         try:
             with torch.inference_mode():
-                graphs.capture()
+                step.capture()
         except Exception:
             logger.exception("CUDA graph capture failed; decode steps run eagerly")
-            return
-        self.decode_graphs = graphs
-
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        assert self.model is not None
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(inputs.attn_metadata):
-            return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            step.graphs.clear()
 
     def _bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for layer_index, layer in enumerate(self.attention_layers):
@@ -302,26 +297,78 @@ class ModelRunner:
         return self.input_batch.needs_token_history(rows)
 
     def _launch_step(self, plan: StepPlan, start: float) -> PendingStep:
-        step = PendingStep(plan.step_id, [], torch.empty(0, dtype=torch.int64), start)
+        step = PendingStep(plan.step_id, [], start)
         if not plan.scheduled_ids:
             return step
         assert self.model is not None, "load_model() first"
-        inputs = self._prepare_inputs(plan)
-        hidden = self._forward(inputs)
-        if not inputs.sampling_ids:
-            return step
-        output = self._sample(hidden, inputs)
-        step.request_ids = inputs.sampling_ids
-        step.logprobs = output.logprob_tensors
-        step.token_ids = output.token_ids
+        row_of, ids = self.input_batch.row_of, plan.scheduled_ids
+        rows = np.fromiter((row_of[r] for r in ids), np.int64, len(ids))
+        pending_index = self._pending_index()[rows]
+        if self._is_decode_step(plan, rows, pending_index):
+            step.request_ids = plan.scheduled_ids
+            token_ids, step.logprobs = self._run_decode(plan, rows, pending_index)
+        else:
+            inputs = self._prepare_inputs(plan, rows, pending_index)
+            assert self.model is not None
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            if not inputs.sampling_ids:
+                return step
+            output = self._sample(hidden, inputs)
+            step.request_ids = inputs.sampling_ids
+            step.logprobs = output.logprob_tensors
+            token_ids = self.sampled[: len(step.request_ids)]
+            token_ids.copy_(output.token_ids)  # the next step's fed tokens
         if self.device.type == "cuda":
-            host = self._host_token_buffers[plan.step_id % 2][: len(inputs.sampling_ids)]
-            step.host_token_ids = host.copy_(output.token_ids, non_blocking=True)
+            host = self._host_token_buffers[plan.step_id % 2][: len(step.request_ids)]
+            step.host_token_ids = host.copy_(token_ids, non_blocking=True)
             step.done = torch.cuda.Event()
             step.done.record()
         else:
-            step.host_token_ids = output.token_ids
+            step.host_token_ids = token_ids.clone()  # the next step overwrites `sampled`
         return step
+
+    def _is_decode_step(self, plan: StepPlan, rows: np.ndarray, pending_index: np.ndarray) -> bool:
+        """Whether the static decode path runs the plan: one token per request, and every
+        request samples (its token is the last one the worker knows of it)."""
+        if self.decode_step is None or max(plan.num_scheduled_tokens) != 1:
+            return False
+        batch = self.input_batch
+        known = batch.num_tokens[rows] + (pending_index >= 0)
+        return bool((batch.num_computed_tokens[rows] + 1 >= known).all())
+
+    def _run_decode(
+        self, plan: StepPlan, rows: np.ndarray, pending_index: np.ndarray
+    ) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """Write the step's inputs into the static buffers' staging views, run the step, and
+        sample unless every row is plain greedy (the step's argmax). Returns the sampled ids
+        (a view of `sampled`) and the logprob tensors."""
+        step, batch, block_size = self.decode_step, self.input_batch, self.block_size
+        assert step is not None
+        num_rows = len(rows)
+        positions = batch.num_computed_tokens[rows]
+        seq_lens = positions + 1
+        num_tokens = batch.num_tokens[rows]
+        self._check_plan(plan, rows, seq_lens, num_tokens + (pending_index >= 0))
+        size = step.padded_size(num_rows)
+        host = step.buffers.staging()
+        host.token_ids[:num_rows] = batch.token_ids[rows, positions]
+        host.feed_index[:num_rows] = np.where(positions == num_tokens, pending_index, -1)
+        host.positions[:num_rows] = positions
+        blocks = batch.block_table_np[rows, positions // block_size]
+        host.slot_mapping[:num_rows] = blocks * block_size + positions % block_size
+        host.seq_lens[:num_rows] = seq_lens
+        max_seq_len = int(seq_lens.max())
+        width = cdiv(max_seq_len, block_size)
+        host.block_tables[:num_rows, :width] = batch.block_table_np[rows, :width]
+        host.pad(num_rows, size)
+        batch.num_computed_tokens[rows] = seq_lens
+        logits = step.run(num_rows, size, max_seq_len, host)
+        token_ids = self.sampled[:num_rows]
+        if batch.all_plain_greedy(rows):
+            return token_ids, None
+        output = self.sampler(logits, batch.sampling_metadata(rows, self.vocab_size))
+        token_ids.copy_(output.token_ids)
+        return token_ids, output.logprob_tensors
 
     def _apply_plan(self, plan: StepPlan) -> None:
         batch = self.input_batch
@@ -352,13 +399,14 @@ class ModelRunner:
                     index[row] = i
         return index
 
-    def _prepare_inputs(self, plan: StepPlan) -> StepInputs:
+    def _prepare_inputs(
+        self, plan: StepPlan, rows: np.ndarray, pending_index: np.ndarray
+    ) -> StepInputs:
+        """The flattened inputs of any step (prefill chunks and decodes mixed)."""
         batch, block_size = self.input_batch, self.block_size
-        rows = np.fromiter((batch.row_of[r] for r in plan.scheduled_ids), np.int64)
         query_lens = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         if len(query_lens) != len(rows) or (query_lens < 1).any():
             raise ValueError(f"step {plan.step_id} needs >= 1 token per scheduled request")
-        pending_index = self._pending_index()[rows]
         known = batch.num_tokens[rows] + (pending_index >= 0)
         computed = batch.num_computed_tokens[rows]
         seq_lens = computed + query_lens
@@ -398,8 +446,7 @@ class ModelRunner:
             output_rows = self._assemble(rest[5:9], rows_host)
             metadata.output_rows = OutputRows(device_logits_indices, output_rows)
         if len(targets):
-            assert self.pending is not None
-            fed = self.pending.token_ids.index_select(0, device_sources)
+            fed = self.sampled.index_select(0, device_sources)
             device_input_ids.index_copy_(0, device_targets, fed)
         return StepInputs(
             input_ids=device_input_ids,

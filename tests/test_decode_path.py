@@ -1,0 +1,154 @@
+"""The static decode path (actors/worker/cuda_graphs.py, decode_buffers.py): decode steps read
+their inputs from one static buffer, take the previous step's sampled ids on the device, and
+argmax in place; on a GPU the same function is a CUDA graph. On the CPU it runs eagerly and
+must give exactly the results of the general step path, also with padded rows (as graphs run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.actors.messages import SamplingParams, StepPlan, StepResult
+from pagedserve.actors.worker.decode_buffers import DecodeBuffers, DecodeLayout
+from pagedserve.actors.worker.model_runner import ModelRunner
+from tests.test_model_parity import (
+    MAX_NEW_TOKENS,
+    MiniScheduler,
+    RecordingRunner,
+    make_runner,
+    random_prompts,
+    save_hf_model,
+)
+
+
+def test_layout_views_alias_one_buffer_with_each_fields_dtype() -> None:
+    layout = DecodeLayout(max_batch=5, max_blocks=3)
+    assert all(offset % 16 == 0 for offset in layout.offsets.values())
+    buffer = np.zeros(layout.nbytes, np.uint8)
+    host = layout.numpy_views(buffer)
+    device = layout.tensor_views(torch.from_numpy(buffer))
+    host.token_ids[:] = np.arange(5) + 10**10  # needs 64 bits
+    host.feed_index[:] = -1
+    host.positions[:] = np.arange(5) * 3
+    host.slot_mapping[:] = np.arange(5) * 7
+    host.seq_lens[:] = np.arange(5) + 1
+    host.block_tables[:] = np.arange(15).reshape(5, 3)
+    assert device.token_ids.dtype == torch.int64 and device.seq_lens.dtype == torch.int32
+    assert device.block_tables.shape == (5, 3) and device.block_tables.dtype == torch.int32
+    for name in ("token_ids", "feed_index", "positions", "slot_mapping", "seq_lens"):
+        np.testing.assert_array_equal(getattr(device, name).numpy(), getattr(host, name))
+    np.testing.assert_array_equal(device.block_tables.numpy(), np.arange(15).reshape(5, 3))
+    # the used prefix: every small field whole, then the first two block-table rows
+    assert layout.used_bytes(2) == layout.offsets["block_tables"] + 2 * 3 * 4
+    assert layout.used_bytes(5) == layout.nbytes
+
+
+def test_padding_rows_write_no_kv_and_attend_one_key() -> None:
+    buffers = DecodeBuffers(max_batch=4, max_blocks=2, device=torch.device("cpu"))
+    host = buffers.staging()
+    host.slot_mapping[:] = 5
+    host.seq_lens[:] = 9
+    host.feed_index[:] = 0
+    host.pad(1, 4)
+    assert host.slot_mapping.tolist() == [5, -1, -1, -1]
+    assert host.seq_lens.tolist() == [9, 1, 1, 1]
+    assert host.feed_index.tolist() == [0, -1, -1, -1]
+    assert buffers.tensors.slot_mapping.tolist() == [5, -1, -1, -1]  # CPU: staging is the buffer
+
+
+def record_plans(tmp_path: Path, params: SamplingParams) -> RecordingRunner:
+    """Plans and results of the general step path (the static decode path switched off)."""
+    runner = make_runner(tmp_path)
+    runner.decode_step = None
+    recording = RecordingRunner(runner)
+    MiniScheduler(random_prompts(seed=11), params).run(recording)  # type: ignore[arg-type]
+    return recording
+
+
+def with_sampling(plan: StepPlan, params: SamplingParams) -> StepPlan:
+    new = [msgspec.structs.replace(r, sampling=params) for r in plan.new_requests]
+    return msgspec.structs.replace(plan, new_requests=new)
+
+
+def replay_pipelined(runner: ModelRunner, plans: list[StepPlan]) -> list[StepResult]:
+    """launch(N + 1) before finish(N), as the worker runs steps."""
+    results = []
+    for plan in plans:
+        previous = runner.launch(plan)
+        if previous is not None:
+            results.append(previous)
+    last = runner.finish()
+    assert last is not None
+    return results + [last]
+
+
+def count_decode_steps(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    original = runner._run_decode
+
+    def spy(plan, rows, pending_index):  # type: ignore[no-untyped-def]
+        calls.append(plan.step_id)
+        return original(plan, rows, pending_index)
+
+    monkeypatch.setattr(runner, "_run_decode", spy)
+    return calls
+
+
+SAMPLINGS = {
+    "greedy-logprobs": SamplingParams(temperature=0.0, logprobs=2, max_tokens=MAX_NEW_TOKENS),
+    "seeded-top-k": SamplingParams(
+        temperature=0.8, top_k=20, seed=3, logprobs=0, max_tokens=MAX_NEW_TOKENS
+    ),
+}
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+def test_static_decode_steps_match_the_general_path(
+    tmp_path: Path, sampling: str, padded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps through the static path (pipelined: fed tokens come from the device) give
+    the general path's tokens and logprobs; `padded` runs every decode step at the buffers'
+    full batch, as a CUDA graph of a larger size would."""
+    save_hf_model("qwen3", tmp_path)
+    recording = record_plans(tmp_path, SAMPLINGS[sampling])
+    runner = make_runner(tmp_path)
+    assert runner.decode_step is not None
+    if padded:
+        full = runner.decode_step.max_batch
+        monkeypatch.setattr(runner.decode_step, "padded_size", lambda batch: full)
+    decode_steps = count_decode_steps(runner, monkeypatch)
+    results = replay_pipelined(runner, recording.plans)
+    assert len(decode_steps) > MAX_NEW_TOKENS // 2  # most steps are pure decode steps
+    for got, expected in zip(results, recording.results, strict=True):
+        assert got.step_id == expected.step_id and got.request_ids == expected.request_ids
+        assert got.sampled_token_ids == expected.sampled_token_ids
+        assert got.logprobs == expected.logprobs
+
+
+def test_plain_greedy_decode_takes_the_in_step_argmax(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy rows without logprobs or penalties skip the sampler: the step's own argmax (left
+    in the runner's `sampled` buffer) is the token, the same as the sampler's greedy token."""
+    save_hf_model("llama", tmp_path)
+    recording = record_plans(tmp_path, SAMPLINGS["greedy-logprobs"])
+    plain = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    plans = [with_sampling(plan, plain) for plan in recording.plans]
+    runner = make_runner(tmp_path)
+    sampler_calls: list[int] = []
+    original_sampler = runner.sampler
+    monkeypatch.setattr(
+        runner, "sampler", lambda *a: sampler_calls.append(1) or original_sampler(*a)
+    )
+    decode_steps = count_decode_steps(runner, monkeypatch)
+    results = replay_pipelined(runner, plans)
+    sampling_steps = [r.step_id for r in results if r.request_ids]
+    general_steps = [step_id for step_id in sampling_steps if step_id not in decode_steps]
+    assert len(sampler_calls) == len(general_steps) < len(decode_steps)  # prefill steps only
+    for got, expected in zip(results, recording.results, strict=True):
+        assert got.sampled_token_ids == expected.sampled_token_ids and got.logprobs is None
