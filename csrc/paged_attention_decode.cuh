@@ -1,5 +1,7 @@
 // Paged-attention decode (one query token per request), GQA, flash-decoding: device code and the
-// host-side launch plan, in plain CUDA C++ (no torch; the binding is paged_attention_decode.cu).
+// host-side launch plan, in plain CUDA C++ (no torch; the binding is paged_attention_decode.cpp,
+// the parameter block and the entry points are declared in paged_attention_decode.h, and
+// paged_attention_decode_<dtype>_hd<head_dim>.cu instantiate them).
 //
 // Layout (as pagedserve.kernels.attention): q [batch, num_heads, head_dim] (head_dim contiguous);
 // k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] (any strides whose head_dim is
@@ -60,6 +62,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "paged_attention_decode.h"
+
 namespace pagedserve_decode {
 
 constexpr int WARP = 32;
@@ -97,35 +101,6 @@ struct Config {
   static_assert(U >= 1 && (U & (U - 1)) == 0, "keys per lane group: a power of two");
   static_assert(N <= LANES && LANES % N == 0, "scores per stage must fit the lane group");
   static_assert(SMEM_BYTES <= 48 * 1024, "dynamic shared memory above 48 KB needs an opt-in");
-};
-
-// What the kernels read (by value, in the kernel parameter space).
-struct Params {
-  const void* q;
-  const void* k_cache;
-  const void* v_cache;
-  const int* block_tables;
-  const int* seq_lens;
-  void* out;       // [batch, num_heads, head_dim], contiguous
-  float* part_out;  // [batch, num_heads, num_splits, head_dim] (num_splits > 1)
-  float* part_m;    // [batch, num_heads, num_splits]
-  float* part_l;    // [batch, num_heads, num_splits]
-  float qk_scale;   // scale * log2(e)
-  int batch;
-  int num_heads;
-  int block_size;
-  // t / block_size = (umulhi(t, block_magic) + t) >> block_shift for 0 <= t < 2^31
-  // (block_magic 1 and block_shift log2(block_size) for a power of two): see block_divider.
-  uint32_t block_magic;
-  int block_shift;
-  int keys_per_split;
-  int num_splits;
-  int64_t q_stride_b;
-  int64_t q_stride_h;
-  int stride_block;  // cache strides in elements (k and v share them; < 2^31)
-  int stride_tok;
-  int stride_head;
-  int64_t bt_stride;  // block_tables row stride
 };
 
 // ------------------------------------------------------------------------------ device helpers
@@ -563,21 +538,6 @@ __global__ void __launch_bounds__(NUM_THREADS) reduce_kernel(const Params p) {
 
 // ------------------------------------------------------------------------------ host side
 
-// Division by block_size as a multiply (round-up method, exact for 0 <= t < 2^31):
-// shift = ceil(log2(block_size)), magic = 2^32 (2^shift - block_size) / block_size + 1.
-inline void block_divider(int block_size, uint32_t& magic, int& shift) {
-  shift = 0;
-  while ((int64_t{1} << shift) < block_size) ++shift;
-  magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - block_size)) /
-                                    static_cast<uint64_t>(block_size) +
-                                1);
-}
-
-struct SplitPlan {
-  int num_splits;
-  int keys_per_split;
-};
-
 // The split count for `programs` = batch * num_kv_heads CTAs of work over max_seq_len keys,
 // from a wave model: `slots` = SMs x resident CTAs per SM run at once; a CTA streams its keys at
 // min(its own in-flight bytes / latency, HBM bandwidth / CTAs running) after a fixed start-up
@@ -673,6 +633,23 @@ SplitPlan plan(int batch, int num_kv_heads, int64_t max_seq_len, int device) {
   return plan_splits(static_cast<int64_t>(batch) * num_kv_heads, max_seq_len, C::TILE, sms, slots,
                      C::BYTES_PER_KEY, (C::STAGES - 1.0) * C::TILE * C::BYTES_PER_KEY,
                      GROUP * (HEAD_DIM * 4.0 + 8.0));
+}
+
+// A caller's split count (benchmarks) instead of plan_splits' choice: clamped to 1..min(tiles,
+// MAX_SPLITS), whole tiles a split, and counted as plan_splits counts (ceil(tiles / tiles a
+// split), so e.g. 6 requested over 10 tiles gives 5 splits of 2 tiles).
+inline SplitPlan fixed_splits(int64_t max_seq_len, int tile, int64_t requested) {
+  const int64_t num_tiles = std::max<int64_t>(1, (max_seq_len + tile - 1) / tile);
+  const int64_t most = std::min<int64_t>(num_tiles, MAX_SPLITS);
+  const int64_t splits = std::min(std::max<int64_t>(requested, 1), most);
+  const int64_t per_split = (num_tiles + splits - 1) / splits;  // tiles
+  return SplitPlan{static_cast<int>((num_tiles + per_split - 1) / per_split),
+                   static_cast<int>(per_split * tile)};
+}
+
+template <typename T, int HEAD_DIM, int GROUP>
+SplitPlan plan_with_splits(int64_t max_seq_len, int64_t num_splits) {
+  return fixed_splits(max_seq_len, Config<T, HEAD_DIM, GROUP>::TILE, num_splits);
 }
 
 // Launch the decode kernel (and the reduce when p.num_splits > 1) on `stream`; p carries the

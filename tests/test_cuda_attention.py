@@ -1,22 +1,40 @@
-"""The `cuda` attention backend (csrc/paged_attention_decode.cu) on a machine without CUDA: its
-module must fail to import with ImportError (it builds the kernel on import), so that the
-engine falls back to another backend. The kernel itself is checked on a GPU by
-scripts/gpu/bench_kernels.py (rows impl=cuda, against the torch reference)."""
+"""The `cuda` attention backend (csrc/paged_attention_decode*) on a machine without a GPU.
+
+Without CUDA its module must fail to import with ImportError (it builds the kernel on import), so
+that the engine falls back to another backend. With torch's CUDA queries, extension cache, `load`
+and extension loader replaced by fakes, the module's build logic is checked here too: the direct
+import of a cached build, the build otherwise, its cache key and its sources. The kernel itself is
+checked on a GPU by scripts/gpu/bench_kernels.py (rows impl=cuda, against the torch reference).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.abc
+import importlib.machinery
+import inspect
 import logging
+import os
+import re
+import shutil
+import subprocess
 import sys
+import types
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
+import pagedserve.kernels
 from pagedserve.kernels import attention
 
 MODULE = "pagedserve.kernels.cuda_attention"
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
+C_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp32": "float"}
 
 needs_no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="a CUDA machine builds the kernel on import"
@@ -38,8 +56,338 @@ def test_engine_falls_back_without_cuda(caplog: pytest.LogCaptureFixture) -> Non
     assert "cuda" not in attention.ATTENTION_BACKENDS
 
 
-def test_kernel_sources_exist() -> None:
-    """The binding includes the device code; both are built (and hashed) together."""
-    binding = (CSRC / "paged_attention_decode.cu").read_text()
-    assert '#include "paged_attention_decode.cuh"' in binding
-    assert (CSRC / "paged_attention_decode.cuh").is_file()
+# ------------------------------------------------------------------ fakes of torch's build side
+
+
+@dataclasses.dataclass
+class FakeTorchBuild:
+    """Stand-ins for torch's extension cache directory, `load` and extension loader, recording
+    what the module asks of them."""
+
+    root: Path
+    built: bool = True  # the cache holds the .so asked for
+    locked: bool = False  # a build in another process holds torch's lock file
+    loader_fails: bool = False  # importing the cached .so fails (a broken file, say)
+    loads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    max_jobs_in_load: list[str | None] = dataclasses.field(default_factory=list)
+    imported: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    decode_calls: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    plan_calls: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+
+    def build_directory(self, name: str, verbose: bool) -> str:
+        """torch's _get_build_directory: the directory, with a .so / lock file as configured."""
+        directory = self.root / name
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.built:
+            (directory / f"{name}.so").write_bytes(b"\x7fELF")
+        if self.locked:
+            (directory / "lock").write_bytes(b"")
+        return str(directory)
+
+    def extension(self, name: str, origin: str) -> types.ModuleType:
+        """A stand-in for the built extension module, recording its calls."""
+        module = types.ModuleType(name)
+        module.origin = origin
+        module.paged_attention_decode = lambda *args: self.decode_calls.append(args)
+        module.planned_num_splits = lambda *args: self.plan_calls.append(args) or 7
+        return module
+
+    def load(self, **kwargs: Any) -> types.ModuleType:
+        """torch's cpp_extension.load."""
+        self.loads.append(kwargs)
+        self.max_jobs_in_load.append(os.environ.get("MAX_JOBS"))
+        return self.extension(kwargs["name"], "load")
+
+    def loader_class(self) -> type:
+        """A replacement for importlib.machinery.ExtensionFileLoader."""
+        fake = self
+
+        class Loader(importlib.abc.Loader):
+            def __init__(self, name: str, path: str) -> None:
+                self.name, self.path = name, path
+
+            def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+                if fake.loader_fails:
+                    raise ImportError(f"{self.path}: undefined symbol: _ZN3c104cuda6broken")
+                fake.imported.append((self.name, self.path))
+                return fake.extension(self.name, "cache")
+
+            def exec_module(self, module: types.ModuleType) -> None:
+                pass
+
+        return Loader
+
+    def import_module(self) -> types.ModuleType:
+        """Import the backend's module afresh (which loads the extension)."""
+        sys.modules.pop(MODULE, None)
+        return importlib.import_module(MODULE)
+
+
+@pytest.fixture
+def fake_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeTorchBuild]:
+    """A CUDA machine (sm_90) as far as the module can tell, with torch's build side faked."""
+    fake = FakeTorchBuild(tmp_path / "torch_extensions")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", fake.build_directory)
+    monkeypatch.setattr(cpp_extension, "load", fake.load)
+    monkeypatch.setattr(importlib.machinery, "ExtensionFileLoader", fake.loader_class())
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    yield fake
+    sys.modules.pop(MODULE, None)
+    if hasattr(pagedserve.kernels, "cuda_attention"):
+        delattr(pagedserve.kernels, "cuda_attention")
+
+
+@pytest.fixture
+def cuda_attention(fake_build: FakeTorchBuild) -> types.ModuleType:
+    """The backend's module, imported with a cached build."""
+    return fake_build.import_module()
+
+
+# ------------------------------------------------------------------ loading the extension
+
+
+def test_cached_build_is_imported_without_torch_load(
+    fake_build: FakeTorchBuild, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        module = fake_build.import_module()
+    name = module.extension_name("90")
+    assert fake_build.imported == [(name, str(fake_build.root / name / f"{name}.so"))]
+    assert fake_build.loads == []
+    assert module.load_extension().origin == "cache"
+    assert caplog.records == []
+
+
+def test_uncached_build_warns_and_compiles_every_unit(
+    fake_build: FakeTorchBuild, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_build.built = False
+    with caplog.at_level(logging.WARNING):
+        module = fake_build.import_module()
+    assert "building the CUDA decode kernel" in caplog.text
+    assert fake_build.imported == []
+    [kwargs] = fake_build.loads
+    assert kwargs["name"] == module.extension_name("90")
+    units = sorted(p.name for p in CSRC.glob("paged_attention_decode*.c*") if p.suffix != ".cuh")
+    assert sorted(Path(s).name for s in kwargs["sources"]) == units
+    assert len(units) == 1 + len(module.DTYPES) * len(module.HEAD_DIMS)
+    assert "-gencode=arch=compute_90,code=sm_90" in kwargs["extra_cuda_cflags"]
+    assert module.load_extension().origin == "load"
+
+
+def test_build_sets_max_jobs_only_while_building(fake_build: FakeTorchBuild) -> None:
+    fake_build.built = False
+    module = fake_build.import_module()
+    assert fake_build.max_jobs_in_load == [str(module._usable_cpus())]
+    assert "MAX_JOBS" not in os.environ
+
+
+def test_build_keeps_a_max_jobs_the_environment_sets(
+    fake_build: FakeTorchBuild, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MAX_JOBS", "3")
+    fake_build.built = False
+    fake_build.import_module()
+    assert fake_build.max_jobs_in_load == ["3"]
+    assert os.environ["MAX_JOBS"] == "3"
+
+
+def test_broken_cached_build_falls_back_to_torch_load(
+    fake_build: FakeTorchBuild, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_build.loader_fails = True
+    with caplog.at_level(logging.WARNING):
+        module = fake_build.import_module()
+    assert len(fake_build.loads) == 1
+    assert module.load_extension().origin == "load"
+    assert "undefined symbol" in caplog.text
+    assert "building the CUDA decode kernel" not in caplog.text
+
+
+def test_build_in_progress_elsewhere_goes_through_torch_load(
+    fake_build: FakeTorchBuild, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch's lock file: another process may still be writing the .so; torch's load waits."""
+    fake_build.locked = True
+    with caplog.at_level(logging.WARNING):
+        fake_build.import_module()
+    assert fake_build.imported == []
+    assert len(fake_build.loads) == 1
+    assert caplog.records == []
+
+
+# ------------------------------------------------------------------ the cache key and the sources
+
+
+def test_build_inputs_are_all_the_kernel_files_of_csrc(cuda_attention: types.ModuleType) -> None:
+    inputs = {path.name for path in cuda_attention.build_inputs()}
+    assert inputs == {path.name for path in CSRC.glob("paged_attention_decode*")}
+    assert {"paged_attention_decode.h", "paged_attention_decode.cuh"} <= inputs
+
+
+def test_digest_changes_with_every_build_input(
+    cuda_attention: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    monkeypatch.setattr(cuda_attention, "CSRC_DIR", csrc)
+    base = cuda_attention._sources_digest()
+    for path in cuda_attention.build_inputs():
+        text = path.read_text()
+        path.write_text(text + "\n// edited\n")
+        assert cuda_attention._sources_digest() != base, path.name
+        path.write_text(text)
+    assert cuda_attention._sources_digest() == base
+
+
+def test_digest_follows_new_includes(
+    cuda_attention: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    monkeypatch.setattr(cuda_attention, "CSRC_DIR", csrc)
+    header = csrc / "paged_attention_decode.cuh"
+    header.write_text(header.read_text().replace("#pragma once", '#pragma once\n#include "x.h"'))
+    (csrc / "x.h").write_text("#pragma once\n")
+    assert csrc / "x.h" in cuda_attention.build_inputs()
+    before = cuda_attention._sources_digest()
+    (csrc / "x.h").write_text("#pragma once\nconstexpr int X = 1;\n")
+    assert cuda_attention._sources_digest() != before
+
+
+def test_extension_name_changes_with_flags_arch_and_torch(
+    cuda_attention: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = cuda_attention.extension_name("90")
+    assert name.startswith("pagedserve_paged_attention_sm90_")
+    assert cuda_attention.extension_name("100") != name.replace("sm90", "sm100")
+    with monkeypatch.context() as patch:
+        patch.setattr(cuda_attention, "CXX_FLAGS", ("-O2",))
+        assert cuda_attention.extension_name("90") != name
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "__version__", "0.0.0")
+        assert cuda_attention.extension_name("90") != name
+    assert cuda_attention.extension_name("90") == name
+
+
+def test_units_instantiate_what_python_dispatches_to(cuda_attention: types.ModuleType) -> None:
+    """One unit per (dtype, head_dim); the groups, head dims and dtypes of the C++ side are those
+    `supported` accepts."""
+    for dtype in cuda_attention.DTYPES:
+        tag = cuda_attention.DTYPE_TAGS[dtype]
+        for head_dim in cuda_attention.HEAD_DIMS:
+            unit = (CSRC / f"paged_attention_decode_{tag}_hd{head_dim}.cu").read_text()
+            assert '#include "paged_attention_decode.cuh"' in unit
+            assert f"PAGEDSERVE_DECODE_INSTANTIATE({C_TYPES[tag]}, {head_dim})" in unit
+    header = (CSRC / "paged_attention_decode.h").read_text()
+    groups = header.split("#define PAGEDSERVE_DECODE_FOR_EACH_GROUP", 1)[1].split("\n\n")[0]
+    assert tuple(int(g) for g in re.findall(r"X\(T, HEAD_DIM, (\d+)\)", groups)) == (
+        cuda_attention.GROUPS
+    )
+    binding = (CSRC / cuda_attention.BINDING).read_text()
+    head_dims = re.findall(r"case (\d+): return dispatch_group<T, \1>", binding)
+    assert tuple(int(h) for h in head_dims) == cuda_attention.HEAD_DIMS
+    assert set(re.findall(r"dispatch_head_dim<(\w+)>\(head_dim", binding)) == set(C_TYPES.values())
+
+
+def test_only_the_binding_reads_torch_and_defines_the_module(
+    cuda_attention: types.ModuleType,
+) -> None:
+    """The instantiation units stay free of torch's headers (they compile in seconds) and the
+    binding of device code (a host C++ unit)."""
+    binding = CSRC / cuda_attention.BINDING
+    torch_include = re.compile(r"#include <(torch|ATen|c10)/")
+    for path in cuda_attention.build_inputs():
+        text = path.read_text()
+        assert ("PYBIND11_MODULE(" in text) == (path == binding), path.name
+        assert bool(torch_include.search(text)) == (path == binding), path.name
+    assert binding.suffix == ".cpp"
+    assert '#include "paged_attention_decode.cuh"' not in binding.read_text()
+
+
+# ------------------------------------------------------------------ decode's split override
+
+
+def _decode_inputs() -> tuple[torch.Tensor, ...]:
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16)
+    block_tables = torch.zeros(2, 4, dtype=torch.int32)
+    seq_lens = torch.ones(2, dtype=torch.int32)
+    return q, cache, cache.clone(), block_tables, seq_lens
+
+
+def test_decode_passes_num_splits_to_the_kernel(
+    cuda_attention: types.ModuleType, fake_build: FakeTorchBuild
+) -> None:
+    assert inspect.signature(cuda_attention.decode).parameters["num_splits"].default is None
+    inputs = _decode_inputs()
+    out = cuda_attention.decode(*inputs, 0.125, 64)
+    cuda_attention.decode(*inputs, 0.125, 64, num_splits=5)
+    planned, forced = fake_build.decode_calls
+    assert planned[0] is out and all(a is b for a, b in zip(planned[1:6], inputs))
+    assert planned[6:] == (0.125, 64, 0)  # 0: the planned count
+    assert forced[6:] == (0.125, 64, 5)
+    with pytest.raises(ValueError, match="num_splits"):
+        cuda_attention.decode(*inputs, 0.125, 64, num_splits=0)
+    assert len(fake_build.decode_calls) == 2
+
+
+def test_planned_num_splits_asks_the_extension(
+    cuda_attention: types.ModuleType, fake_build: FakeTorchBuild
+) -> None:
+    assert cuda_attention.planned_num_splits(4, 8, 4096, 128, 4, torch.bfloat16) == 7
+    assert fake_build.plan_calls == [(4, 8, 4096, 128, 4, torch.bfloat16)]
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found is None and Path("/usr/local/cuda/bin/nvcc").is_file():
+        found = "/usr/local/cuda/bin/nvcc"
+    return found
+
+
+SPLITS_HARNESS = r"""
+#include <cstdio>
+
+#include "paged_attention_decode.cuh"
+
+namespace pd = pagedserve_decode;
+
+int main() {
+  const long long cases[][3] = {CASES};
+  for (const auto& c : cases) {
+    const pd::SplitPlan p = pd::fixed_splits(c[0], static_cast<int>(c[1]), c[2]);
+    std::printf("%d %d\n", p.num_splits, p.keys_per_split);
+  }
+  const pd::SplitPlan p = pd::plan_with_splits<__nv_bfloat16, 128, 4>(4096, 6);
+  std::printf("%d %d\n", p.num_splits, p.keys_per_split);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (host code only, no GPU)")
+def test_split_override_is_clamped_to_whole_tiles(tmp_path: Path) -> None:
+    """fixed_splits (max_seq_len, tile, requested) -> (splits, keys a split): at least one, at
+    most min(tiles, 128) splits, whole tiles each, counted as ceil(tiles / tiles a split)."""
+    expected = {
+        (4096, 32, 6): (6, 704),  # 128 tiles: 22 a split
+        (320, 32, 6): (5, 64),  # 10 tiles: 2 a split make 5 splits
+        (4096, 32, 1000): (128, 32),  # at most one split a tile
+        (32768, 32, 1000): (128, 256),  # at most 128 splits (the reduce kernel's limit)
+        (4096, 32, 0): (1, 4096),
+        (4096, 32, -3): (1, 4096),
+        (1, 32, 4): (1, 32),
+        (100, 16, 3): (3, 48),  # 7 tiles: 3 a split
+    }
+    cases = ", ".join("{" + ", ".join(map(str, case)) + "}" for case in expected)
+    (tmp_path / "harness.cu").write_text(SPLITS_HARNESS.replace("CASES", cases))
+    binary = tmp_path / "harness"
+    compile_cmd = [_nvcc(), "-std=c++17", f"-I{CSRC}", str(tmp_path / "harness.cu")]
+    subprocess.run([*compile_cmd, "-o", str(binary)], check=True, timeout=300)
+    lines = subprocess.run([binary], check=True, capture_output=True, text=True).stdout.split("\n")
+    got = [tuple(int(x) for x in line.split()) for line in lines if line]
+    # bf16, head_dim 128, group 4: 32-key tiles, as the first case
+    assert got == [*expected.values(), (6, 704)]

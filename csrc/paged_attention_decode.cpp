@@ -23,28 +23,87 @@
 // block_size by a multiply); caches with any strides whose head_dim is contiguous and whose rows
 // are 16-byte aligned.
 // No host sync and no data-dependent allocation, so the launch can be captured in a CUDA graph
-// (the split count and scratch size depend only on shapes and max_seq_len).
+// (the split count and scratch size depend only on shapes, max_seq_len and num_splits).
+//
+// Build layout: this unit is host C++ only (the one unit that reads torch's headers); the
+// kernels are instantiated by paged_attention_decode_<dtype>_hd<head_dim>.cu through the entry
+// points declared in paged_attention_decode.h, so that the units compile in parallel.
 
+// torch's headers: only what the binding uses (not <torch/extension.h>, whose whole C++ frontend
+// doubles this unit's compile time, the critical path of the parallel build).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
-#include "paged_attention_decode.cuh"
+#include "paged_attention_decode.h"
 
 namespace {
 
 namespace pd = pagedserve_decode;
 
+// One instantiation of the kernels, as a value the dispatch hands to its callback.
 template <typename T, int HEAD_DIM, int GROUP>
-void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-         const torch::Tensor& seq_lens, double scale, int64_t max_seq_len) {
+struct Instance {
+  using type = T;
+  static constexpr int head_dim = HEAD_DIM;
+  static constexpr int group = GROUP;
+};
+
+// f(Instance<T, HEAD_DIM, group>{}) for the instantiated GQA group `group`.
+template <typename T, int HEAD_DIM, typename F>
+void dispatch_group(int64_t group, F&& f) {
+  switch (group) {
+#define PAGEDSERVE_DECODE_CASE(T_, HEAD_DIM_, GROUP_) \
+  case GROUP_: return f(Instance<T_, HEAD_DIM_, GROUP_>{});
+    PAGEDSERVE_DECODE_FOR_EACH_GROUP(PAGEDSERVE_DECODE_CASE, T, HEAD_DIM)
+#undef PAGEDSERVE_DECODE_CASE
+    default: TORCH_CHECK(false, "unsupported GQA group size ", group);
+  }
+}
+
+template <typename T, typename F>
+void dispatch_head_dim(int64_t head_dim, int64_t group, F&& f) {
+  switch (head_dim) {
+    case 64: return dispatch_group<T, 64>(group, f);
+    case 128: return dispatch_group<T, 128>(group, f);
+    default: TORCH_CHECK(false, "unsupported head_dim ", head_dim);
+  }
+}
+
+// f(Instance<T, head_dim, group>{}) for the element type T of `dtype`; the instantiations are
+// those of the paged_attention_decode_<dtype>_hd<head_dim>.cu units.
+template <typename F>
+void dispatch(at::ScalarType dtype, int64_t head_dim, int64_t group, F&& f) {
+  switch (dtype) {
+    case at::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(head_dim, group, f);
+    case at::kHalf: return dispatch_head_dim<__half>(head_dim, group, f);
+    case at::kFloat: return dispatch_head_dim<float>(head_dim, group, f);
+    default: TORCH_CHECK(false, "unsupported dtype ", dtype);
+  }
+}
+
+// The heuristic's plan, or the caller's split count when num_splits > 0.
+template <typename T, int HEAD_DIM, int GROUP>
+pd::SplitPlan choose_plan(int batch, int num_kv_heads, int64_t max_seq_len, int64_t num_splits,
+                          int device) {
+  if (num_splits > 0) return pd::plan_with_splits<T, HEAD_DIM, GROUP>(max_seq_len, num_splits);
+  return pd::plan<T, HEAD_DIM, GROUP>(batch, num_kv_heads, max_seq_len, device);
+}
+
+template <typename T, int HEAD_DIM, int GROUP>
+void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+         int64_t max_seq_len, int64_t num_splits) {
   const int batch = static_cast<int>(q.size(0));
   const int num_heads = static_cast<int>(q.size(1));
   const int num_kv_heads = static_cast<int>(k_cache.size(2));
   const int block_size = static_cast<int>(k_cache.size(1));
   const int device = q.get_device();
-  const pd::SplitPlan plan = pd::plan<T, HEAD_DIM, GROUP>(batch, num_kv_heads, max_seq_len, device);
+  const pd::SplitPlan plan =
+      choose_plan<T, HEAD_DIM, GROUP>(batch, num_kv_heads, max_seq_len, num_splits, device);
 
   pd::Params p{};
   p.q = q.data_ptr();
@@ -67,11 +126,11 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   p.stride_head = static_cast<int>(k_cache.stride(2));
   p.bt_stride = block_tables.stride(0);
 
-  torch::Tensor part_out, part_ml;
+  at::Tensor part_out, part_ml;
   if (plan.num_splits > 1) {  // scratch from torch's caching allocator (graph-safe)
-    auto opts = q.options().dtype(torch::kFloat32);
-    part_out = torch::empty({batch, num_heads, plan.num_splits, HEAD_DIM}, opts);
-    part_ml = torch::empty({2, batch, num_heads, plan.num_splits}, opts);
+    auto opts = q.options().dtype(at::kFloat);
+    part_out = at::empty({batch, num_heads, plan.num_splits, HEAD_DIM}, opts);
+    part_ml = at::empty({2, batch, num_heads, plan.num_splits}, opts);
     p.part_out = part_out.data_ptr<float>();
     p.part_m = part_ml[0].data_ptr<float>();
     p.part_l = part_ml[1].data_ptr<float>();
@@ -82,32 +141,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
               cudaGetErrorString(err));
 }
 
-template <typename T, int HEAD_DIM>
-void dispatch_group(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k,
-                    const torch::Tensor& v, const torch::Tensor& bt, const torch::Tensor& sl,
-                    double scale, int64_t max_seq_len) {
-  const int64_t group = q.size(1) / k.size(2);
-  switch (group) {
-    case 1: return run<T, HEAD_DIM, 1>(out, q, k, v, bt, sl, scale, max_seq_len);
-    case 2: return run<T, HEAD_DIM, 2>(out, q, k, v, bt, sl, scale, max_seq_len);
-    case 4: return run<T, HEAD_DIM, 4>(out, q, k, v, bt, sl, scale, max_seq_len);
-    case 8: return run<T, HEAD_DIM, 8>(out, q, k, v, bt, sl, scale, max_seq_len);
-    default: TORCH_CHECK(false, "unsupported GQA group size ", group);
-  }
-}
-
-template <typename T>
-void dispatch_head_dim(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k,
-                       const torch::Tensor& v, const torch::Tensor& bt, const torch::Tensor& sl,
-                       double scale, int64_t max_seq_len) {
-  switch (q.size(2)) {
-    case 64: return dispatch_group<T, 64>(out, q, k, v, bt, sl, scale, max_seq_len);
-    case 128: return dispatch_group<T, 128>(out, q, k, v, bt, sl, scale, max_seq_len);
-    default: TORCH_CHECK(false, "unsupported head_dim ", q.size(2));
-  }
-}
-
-bool aligned16(const torch::Tensor& cache) {
+bool aligned16(const at::Tensor& cache) {
   const int64_t elt = cache.element_size();
   if (reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 != 0) return false;
   for (int d = 0; d < 3; ++d)
@@ -117,9 +151,11 @@ bool aligned16(const torch::Tensor& cache) {
 
 }  // namespace
 
-void paged_attention_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                            torch::Tensor v_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, double scale, int64_t max_seq_len) {
+// num_splits > 0 replaces the planned split count (clamped to 1..min(key tiles, 128); for
+// benchmarks); 0 keeps the plan.
+void paged_attention_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                            int64_t max_seq_len, int64_t num_splits) {
   TORCH_CHECK(q.is_cuda() && k_cache.is_cuda() && v_cache.is_cuda() && out.is_cuda() &&
                   block_tables.is_cuda() && seq_lens.is_cuda(),
               "CUDA tensors expected");
@@ -140,8 +176,8 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_
                 "cache strides must fit in int32");
   TORCH_CHECK(aligned16(k_cache) && aligned16(v_cache),
               "cache rows must be 16-byte aligned (base pointer and strides)");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 &&
-                  seq_lens.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
                   block_tables.size(0) >= q.size(0),
@@ -152,21 +188,39 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   TORCH_CHECK(q.size(0) <= 65535 && k_cache.size(2) <= 65535, "batch / kv heads too large");
   if (q.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
-  switch (q.scalar_type()) {
-    case torch::kBFloat16:
-      return dispatch_head_dim<__nv_bfloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                              scale, max_seq_len);
-    case torch::kHalf:
-      return dispatch_head_dim<__half>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                       max_seq_len);
-    case torch::kFloat32:
-      return dispatch_head_dim<float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                      max_seq_len);
-    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
-  }
+  dispatch(q.scalar_type(), q.size(2), q.size(1) / k_cache.size(2), [&](auto instance) {
+    using I = decltype(instance);
+    run<typename I::type, I::head_dim, I::group>(out, q, k_cache, v_cache, block_tables,
+                                                 seq_lens, scale, max_seq_len, num_splits);
+  });
+}
+
+// The split count paged_attention_decode plans (num_splits 0) for these shapes on the current
+// CUDA device.
+int64_t planned_num_splits(int64_t batch, int64_t num_kv_heads, int64_t max_seq_len,
+                           int64_t head_dim, int64_t group, at::ScalarType dtype) {
+  TORCH_CHECK(batch >= 0 && batch <= 65535 && num_kv_heads > 0 && num_kv_heads <= 65535,
+              "batch must be in 0..65535 and num_kv_heads in 1..65535");
+  const int device = c10::cuda::current_device();
+  int64_t num_splits = 0;
+  dispatch(dtype, head_dim, group, [&](auto instance) {
+    using I = decltype(instance);
+    num_splits = pd::plan<typename I::type, I::head_dim, I::group>(
+                     static_cast<int>(batch), static_cast<int>(num_kv_heads), max_seq_len, device)
+                     .num_splits;
+  });
+  return num_splits;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
-        "paged attention for decode steps (one query per request)");
+        "paged attention for decode steps (one query per request); num_splits > 0 overrides the "
+        "planned split count",
+        pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+        pybind11::arg("scale"), pybind11::arg("max_seq_len"), pybind11::arg("num_splits") = 0);
+  m.def("planned_num_splits", &planned_num_splits,
+        "the split count paged_attention_decode plans for these shapes on the current device",
+        pybind11::arg("batch"), pybind11::arg("num_kv_heads"), pybind11::arg("max_seq_len"),
+        pybind11::arg("head_dim"), pybind11::arg("group"), pybind11::arg("dtype"));
 }
