@@ -152,3 +152,42 @@ def test_plain_greedy_decode_takes_the_in_step_argmax(
     assert len(sampler_calls) == len(general_steps) < len(decode_steps)  # prefill steps only
     for got, expected in zip(results, recording.results, strict=True):
         assert got.sampled_token_ids == expected.sampled_token_ids and got.logprobs is None
+
+
+def test_dry_run_leaves_the_runner_as_it_was(tmp_path: Path) -> None:
+    """The start-up's compile-only dry run (here run for real, on the CPU) leaves no request,
+    no KV and no sampling state behind: later steps give the results of a fresh runner."""
+    save_hf_model("qwen3", tmp_path)
+    params = SAMPLINGS["seeded-top-k"]
+    expected = record_plans(tmp_path, params)
+    runner = make_runner(tmp_path)
+    runner.decode_step = None  # compare with the recording's path
+    runner.dry_run()
+    assert len(runner.input_batch) == 0 and runner.pending is None
+    assert all(layer.k_cache.data_ptr() == runner.kv_cache[i, 0].data_ptr()  # type: ignore[index]
+               for i, layer in enumerate(runner.attention_layers))  # fmt: skip
+    for plan, result in zip(expected.plans, expected.results, strict=True):
+        got = runner.execute(plan)
+        assert got.sampled_token_ids == result.sampled_token_ids
+
+
+def test_compile_only_turns_triton_launches_into_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside compile_only() a launch reaches Triton's JITFunction.run as a warmup (compile,
+    no launch) with Triton's AsyncCompileMode active; outside, launches are untouched."""
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import JITFunction
+
+    from pagedserve.kernels import compile_ahead
+
+    calls: list[tuple[bool, bool]] = []
+
+    def recording_run(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((warmup, _async_compile.active_mode.get() is not None))
+
+    monkeypatch.setattr(JITFunction, "run", recording_run)
+    kernel = object.__new__(JITFunction)
+    with compile_ahead.compile_only(max_workers=2):
+        kernel[(1,)]()
+    kernel[(1,)]()
+    assert calls == [(True, True), (False, False)]
+    assert JITFunction.run is recording_run

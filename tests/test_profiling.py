@@ -79,8 +79,10 @@ def test_engine_profile_window_through_the_worker(tmp_path: Path) -> None:
     assert kinds["decode"]["tokens"] == kinds["decode"]["steps"]
     assert steps["compiles"]["count"] == 0  # a CPU run compiles no Triton kernel
     startup = llm.supervisor.startup_seconds
-    assert {"ready", "load_model", "kv_cache"} <= startup["worker"].keys()
-    assert startup["worker"]["ready"] >= startup["worker"]["load_model"] > 0
+    assert {"ready", "imports", "runner_init", "load_model", "kv_cache"} <= startup["worker"].keys()
+    worker_s = startup["worker"]
+    assert worker_s["ready"] >= worker_s["imports"] + worker_s["load_model"]
+    assert worker_s["imports"] > 0 and worker_s["load_model"] > 0 and worker_s["runner_init"] > 0
     assert startup["scheduler"]["ready"] > 0 and startup["tokenizer"]["ready"] > 0
     scheduler = json.loads((out / "scheduler.loop.json").read_text())
     plans, handles = scheduler["plan"]["count"], scheduler["handle"]["count"]

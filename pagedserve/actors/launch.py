@@ -8,11 +8,15 @@ never re-imported in them (no `if __name__ == "__main__"` needed) and nothing is
 
 from __future__ import annotations
 
-import importlib
-import sys
+import time
 
-from pagedserve.actors import bus
-from pagedserve.actors.actor import Actor, run_actor_process
+PROCESS_START = time.perf_counter()  # before the imports: an actor reports their time
+
+import importlib  # noqa: E402
+import sys  # noqa: E402
+
+from pagedserve.actors import bus  # noqa: E402
+from pagedserve.actors.actor import Actor, run_actor_process  # noqa: E402
 
 ACTORS = {
     "worker": ("pagedserve.actors.worker.actor", "WorkerActor"),

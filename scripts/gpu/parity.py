@@ -1,13 +1,20 @@
 """Full-engine parity on the GPU: greedy tokens of tiny random Llama / Qwen2 / Qwen3 models
 through the whole multi-process engine on CUDA, with each attention backend (and CUDA graphs
 on), against transformers. float32 on both sides (TF32 off) so that tokens must be identical.
+Each engine generates twice: with logprobs (the sampler reads the decode step's logits) and
+plain greedy (the decode step's own argmax, inside its CUDA graph, is the token).
 
-    python scripts/gpu/parity.py [--backends triton cuda] [--archs llama qwen2 qwen3] [--out FILE]
+    python scripts/gpu/parity.py [--backends triton cuda] [--archs llama qwen2 qwen3]
+        [--jobs N] [--out FILE]
+
+--jobs N checks up to N (arch, backend) rows at once, each in its own process.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -31,10 +38,11 @@ NEW_TOKENS = 32
 
 
 def check(arch: str, backend: str, eager: bool, workdir: Path) -> tuple[int, int, float]:
-    """(prompts matching, prompts, max |logprob diff|)."""
+    """(prompts matching in both runs, prompts, max |logprob diff|)."""
     path = save_tiny_model(arch, workdir / arch, hidden_size=256)  # head_dim 64
     prompts = random_prompts(400, LENGTHS, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with LLM(
         str(path),
         device="cuda",
@@ -45,16 +53,57 @@ def check(arch: str, backend: str, eager: bool, workdir: Path) -> tuple[int, int
         num_kv_blocks=256,
     ) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        plain_outputs = llm.generate(prompts, plain, use_tqdm=False)
     matches, worst = 0, 0.0
     reference = load_hf_model(path)
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output, plain_output in zip(prompts, outputs, plain_outputs):
         tokens, logprobs = hf_greedy(reference, prompt, NEW_TOKENS)
         completion = output.outputs[0]
-        matches += completion.token_ids == tokens
+        matches += completion.token_ids == tokens == plain_output.outputs[0].token_ids
         got = [next(iter(lp.values())).logprob for lp in completion.logprobs]
         n = min(len(got), len(logprobs))
         worst = max(worst, max(abs(a - b) for a, b in zip(got[:n], logprobs[:n])))
     return matches, len(prompts), worst
+
+
+HEADER = [
+    "| model | backend | CUDA graphs | greedy tokens identical | max abs logprob diff |",
+    "|---|---|---|---:|---:|",
+]
+
+
+def run_in_parallel(args: argparse.Namespace) -> int:
+    """Each (arch, backend) row in its own process, up to args.jobs at once."""
+    rows = list(itertools.product(args.archs, args.backends))
+    lines, ok = list(HEADER), True
+    with tempfile.TemporaryDirectory() as tmp:
+        for start in range(0, len(rows), args.jobs):
+            batch = rows[start : start + args.jobs]
+            outs = [Path(tmp) / f"{arch}-{backend}.md" for arch, backend in batch]
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--archs",
+                        arch,
+                        "--backends",
+                        backend,
+                        "--out",
+                        str(out),
+                    ]
+                    + (["--eager-too"] if args.eager_too else [])
+                )  # fmt: skip
+                for (arch, backend), out in zip(batch, outs)
+            ]
+            for proc, out in zip(procs, outs):
+                ok &= proc.wait() == 0
+                rows_text = out.read_text().splitlines()[2:] if out.exists() else []
+                lines += rows_text or [f"| {out.stem} | | | ERROR (no output) | |"]
+            print("\n".join(lines), flush=True)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0 if ok else 1
 
 
 def main() -> int:
@@ -62,14 +111,14 @@ def main() -> int:
     parser.add_argument("--backends", nargs="+", default=["triton", "cuda"])
     parser.add_argument("--archs", nargs="+", default=["llama", "qwen2", "qwen3"])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--eager-too", action="store_true", help="also run without CUDA graphs")
     args = parser.parse_args()
+    if args.jobs > 1:
+        return run_in_parallel(args)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    lines = [
-        "| model | backend | CUDA graphs | greedy tokens identical | max abs logprob diff |",
-        "|---|---|---|---:|---:|",
-    ]
+    lines = list(HEADER)
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs:

@@ -7,6 +7,8 @@ device always has the next step queued while the host prepares the one after."""
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 from pagedserve.actors import bus
 from pagedserve.actors.actor import Actor
@@ -21,6 +23,13 @@ from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.actors.worker.profiling import LoopTimer, StepLog, StepProfiler, TritonCompileLog
 
 
+def _seconds_since_process_start() -> float:
+    """Seconds since the actor process's entry module began its imports (NaN outside one)."""
+    launch = sys.modules.get("__main__")  # `python -m pagedserve.actors.launch`
+    start = getattr(launch, "PROCESS_START", None)
+    return float("nan") if start is None else round(time.perf_counter() - start, 3)
+
+
 class WorkerActor(Actor):
     name = "worker"
     profiler: StepProfiler | None = None
@@ -28,17 +37,22 @@ class WorkerActor(Actor):
     timer = LoopTimer()
 
     async def setup(self) -> dict:
+        imports_s = _seconds_since_process_start()
         self.timer = LoopTimer()
         profiling = self.config.profile is not None and self.rank == 0
         compiles = TritonCompileLog()
         if profiling:
             compiles.install()
         self.join_tensor_parallel_group()
+        start = time.perf_counter()
         self.runner = ModelRunner(self.config, self.rank)
+        runner_init_s = round(time.perf_counter() - start, 3)
         self.runner.load_model()
+        self.runner.compile_kernels_ahead()
         num_blocks = self.runner.num_kv_blocks()
         self.runner.init_kv_cache(num_blocks)
-        setup_s = dict(self.runner.setup_seconds)
+        setup_s = {"imports": imports_s, "runner_init": runner_init_s}
+        setup_s |= self.runner.setup_seconds
         if profiling:
             setup_s["triton_compile"] = round(compiles.total_seconds, 3)
             compiles.reset()  # the step log counts the run's compiles only

@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.config import EngineConfig
+from pagedserve.kernels import compile_ahead
 from pagedserve.kernels.attention import (
     AttentionMetadata,
     OutputRows,
@@ -56,6 +58,9 @@ _PROFILE_SAMPLING = SamplingParams(
     temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.1,
     frequency_penalty=0.1, repetition_penalty=1.1, logprobs=5,
 )  # fmt: skip
+# The compile-only dry run's: the same filters, no logprobs (they index by the sampled ids,
+# which a dry run leaves uninitialised).
+_DRY_RUN_SAMPLING = msgspec.structs.replace(_PROFILE_SAMPLING, logprobs=None)
 
 
 @dataclass
@@ -199,15 +204,73 @@ class ModelRunner:
         the Triton kernel variants eager steps pick by shape (the prefill kernel's small or
         large query tile, the decode kernel with or without split-K) are compiled,
         or loaded from Triton's cache, now rather than in the middle of a run."""
+        for plan, _ in self._warm_up_plans(num_blocks * self.block_size):
+            self._execute_synthetic(plan)
+
+    def _warm_up_plans(self, capacity: int) -> list[tuple[StepPlan, int]]:
+        """warm_up_eager_kernels' steps for a KV cache of `capacity` tokens, each with the
+        KV blocks it uses."""
         assert self.config.max_model_len is not None
-        capacity = num_blocks * self.block_size
         long_context = min(self.config.max_model_len, 4096, capacity - 256)
+        plans = []
         for chunk, context in itertools.product(_WARMUP_CHUNKS, (16, long_context)):
             if context < 2 or chunk + context > capacity:
                 continue
             greedy = SamplingParams(temperature=0.0)
-            plan, _ = self._synthetic_plan([(chunk, 0), (1, context - 1)], greedy)
-            self._execute_synthetic(plan)
+            plans.append(self._synthetic_plan([(chunk, 0), (1, context - 1)], greedy))
+        return plans
+
+    def compile_kernels_ahead(self) -> None:
+        """On CUDA (unless config.compile_kernels_ahead is off): a compile-only dry run of the
+        start-up's steps, so that their Triton kernels compile in parallel threads rather than
+        one by one as the steps meet them (kernels.compile_ahead)."""
+        if not self.config.compile_kernels_ahead or self.device.type != "cuda":
+            return
+        if not compile_ahead.available():
+            return
+        start = time.perf_counter()
+        with compile_ahead.compile_only():
+            self.dry_run()
+        self._timed("kernel_compile", start)
+
+    @torch.inference_mode()
+    def dry_run(self) -> None:
+        """The start-up's steps (the memory-profiling step, sampling without logprobs; the
+        eager warm-up steps; decode steps at a few batch sizes) on a temporary KV cache.
+        Nothing of them stays behind."""
+        config = self.config
+        assert config.max_model_len is not None
+        # the warm-up steps' contexts as on a cache larger than any of them
+        plans = [self._profile_plan(_DRY_RUN_SAMPLING)]
+        plans += self._warm_up_plans(config.max_model_len + 4096 + 256)
+        num_blocks = max(blocks for _, blocks in plans)
+        cache = torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.dtype, device=self.device)
+        self._bind_kv_cache(cache)
+        try:
+            for plan, _ in plans:
+                self._execute_synthetic(plan)
+            self._dry_run_decode_steps()
+        finally:
+            self._reset_after_synthetic_steps()
+
+    def _dry_run_decode_steps(self) -> None:
+        """The static decode step's function at batch sizes that specialise kernels
+        differently (1 row, few rows, a multiple of 16, the largest), on padding inputs."""
+        config = self.config
+        assert self.model is not None and config.max_model_len is not None
+        step = DecodeStep(
+            self.model, self.sampled, config.max_num_seqs, config.max_model_len,
+            self.block_size, self.attention_backend,
+        )  # type: ignore[arg-type]  # fmt: skip
+        for size in sorted({min(n, config.max_num_seqs) for n in (1, 2, 16, config.max_num_seqs)}):
+            step.forward(size, step.metadata(size, config.max_model_len))
+
+    def _reset_after_synthetic_steps(self) -> None:
+        """Back to the engine's KV cache (if any) and a freshly seeded sampling generator."""
+        if self.kv_cache is not None:
+            self._bind_kv_cache(self.kv_cache)
+        self.sampler.generator = torch.Generator(device=self.device)
+        self.sampler.generator.manual_seed(self.config.seed)
 
     def _build_decode_step(self) -> None:
         """The static decode path, with its steps captured as CUDA graphs on a cuda device
@@ -498,21 +561,23 @@ class ModelRunner:
     def profile_run(self) -> None:
         """One step at the token budget through the real path: the longest prefill that fits,
         plus one-token requests up to max_num_seqs, all sampling with every filter on."""
-        config = self.config
-        assert config.max_model_len is not None
-        budget = config.max_num_batched_tokens
-        num_requests = min(config.max_num_seqs, budget)
-        lengths = [min(config.max_model_len, budget - num_requests + 1)] + [1] * (num_requests - 1)
-        plan, num_blocks = self._synthetic_plan([(n, 0) for n in lengths], _PROFILE_SAMPLING)
+        plan, num_blocks = self._profile_plan(_PROFILE_SAMPLING)
         self._bind_kv_cache(torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.dtype,
                                         device=self.device))  # fmt: skip
         try:
             self._execute_synthetic(plan)
         finally:
-            if self.kv_cache is not None:
-                self._bind_kv_cache(self.kv_cache)
-            self.sampler.generator = torch.Generator(device=self.device)
-            self.sampler.generator.manual_seed(config.seed)
+            self._reset_after_synthetic_steps()
+
+    def _profile_plan(self, sampling: SamplingParams) -> tuple[StepPlan, int]:
+        """profile_run's step: the longest prefill that fits the token budget plus one-token
+        requests up to max_num_seqs; and the KV blocks it uses."""
+        config = self.config
+        assert config.max_model_len is not None
+        budget = config.max_num_batched_tokens
+        num_requests = min(config.max_num_seqs, budget)
+        lengths = [min(config.max_model_len, budget - num_requests + 1)] + [1] * (num_requests - 1)
+        return self._synthetic_plan([(n, 0) for n in lengths], sampling)
 
     def _execute_synthetic(self, plan: StepPlan) -> None:
         """execute() a _synthetic_plan, then drop its requests from the persistent batch."""
