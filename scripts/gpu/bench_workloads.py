@@ -22,6 +22,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -256,14 +257,26 @@ def profile(args: argparse.Namespace) -> list[str]:
 
 
 def startup(args: argparse.Namespace) -> list[str]:
-    """Twice: the first start on a fresh machine compiles every Triton kernel (cold JIT
-    cache); the second finds them in Triton's on-disk cache, as any later start does."""
+    """The first start on a fresh machine compiles every Triton kernel (cold JIT cache); a
+    later start finds them in Triton's on-disk cache. With --startup-ab, more cold starts on
+    the same machine, each with an empty Triton cache: with and without the parallel
+    compile-only dry run (EngineConfig.compile_kernels_ahead)."""
     from pagedserve import LLM, SamplingParams
 
+    fresh = [("first start on this machine (empty Triton cache)", True, "a")]
+    if args.startup_ab:
+        fresh += [
+            ("empty Triton cache, kernels compiled one by one (compile_kernels_ahead off)",
+             False, "b"),
+            ("empty Triton cache, compile_kernels_ahead on", True, "c"),
+        ]  # fmt: skip
+    starts = fresh + [("later start (Triton cache of the start before)", True, fresh[-1][2])]
     lines = ["### Start-up: LLM(Qwen3-0.6B dummy, CUDA graphs on) until it accepts a request\n"]
-    for label in ("first start on this machine (cold Triton cache)", "second start"):
+    root = Path(tempfile.mkdtemp(prefix="triton-cache-"))
+    for label, ahead, cache in starts:
+        os.environ["TRITON_CACHE_DIR"] = str(root / cache)  # the actors inherit it
         start = time.perf_counter()
-        with LLM(**engine_args(QWEN)) as llm:
+        with LLM(**engine_args(QWEN, compile_kernels_ahead=ahead)) as llm:
             ready = time.perf_counter() - start
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
             actors = llm.supervisor.startup_seconds
@@ -274,6 +287,7 @@ def startup(args: argparse.Namespace) -> list[str]:
         )
         lines.append(f"- {label}: ready in {ready:.1f} s (seconds per actor: {phases})")
         print(lines[-1], flush=True)
+    del os.environ["TRITON_CACHE_DIR"]
     return lines
 
 
@@ -284,6 +298,7 @@ def main() -> int:
     parser.add_argument("--hf-prompts", type=int, default=64)
     parser.add_argument("--hf-cb", action="store_true")
     parser.add_argument("--hf-latency", action="store_true")
+    parser.add_argument("--startup-ab", action="store_true", help="more cold starts")
     parser.add_argument("--w3-cublas", action="store_true", help="W3 also with cuBLAS GEMMs")
     parser.add_argument(
         "--repeat", type=int, default=1, help="W1/W2/W3: pagedserve runs, each a new engine"

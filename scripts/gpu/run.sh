@@ -2,7 +2,7 @@
 # The one GPU script: install the carried wheels, check every kernel against its reference,
 # check full-engine parity, then run the benchmarks. Run on the device machine from the repo
 # root with `.whl` carried; results land in $OUT (or scripts/results/gpu when OUT is unset).
-#   bash scripts/gpu/run.sh [kernels] [anatomy] [parity] [workloads ARGS...]
+#   bash scripts/gpu/run.sh [kernels] [splits] [probe] [anatomy] [parity] [workloads ARGS...]
 set -uo pipefail
 OUT=${OUT:-scripts/results/gpu}
 mkdir -p "$OUT"
@@ -30,7 +30,10 @@ while [ $# -gt 0 ]; do
       python3 scripts/gpu/step_anatomy.py --batches 1 64 256 --out "$OUT/anatomy_qwen3.md" || status=1
       python3 scripts/gpu/step_anatomy.py --model scripts/gpu/configs/llama-3.1-8b --batches 1 256 \
         --out "$OUT/anatomy_llama.md" || status=1 ;;
-    parity) python3 scripts/gpu/parity.py --out "$OUT/parity.md" || status=1 ;;
+    install) ;;  # the install steps above only
+    splits) python3 scripts/gpu/sweep_decode_splits.py --out "$OUT/splits.md" || status=1 ;;
+    probe) python3 scripts/gpu/compile_parallelism.py > "$OUT/compile_probe.md" || status=1 ;;
+    parity) python3 scripts/gpu/parity.py --jobs 6 --out "$OUT/parity.md" || status=1 ;;
     workloads) shift; python3 scripts/gpu/bench_workloads.py --out "$OUT/workloads.md" "$@" || status=1; break ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
