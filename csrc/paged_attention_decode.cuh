@@ -541,9 +541,11 @@ __global__ void __launch_bounds__(NUM_THREADS) reduce_kernel(const Params p) {
 // The split count for `programs` = batch * num_kv_heads CTAs of work over max_seq_len keys,
 // from a wave model: `slots` = SMs x resident CTAs per SM run at once; a CTA streams its keys at
 // min(its own in-flight bytes / latency, HBM bandwidth / CTAs running) after a fixed start-up
-// cost; several splits cost a reduce pass. Splits cover whole tiles, at least two each. Among
-// plans within 2% of the fastest, the one with the most CTAs that still fit in one wave wins
-// (more bytes in flight: a margin against a longer memory latency than modelled).
+// cost; several splits cost a reduce pass. Splits cover whole tiles, at least two each. The
+// fastest modelled plan wins (the fewest splits among equals): on an H200 a sweep of forced
+// split counts (scripts/gpu/sweep_decode_splits.py) found it within noise of the fastest
+// measured count at batch 1-16, where preferring more CTAs in one wave (the earlier rule) took
+// 43-64 splits at batch 1 and lost 1-2 us to the extra CTAs and the longer reduce.
 inline SplitPlan plan_splits(int64_t programs, int64_t max_seq_len, int tile, int sms, int slots,
                              double bytes_per_key, double cta_inflight_bytes,
                              double partial_bytes_per_split) {
@@ -567,23 +569,14 @@ inline SplitPlan plan_splits(int64_t programs, int64_t max_seq_len, int tile, in
     if (s > 1) us += kReduceUs + 2.0 * ctas * partial_bytes_per_split / hbm;
     return us;
   };
-  double best_us = -1.0;
-  for (int64_t s = 1; s <= max_splits; ++s) {
+  SplitPlan best{1, static_cast<int>(num_tiles * tile)};
+  double best_us = model_us(1, num_tiles);
+  for (int64_t s = 2; s <= max_splits; ++s) {
     const int64_t per_split = (num_tiles + s - 1) / s;  // tiles
     if ((num_tiles + per_split - 1) / per_split != s) continue;  // same plan as a smaller s
     const double us = model_us(s, per_split);
-    if (best_us < 0.0 || us < best_us) best_us = us;
-  }
-  SplitPlan best{1, static_cast<int>(num_tiles * tile)};
-  double chosen_us = -1.0;
-  for (int64_t s = 1; s <= max_splits; ++s) {
-    const int64_t per_split = (num_tiles + s - 1) / s;
-    if ((num_tiles + per_split - 1) / per_split != s) continue;
-    const double us = model_us(s, per_split);
-    const bool near_best = us <= best_us * 1.02;
-    const bool one_wave = programs * s <= slots;
-    if (chosen_us < 0.0 ? us <= best_us : near_best && one_wave && s > best.num_splits) {
-      chosen_us = us;
+    if (us < best_us) {
+      best_us = us;
       best = SplitPlan{static_cast<int>(s), static_cast<int>(per_split * tile)};
     }
   }

@@ -57,8 +57,9 @@ CXX_FLAGS = ("-O3",)  # the binding's host compiler flags
 _QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 _BUILD_WARNING = (
     "building the CUDA decode kernel with nvcc: once per machine and source version, "
-    "1-2 minutes (`python -c 'import pagedserve.kernels.cuda_attention'` builds it "
-    "ahead of time; attention_backend='triton' needs no build)"
+    "~20 s on 16 cores, longer on fewer "
+    "(`python -c 'import pagedserve.kernels.cuda_attention'` builds it ahead of time; "
+    "attention_backend='triton' needs no build)"
 )
 
 

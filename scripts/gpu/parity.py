@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -79,31 +81,39 @@ def run_in_parallel(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for start in range(0, len(rows), args.jobs):
             batch = rows[start : start + args.jobs]
-            outs = [Path(tmp) / f"{arch}-{backend}.md" for arch, backend in batch]
-            procs = [
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--archs",
-                        arch,
-                        "--backends",
-                        backend,
-                        "--out",
-                        str(out),
-                    ]
-                    + (["--eager-too"] if args.eager_too else [])
-                )  # fmt: skip
-                for (arch, backend), out in zip(batch, outs)
-            ]
-            for proc, out in zip(procs, outs):
-                ok &= proc.wait() == 0
-                rows_text = out.read_text().splitlines()[2:] if out.exists() else []
-                lines += rows_text or [f"| {out.stem} | | | ERROR (no output) | |"]
+            ok &= run_rows(batch, args.eager_too, Path(tmp), lines)
             print("\n".join(lines), flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
     return 0 if ok else 1
+
+
+def run_rows(rows: list[tuple[str, str]], eager_too: bool, tmp: Path, lines: list[str]) -> bool:
+    """One process per row at once; their table rows appended to `lines`."""
+    # a few CPU threads each: transformers' CPU reference in several processes with a thread
+    # per core each crawls (OpenMP threads spinning against each other)
+    threads = max(1, (os.cpu_count() or 2) // len(rows))
+    env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+    outs = [tmp / f"{arch}-{backend}.md" for arch, backend in rows]
+    extra = ["--eager-too"] if eager_too else []
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--archs", arch, "--backends", backend, "--out", str(out)]
+            + extra,
+            env=env,
+        )
+        for (arch, backend), out in zip(rows, outs)
+    ]
+    ok = True
+    try:
+        for proc, out in zip(procs, outs):
+            ok &= proc.wait() == 0
+            rows_text = out.read_text().splitlines()[2:] if out.exists() else []
+            lines += rows_text or [f"| {out.stem} | | | ERROR (no output) | |"]
+    finally:
+        for proc in procs:  # none outlives this run (cut by a timeout, say)
+            proc.kill()
+    return ok
 
 
 def main() -> int:
@@ -126,8 +136,10 @@ def main() -> int:
                 for eager in (False, True) if args.eager_too else (False,):
                     graphs = "off" if eager else "on"
                     try:
+                        start = time.perf_counter()
                         m, n, worst = check(arch, backend, eager, Path(tmp) / f"{backend}{eager}")
                         lines.append(f"| {arch} | {backend} | {graphs} | {m}/{n} | {worst:.2e} |")
+                        print(f"({arch} {backend}: {time.perf_counter() - start:.0f} s)")
                         ok &= m == n
                     except Exception:
                         traceback.print_exc()

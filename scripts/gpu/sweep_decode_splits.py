@@ -25,8 +25,8 @@ from bench_kernels import (  # noqa: E402
     load_cuda_attention,
 )
 
-SHAPES = [(1, 8192), (1, 4096), (1, 1024), (4, 8192), (16, 2048)]  # (batch, context)
-FORCED = [4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+SHAPES = [(1, 8192), (1, 4096), (1, 1024), (2, 4096), (4, 8192), (8, 4096), (16, 2048), (64, 2048)]
+FORCED = [2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
 
 
 def sweep_shape(kernels: tuple, cuda, model, batch: int, context: int, timer: Timer) -> str:  # type: ignore[no-untyped-def]
