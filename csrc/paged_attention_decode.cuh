@@ -12,8 +12,9 @@
 // computed in base 2: q is pre-multiplied by scale * log2(e), so e^(s - m) = 2^(s' - m').
 //
 // Grid (num_kv_heads, batch, num_splits), 128 threads (4 warps) a CTA. CTA (kv, b, split) owns
-// the G query heads of kv head `kv` of request b over keys [split * KPS, min(L_b, ...)) (KPS =
-// keys_per_split, a whole number of TILEs; the last split runs to L_b), so every K/V row is read
+// the G query heads of kv head `kv` of request b over keys [split * KPS, min(L_b, ...)) (KPS:
+// L_b spread over the splits in whole TILEs, at most the plan's keys_per_split; the last split
+// runs to L_b; see request_keys_per_split), so every K/V row is read
 // from memory once for all G heads. A split past L_b writes an empty partial (max -1e30, sum 0).
 //
 // Lane groups. A K or V row of head_dim elements is LANES 16-byte vectors (bf16/fp16: 8 elements,
@@ -214,6 +215,17 @@ __device__ __forceinline__ int block_column(int t, uint32_t magic, int shift) {
 
 // ------------------------------------------------------------------------------ decode kernel
 
+// A request's keys per split: its own context spread over the planned splits in whole tiles,
+// at most the planned keys_per_split (which covers max_seq_len). A plan made for a longer
+// context than the request's (CUDA graphs plan for max_model_len) still spreads the request's
+// keys over every split, rather than over the first few; the reduce derives the same size.
+__host__ __device__ __forceinline__ int request_keys_per_split(int seq_len, const Params& p) {
+  const int tiles = ((seq_len > 0 ? seq_len : 0) + p.split_tile - 1) / p.split_tile;
+  const int tiles_per_split = (tiles + p.num_splits - 1) / p.num_splits;
+  const int keys = (tiles_per_split > 1 ? tiles_per_split : 1) * p.split_tile;
+  return keys < p.keys_per_split ? keys : p.keys_per_split;
+}
+
 template <typename T, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(NUM_THREADS, (Config<T, HEAD_DIM, GROUP>::MIN_BLOCKS))
     decode_kernel(const Params p) {
@@ -230,9 +242,9 @@ __global__ void __launch_bounds__(NUM_THREADS, (Config<T, HEAD_DIM, GROUP>::MIN_
   const bool direct = p.num_splits == 1;
 
   const int seq_len = p.seq_lens[b];
-  const int k_begin = split * p.keys_per_split;
-  const int k_end =
-      split == p.num_splits - 1 ? seq_len : min(seq_len, k_begin + p.keys_per_split);
+  const int keys_per_split = request_keys_per_split(seq_len, p);
+  const int k_begin = split * keys_per_split;
+  const int k_end = split == p.num_splits - 1 ? seq_len : min(seq_len, k_begin + keys_per_split);
   if (k_begin >= k_end) {  // nothing to attend (padding request, split past the context)
     for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
       const int64_t row = (int64_t)b * num_heads + kv_head * GROUP + i / HEAD_DIM;
@@ -482,8 +494,9 @@ __global__ void __launch_bounds__(NUM_THREADS) reduce_kernel(const Params p) {
   const int64_t row = blockIdx.x;
   const int b = static_cast<int>(row / p.num_heads);
   const int seq_len = p.seq_lens[b];
+  const int keys_per_split = request_keys_per_split(seq_len, p);
   const int used =
-      seq_len <= 0 ? 0 : min(p.num_splits, (seq_len + p.keys_per_split - 1) / p.keys_per_split);
+      seq_len <= 0 ? 0 : min(p.num_splits, (seq_len + keys_per_split - 1) / keys_per_split);
   const int64_t base = row * p.num_splits;
   float ms[PER_LANE], ls[PER_LANE];
 #pragma unroll
@@ -648,8 +661,10 @@ SplitPlan plan_with_splits(int64_t max_seq_len, int64_t num_splits) {
 // Launch the decode kernel (and the reduce when p.num_splits > 1) on `stream`; p carries the
 // plan (keys_per_split, num_splits) and, for several splits, the partial buffers.
 template <typename T, int HEAD_DIM, int GROUP>
-cudaError_t launch(const Params& p, int num_kv_heads, cudaStream_t stream) {
+cudaError_t launch(const Params& plan_params, int num_kv_heads, cudaStream_t stream) {
   using C = Config<T, HEAD_DIM, GROUP>;
+  Params p = plan_params;
+  p.split_tile = C::TILE;
   if (p.batch == 0) return cudaSuccess;
   const dim3 grid(num_kv_heads, p.batch, p.num_splits);
   decode_kernel<T, HEAD_DIM, GROUP><<<grid, NUM_THREADS, C::SMEM_BYTES, stream>>>(p);

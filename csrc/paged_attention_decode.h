@@ -43,6 +43,7 @@ struct Params {
   int stride_tok;
   int stride_head;
   int64_t bt_stride;  // block_tables row stride
+  int split_tile;     // keys a split's size is a multiple of (set by launch: the kernel's TILE)
 };
 
 // Division by block_size as a multiply (round-up method, exact for 0 <= t < 2^31):

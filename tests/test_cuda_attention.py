@@ -368,6 +368,55 @@ int main() {
 """
 
 
+REQUEST_SPLITS_HARNESS = r"""
+#include <cstdio>
+
+#include "paged_attention_decode.cuh"
+
+namespace pd = pagedserve_decode;
+
+int main() {
+  const int seq_lens[] = {SEQ_LENS};
+  const pd::SplitPlan plan = pd::fixed_splits(4096, 32, 32);  // CUDA graphs plan for 4096 keys
+  pd::Params p{};
+  p.num_splits = plan.num_splits;
+  p.keys_per_split = plan.keys_per_split;
+  p.split_tile = 32;
+  for (const int seq_len : seq_lens) {
+    std::printf("%d %d\n", seq_len, pd::request_keys_per_split(seq_len, p));
+  }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (host code only, no GPU)")
+def test_a_short_context_spreads_over_every_split(tmp_path: Path) -> None:
+    """With splits planned for 4,096 keys (32 splits of 128), a request's keys per split follow
+    its own context: whole 32-key tiles, at most the planned 128, and as many splits at work as
+    its tiles allow; the splits (the last one running to the end) cover its keys exactly once."""
+    seq_lens = [0, 1, 31, 32, 33, 256, 1000, 1024, 4000, 4096]
+    source = REQUEST_SPLITS_HARNESS.replace("SEQ_LENS", ", ".join(map(str, seq_lens)))
+    (tmp_path / "harness.cu").write_text(source)
+    binary = tmp_path / "harness"
+    compile_cmd = [_nvcc(), "-std=c++17", f"-I{CSRC}", str(tmp_path / "harness.cu")]
+    subprocess.run([*compile_cmd, "-o", str(binary)], check=True, timeout=300)
+    out = subprocess.run([binary], check=True, capture_output=True, text=True).stdout
+    keys = {int(a): int(b) for a, b in (line.split() for line in out.splitlines())}
+    num_splits = 32
+    for seq_len, per_split in keys.items():
+        assert per_split % 32 == 0 and 32 <= per_split <= 128, (seq_len, per_split)
+        spans = [
+            (s * per_split, seq_len if s == num_splits - 1 else min(seq_len, (s + 1) * per_split))
+            for s in range(num_splits)
+        ]
+        covered = [k for begin, end in spans for k in range(begin, end)]
+        assert covered == list(range(seq_len)), seq_len
+        working = sum(end > begin for begin, end in spans)
+        assert working == min(num_splits, -(-seq_len // 32)), (seq_len, working)
+    assert keys[256] == 32 and keys[1000] == 32 and keys[4096] == 128
+
+
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (host code only, no GPU)")
 def test_split_override_is_clamped_to_whole_tiles(tmp_path: Path) -> None:
     """fixed_splits (max_seq_len, tile, requested) -> (splits, keys a split): at least one, at
