@@ -1,7 +1,9 @@
 """The CUDA decode kernel's split count at small batches: for each shape, the planned split
 count and the kernel's time with a range of forced counts (`decode(num_splits=...)`), next to
-the Triton decode kernel on the same inputs. Every forced count is checked against the planned
-run's output. Times are CUDA-graph replays with a cold L2 (bench_kernels.Timer).
+the Triton decode kernel on the same inputs. A shape's plan may be for a longer context than
+its requests have (`plan` > context), as CUDA graphs plan for max_model_len. The planned run is
+checked against the float32 torch reference, every forced count against the planned run.
+Times are CUDA-graph replays with a cold L2 (bench_kernels.Timer).
 
     python scripts/gpu/sweep_decode_splits.py [--out FILE]
 """
@@ -25,11 +27,16 @@ from bench_kernels import (  # noqa: E402
     load_cuda_attention,
 )
 
-SHAPES = [(1, 8192), (1, 4096), (1, 1024), (2, 4096), (4, 8192), (8, 4096), (16, 2048), (64, 2048)]
-FORCED = [2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+# (batch, context, the max_seq_len the plan is made for)
+SHAPES = [(1, 8192, 8192), (1, 4096, 4096), (1, 1024, 1024), (2, 4096, 4096), (4, 8192, 8192),
+          (8, 4096, 4096), (16, 2048, 2048), (64, 2048, 2048),
+          (1, 256, 4096), (1, 1024, 4096), (8, 512, 4096), (64, 1024, 4096)]  # fmt: skip
+FORCED = [2, 4, 8, 16, 32, 64, 128]
 
 
-def sweep_shape(kernels: tuple, cuda, model, batch: int, context: int, timer: Timer) -> str:  # type: ignore[no-untyped-def]
+def sweep_shape(
+    kernels: tuple, cuda, model, batch: int, context: int, plan: int, timer: Timer
+) -> str:  # type: ignore[no-untyped-def]
     attention, triton_attention, _, _ = kernels
     device, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator().manual_seed(batch * 7 + context)
@@ -44,16 +51,16 @@ def sweep_shape(kernels: tuple, cuda, model, batch: int, context: int, timer: Ti
     )  # fmt: skip
     scale = model.head_dim**-0.5
     group = model.num_heads // model.num_kv_heads
-    planned = cuda.planned_num_splits(
-        batch, model.num_kv_heads, context, model.head_dim, group, dtype
-    )
+    planned = cuda.planned_num_splits(batch, model.num_kv_heads, plan, model.head_dim, group, dtype)
     out = torch.empty_like(q)
 
     def run(splits: int | None) -> torch.Tensor:
-        return cuda.decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, context,
+        return cuda.decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, plan,
                            out=out, num_splits=splits)  # fmt: skip
 
     expected = run(None).clone()
+    reference = attention.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
+    ref_error = (expected.float() - reference).abs().max().item()
     out_triton = torch.empty_like(q)
 
     def triton_fn() -> torch.Tensor:
@@ -73,7 +80,7 @@ def sweep_shape(kernels: tuple, cuda, model, batch: int, context: int, timer: Ti
         cells.append(f"{us:.1f}" + ("" if error < 2e-2 else f" ERR {error:.1e}"))
     triton_us = timer.graph(triton_fn)
     return (
-        f"| {model.name} | {batch}x{context} | {triton_us:.1f} | "
+        f"| {model.name} | {batch}x{context} | {plan} | {ref_error:.1e} | {triton_us:.1f} | "
         + " | ".join(cells)
         + f" | {best[1]} ({best[0]:.1f}) |"
     )
@@ -93,15 +100,15 @@ def main() -> int:
         f"# CUDA decode kernel: split count sweep ({datetime.date.today()}, "
         f"{torch.cuda.get_device_name()})\n",
         "µs per call (CUDA graph, cold L2); `planned` is the kernel's own choice (its count).\n",
-        "| model | batch x context | Triton µs | planned | "
+        "| model | batch x context | plan for | planned vs reference | Triton µs | planned | "
         + " | ".join(f"{s} splits" for s in FORCED)
         + " | best |",
-        "|---|---|---:|---:|" + "---:|" * len(FORCED) + "---|",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * len(FORCED) + "---|",
     ]
     print("\n".join(lines), flush=True)
     for model in MODELS:
-        for batch, context in SHAPES:
-            lines.append(sweep_shape(kernels, cuda, model, batch, context, timer))
+        for batch, context, plan in SHAPES:
+            lines.append(sweep_shape(kernels, cuda, model, batch, context, plan, timer))
             print(lines[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
