@@ -16,7 +16,7 @@ Linear (`--only gemv`): each model's projections (qkv, o_proj, gate_up, down, lm
 
 Attention rows, one per implementation (`impl`) on the same q, caches and block tables:
   triton      pagedserve.kernels.triton_attention.paged_attention (every shape)
-  cuda        pagedserve.kernels.cuda_attention.decode, csrc/paged_attention_decode.cu built
+  cuda        pagedserve.kernels.cuda_attention.decode, csrc/paged_attention_decode*.cu built
               with nvcc on import (decode shapes only: that backend runs Triton for prefill);
               "unavailable: why" when it cannot be built or imported
   flashinfer  FlashInfer 0.5's BatchDecodeWithPagedKVCacheWrapper (decode shapes) or
@@ -89,7 +89,7 @@ def import_kernels() -> tuple[types.ModuleType, ...]:
 
 
 def load_cuda_attention() -> tuple[types.ModuleType | None, str]:
-    """pagedserve.kernels.cuda_attention (its import builds csrc/paged_attention_decode.cu with
+    """pagedserve.kernels.cuda_attention (its import builds csrc/paged_attention_decode*.cu with
     nvcc, cached by torch after the first time), or None and why it cannot be used."""
     import_package()
     start = time.perf_counter()
