@@ -256,14 +256,17 @@ class ModelRunner:
     def _dry_run_decode_steps(self) -> None:
         """The static decode step's function at batch sizes that specialise kernels
         differently (1 row, few rows, a multiple of 16, the largest), on padding inputs."""
+        step, config = self._new_decode_step(), self.config
+        for size in sorted({min(n, config.max_num_seqs) for n in (1, 2, 16, config.max_num_seqs)}):
+            step.forward(size, step.metadata(size, step.max_model_len))
+
+    def _new_decode_step(self) -> DecodeStep:
         config = self.config
         assert self.model is not None and config.max_model_len is not None
-        step = DecodeStep(
+        return DecodeStep(
             self.model, self.sampled, config.max_num_seqs, config.max_model_len,
             self.block_size, self.attention_backend,
         )  # type: ignore[arg-type]  # fmt: skip
-        for size in sorted({min(n, config.max_num_seqs) for n in (1, 2, 16, config.max_num_seqs)}):
-            step.forward(size, step.metadata(size, config.max_model_len))
 
     def _reset_after_synthetic_steps(self) -> None:
         """Back to the engine's KV cache (if any) and a freshly seeded sampling generator."""
@@ -277,12 +280,7 @@ class ModelRunner:
         with a graph-safe backend (unless enforce_eager); a capture failure is logged and
         decode steps run the same path eagerly."""
         config = self.config
-        assert self.model is not None and config.max_model_len is not None
-        step = DecodeStep(
-            self.model, self.sampled, config.max_num_seqs, config.max_model_len,
-            self.block_size, self.attention_backend,
-        )  # type: ignore[arg-type]  # fmt: skip
-        self.decode_step = step
+        step = self.decode_step = self._new_decode_step()
         graphs_apply = self.attention_backend in ("triton", "cuda") and not config.enforce_eager
         if self.device.type != "cuda" or not graphs_apply:
             return
