@@ -157,9 +157,11 @@ def latency(args: argparse.Namespace) -> list[str]:
     ]
     for model in (QWEN, LLAMA):
         for run in range(args.repeat):  # each a new engine: 1 warm-up + 3 timed requests
-            ours = bench.latency_pagedserve(engine_args(model, max_num_seqs=8), 128, 256, iters=3)
+            settings = engine_args(model, max_num_seqs=8, tensor_parallel_size=args.tp)
+            ours = bench.latency_pagedserve(settings, 128, 256, iters=3)
             free_gpu()
-            label = "pagedserve" + (f" (engine {run + 1})" if args.repeat > 1 else "")
+            label = "pagedserve" + (f", TP {args.tp}" if args.tp > 1 else "")
+            label += f" (engine {run + 1})" if args.repeat > 1 else ""
             lines.append(f"| {Path(model).name} | {label} | {ours['tpot_ms']:.2f} |")
             print(lines[-1], flush=True)
         if args.w3_cublas:  # the same without the Triton small-batch GEMM
@@ -299,6 +301,7 @@ def main() -> int:
     parser.add_argument("--hf-cb", action="store_true")
     parser.add_argument("--hf-latency", action="store_true")
     parser.add_argument("--startup-ab", action="store_true", help="more cold starts")
+    parser.add_argument("--tp", type=int, default=1, help="W3: tensor_parallel_size")
     parser.add_argument("--w3-cublas", action="store_true", help="W3 also with cuBLAS GEMMs")
     parser.add_argument(
         "--repeat", type=int, default=1, help="W1/W2/W3: pagedserve runs, each a new engine"

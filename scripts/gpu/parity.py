@@ -39,7 +39,9 @@ LENGTHS = [1, 3, 7, 16, 17, 33, 50, 90]
 NEW_TOKENS = 32
 
 
-def check(arch: str, backend: str, eager: bool, workdir: Path) -> tuple[int, int, float]:
+def check(
+    arch: str, backend: str, eager: bool, workdir: Path, tp: int = 1
+) -> tuple[int, int, float]:
     """(prompts matching in both runs, prompts, max |logprob diff|)."""
     path = save_tiny_model(arch, workdir / arch, hidden_size=256)  # head_dim 64
     prompts = random_prompts(400, LENGTHS, seed=1)
@@ -51,6 +53,7 @@ def check(arch: str, backend: str, eager: bool, workdir: Path) -> tuple[int, int
         dtype="float32",
         attention_backend=backend,
         enforce_eager=eager,
+        tensor_parallel_size=tp,
         max_num_batched_tokens=64,
         num_kv_blocks=256,
     ) as llm:
@@ -81,21 +84,23 @@ def run_in_parallel(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for start in range(0, len(rows), args.jobs):
             batch = rows[start : start + args.jobs]
-            ok &= run_rows(batch, args.eager_too, Path(tmp), lines)
+            ok &= run_rows(batch, args, Path(tmp), lines)
             print("\n".join(lines), flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
     return 0 if ok else 1
 
 
-def run_rows(rows: list[tuple[str, str]], eager_too: bool, tmp: Path, lines: list[str]) -> bool:
+def run_rows(
+    rows: list[tuple[str, str]], args: argparse.Namespace, tmp: Path, lines: list[str]
+) -> bool:
     """One process per row at once; their table rows appended to `lines`."""
     # a few CPU threads each: transformers' CPU reference in several processes with a thread
     # per core each crawls (OpenMP threads spinning against each other)
     threads = max(1, (os.cpu_count() or 2) // len(rows))
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     outs = [tmp / f"{arch}-{backend}.md" for arch, backend in rows]
-    extra = ["--eager-too"] if eager_too else []
+    extra = ["--tp", str(args.tp)] + (["--eager-too"] if args.eager_too else [])
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--archs", arch, "--backends", backend, "--out", str(out)]
@@ -122,6 +127,7 @@ def main() -> int:
     parser.add_argument("--archs", nargs="+", default=["llama", "qwen2", "qwen3"])
     parser.add_argument("--out", default=None)
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs)")
     parser.add_argument("--eager-too", action="store_true", help="also run without CUDA graphs")
     args = parser.parse_args()
     if args.jobs > 1:
@@ -137,8 +143,10 @@ def main() -> int:
                     graphs = "off" if eager else "on"
                     try:
                         start = time.perf_counter()
-                        m, n, worst = check(arch, backend, eager, Path(tmp) / f"{backend}{eager}")
-                        lines.append(f"| {arch} | {backend} | {graphs} | {m}/{n} | {worst:.2e} |")
+                        workdir = Path(tmp) / f"{backend}{eager}"
+                        m, n, worst = check(arch, backend, eager, workdir, args.tp)
+                        label = backend if args.tp == 1 else f"{backend}, TP {args.tp}"
+                        lines.append(f"| {arch} | {label} | {graphs} | {m}/{n} | {worst:.2e} |")
                         print(f"({arch} {backend}: {time.perf_counter() - start:.0f} s)")
                         ok &= m == n
                     except Exception:
