@@ -9,10 +9,10 @@ layout (every small field whole, then the first `rows` block-table rows) in one 
 copy. CUDA graphs captured on the device views read every step's inputs from the same
 addresses, so a step needs no per-field copies.
 
-Reuse: two staging buffers are used in turn; a buffer is refilled only once the copy that last
-read it has run. The device buffer is overwritten by the next step's copy, which the stream
-orders after every kernel of this step. On the CPU the device buffer is the staging buffer and
-`upload` does nothing.
+Reuse: the pinned staging buffers are the uploader's PinnedStaging (two, used in turn, each
+refilled only once the copy that last read it has run). The device buffer is overwritten by the
+next step's copy, which the stream orders after every kernel of this step. On the CPU the
+device buffer is the staging buffer and `upload` does nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 import torch
+
+from pagedserve.actors.worker.uploader import PinnedStaging
 
 _ALIGN = 16  # bytes
 
@@ -112,36 +114,28 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 class DecodeBuffers:
     def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
         self.layout = DecodeLayout(max_batch, max_blocks)
-        self.device = device
-        nbytes = self.layout.nbytes
-        self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.tensors = self.layout.tensor_views(self.device_buffer)
+        self.pinned: PinnedStaging | None = None
         if device.type == "cuda":
-            self.hosts = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True) for _ in "ab"]
-        else:
-            self.hosts = [self.device_buffer]
-        self.host_views = [self.layout.numpy_views(h.numpy()) for h in self.hosts]
-        self.copied: list[torch.cuda.Event | None] = [None] * len(self.hosts)
-        self.turn = 0
+            self.pinned = PinnedStaging(self.layout.nbytes, device)
+            self.device_buffer = self.pinned.device_buffer
+            hosts = self.pinned.hosts
+        else:  # the staging buffer is the device buffer
+            self.device_buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8)
+            hosts = [self.device_buffer]
+        self.tensors = self.layout.tensor_views(self.device_buffer)
+        self.host_views = [self.layout.numpy_views(h.numpy()) for h in hosts]
         for views in self.host_views:
             views.pad(0, max_batch)
         self.upload(max_batch)
 
     def staging(self) -> DecodeFields[np.ndarray]:
         """Numpy views of the staging buffer the next upload sends (free to write now)."""
-        event = self.copied[self.turn]
-        if event is not None:
-            event.synchronize()
-        return self.host_views[self.turn]
+        if self.pinned is None:
+            return self.host_views[0]
+        self.pinned.next_host()
+        return self.host_views[self.pinned.turn]
 
     def upload(self, rows: int) -> None:
         """Send the staging buffer's used prefix for `rows` rows to the device buffer."""
-        if self.device.type != "cuda":
-            return
-        nbytes = self.layout.used_bytes(rows)
-        host = self.hosts[self.turn]
-        self.device_buffer[:nbytes].copy_(host[:nbytes], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.copied[self.turn] = event
-        self.turn = (self.turn + 1) % len(self.hosts)
+        if self.pinned is not None:
+            self.pinned.send(self.layout.used_bytes(rows))

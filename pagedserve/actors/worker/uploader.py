@@ -25,42 +25,52 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-class Uploader:
-    def __init__(self, device: torch.device, capacity: int = 1 << 20) -> None:
-        self.device = device
-        self.capacity = 0
-        self.turn = 0
-        self.host: list[torch.Tensor] = []
+class PinnedStaging:
+    """Two pinned host buffers, used in turn, and the device buffer they are copied into
+    (CUDA). A host buffer is handed out for writing only once the copy that last read it has
+    run; `send` copies the current one's first bytes with one non-blocking copy."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.hosts = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True) for _ in "ab"]
+        self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.copied: list[torch.cuda.Event | None] = [None, None]
-        self.device_buffer = torch.empty(0, dtype=torch.uint8)
-        if device.type == "cuda":
-            self._allocate(capacity)
+        self.turn = 0
 
-    def _allocate(self, capacity: int) -> None:
-        torch.cuda.synchronize(self.device)  # no copy may still read the old buffers
-        self.capacity = capacity
-        self.host = [torch.empty(capacity, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.copied = [None, None]
-        self.device_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-
-    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Device tensors with the arrays' dtypes, shapes and values (views of one buffer)."""
-        if self.device.type != "cuda":
-            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        offsets, total = packed_layout(arrays)
-        if total > self.capacity:
-            self._allocate(max(total, 2 * self.capacity))
-        host, event = self.host[self.turn], self.copied[self.turn]
+    def next_host(self) -> torch.Tensor:
+        """The host buffer the next `send` copies (free to write once this returns)."""
+        event = self.copied[self.turn]
         if event is not None:
             event.synchronize()
-        pack(arrays, offsets, host.numpy())
-        if total:
-            self.device_buffer[:total].copy_(host[:total], non_blocking=True)
+        return self.hosts[self.turn]
+
+    def send(self, nbytes: int) -> None:
+        if nbytes:
+            self.device_buffer[:nbytes].copy_(self.hosts[self.turn][:nbytes], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self.copied[self.turn] = event
         self.turn ^= 1
-        return unpack(self.device_buffer, arrays, offsets)
+
+
+class Uploader:
+    def __init__(self, device: torch.device, capacity: int = 1 << 20) -> None:
+        self.device = device
+        self.staging: PinnedStaging | None = None
+        if device.type == "cuda":
+            self.staging = PinnedStaging(capacity, device)
+
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Device tensors with the arrays' dtypes, shapes and values (views of one buffer)."""
+        if self.staging is None:
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        offsets, total = packed_layout(arrays)
+        capacity = self.staging.device_buffer.numel()
+        if total > capacity:
+            torch.cuda.synchronize(self.device)  # no copy may still read the old buffers
+            self.staging = PinnedStaging(max(total, 2 * capacity), self.device)
+        pack(arrays, offsets, self.staging.next_host().numpy())
+        self.staging.send(total)
+        return unpack(self.staging.device_buffer, arrays, offsets)
 
 
 def packed_layout(arrays: list[np.ndarray]) -> tuple[list[int], int]:
