@@ -58,8 +58,12 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagedserve.kernels.attention import AttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
@@ -396,6 +400,22 @@ def _sync_quietly() -> None:
         print(f"  (synchronize after the failure: {type(exc).__name__}: {str(exc)[:200]})")
 
 
+def triton_attention_fn(
+    triton_attention: types.ModuleType, q: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """The Triton paged attention on these inputs, into one output buffer, as a call."""
+    out = torch.empty_like(q)
+
+    def run() -> torch.Tensor:
+        return triton_attention.paged_attention(
+            q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+            md.max_query_len, scale, out, max_seq_len=md.max_seq_len,
+        )  # fmt: skip
+
+    return run
+
+
 def bench_attention(
     kernels: tuple, model: Model, name: str, requests: list, ctx: dict
 ) -> list[Row]:
@@ -432,14 +452,7 @@ def bench_attention(
         for impl in attention_impls(requests, ctx["flashinfer"] is not False)
     }
 
-    out_triton = torch.empty_like(q)
-
-    def triton_fn() -> torch.Tensor:
-        return triton_attention.paged_attention(
-            q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-            md.max_query_len, scale, out_triton, max_seq_len=md.max_seq_len,
-        )  # fmt: skip
-
+    triton_fn = triton_attention_fn(triton_attention, q, k_cache, v_cache, md, scale)
     measure(rows["triton"], triton_fn, expected, timer, gate=True)
 
     if "cuda" in rows:

@@ -25,6 +25,7 @@ from bench_kernels import (  # noqa: E402
     attention_metadata_cpu,
     import_kernels,
     load_cuda_attention,
+    triton_attention_fn,
 )
 
 # (batch, context, the max_seq_len the plan is made for)
@@ -61,13 +62,7 @@ def sweep_shape(
     expected = run(None).clone()
     reference = attention.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
     ref_error = (expected.float() - reference).abs().max().item()
-    out_triton = torch.empty_like(q)
-
-    def triton_fn() -> torch.Tensor:
-        return triton_attention.paged_attention(
-            q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-            md.max_query_len, scale, out_triton, max_seq_len=md.max_seq_len,
-        )  # fmt: skip
+    triton_fn = triton_attention_fn(triton_attention, q, k_cache, v_cache, md, scale)
 
     cells = [f"{timer.graph(lambda: run(None)):.1f} ({planned})"]
     best = (float("inf"), 0)
