@@ -254,6 +254,16 @@ def assemble_attention_metadata(
     )
 
 
+def _unpadded(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of a k/v write whose slot is real (padding rows carry slot -1)."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return k, v, slot_mapping
+    return k[keep], v[keep], slot_mapping[keep]
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -261,7 +271,9 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim]; cache[slot_mapping[i]] = k[i] (and v)."""
+    """k, v: [num_tokens, num_kv_heads, head_dim]; cache[slot_mapping[i]] = k[i] (and v);
+    rows with a negative slot (padding) are skipped."""
+    k, v, slot_mapping = _unpadded(k, v, slot_mapping)
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
@@ -558,6 +570,7 @@ def write_kv_cache_head_major(
     ):
         torch.ops.pagedserve_cpu.write_kv_head_major(k, v, k_cache, v_cache, slot_mapping)
         return
+    k, v, slot_mapping = _unpadded(k, v, slot_mapping)
     num_kv_heads, _, _, head_dim = k_cache.shape
     k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
