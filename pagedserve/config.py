@@ -48,6 +48,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
+    # Requests allowed to wait for the running set; beyond it the engine answers 503
+    # (admission control). None: scaled to max_num_seqs and the KV cache.
+    max_waiting_requests: int | None = None
     num_kv_blocks: int | None = None  # override the memory-derived number of KV blocks
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0

@@ -96,9 +96,9 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [f"ROMEO: speak, number {i}" for i in range(args.requests)]
     try:
-        run_zmq(supervisor.addresses.tokenizer_clients, prompts[:3], params)  # warm up
+        run_zmq(supervisor.addresses.engine_address, prompts[:3], params)  # warm up
         run_http(f"http://127.0.0.1:{port}/v1", prompts[:3], params)
-        zmq = run_zmq(supervisor.addresses.tokenizer_clients, prompts, params)
+        zmq = run_zmq(supervisor.addresses.engine_address, prompts, params)
         http = run_http(f"http://127.0.0.1:{port}/v1", prompts, params)
     finally:
         supervisor.stop()

@@ -9,12 +9,12 @@ from pagedserve.actors.scheduler.block_manager import BlockManager, hash_block
 from pagedserve.actors.scheduler.request import Request
 
 
-def make_request(tokens: list[int], rid: str = "r") -> Request:
-    return Request.from_add(
-        AddRequest(
-            request_id=rid, prompt_token_ids=tokens, sampling=SamplingParams(), eos_token_ids=[]
-        )
-    )
+def make_request(tokens: list[int], handle: int = 0) -> Request:
+    add = AddRequest(
+        client=b"c", seq=handle, prompt_token_ids=tokens, sampling=SamplingParams(),
+        eos_token_ids=[],
+    )  # fmt: skip
+    return Request.from_add(add, handle, seed=0)
 
 
 def admit(bm: BlockManager, req: Request) -> list[int]:
@@ -38,15 +38,15 @@ def test_hash_is_stable_and_chained() -> None:
 
 def test_same_block_content_under_another_prefix_is_a_miss() -> None:
     bm = BlockManager(num_blocks=8, block_size=2)
-    admit(bm, make_request([1, 1, 2, 2, 3, 3, 0], "a"))
-    assert bm.find_cached_prefix(make_request([1, 1, 3, 3, 2, 2, 0], "b")) == [0]
+    admit(bm, make_request([1, 1, 2, 2, 3, 3, 0], 1))
+    assert bm.find_cached_prefix(make_request([1, 1, 3, 3, 2, 2, 0], 2)) == [0]
 
 
 def test_shared_prefix_refcounts_then_freed_to_zero() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
-    r1 = make_request(list(range(10)), "r1")  # blocks: [0-3] [4-7] [8-9 partial]
+    r1 = make_request(list(range(10)), 3)  # blocks: [0-3] [4-7] [8-9 partial]
     assert admit(bm, r1) == []
-    r2 = make_request(list(range(8)) + [99, 98, 97], "r2")
+    r2 = make_request(list(range(8)) + [99, 98, 97], 4)
     hit = admit(bm, r2)
     assert hit == r1.block_table[:2]
     assert [bm.ref_count(b) for b in hit] == [2, 2]
@@ -61,7 +61,7 @@ def test_shared_prefix_refcounts_then_freed_to_zero() -> None:
 
 def test_lru_eviction_reuses_oldest_freed_block_and_drops_its_hash() -> None:
     bm = BlockManager(num_blocks=4, block_size=2)
-    r1, r2 = make_request([1, 2, 3, 4], "r1"), make_request([6, 7, 8, 9], "r2")
+    r1, r2 = make_request([1, 2, 3, 4], 3), make_request([6, 7, 8, 9], 4)
     admit(bm, r1)
     admit(bm, r2)
     assert bm.num_free_blocks == 0
@@ -97,10 +97,10 @@ def test_hit_on_free_cached_block_revives_it() -> None:
 
 def test_hit_never_covers_the_whole_prompt() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
-    admit(bm, make_request(list(range(8)), "a"))
+    admit(bm, make_request(list(range(8)), 1))
     # Same 8 tokens: at least one token must be computed, so only the first block is a hit.
-    assert len(bm.find_cached_prefix(make_request(list(range(8)), "b"))) == 1
-    assert len(bm.find_cached_prefix(make_request(list(range(9)), "c"))) == 2
+    assert len(bm.find_cached_prefix(make_request(list(range(8)), 2))) == 1
+    assert len(bm.find_cached_prefix(make_request(list(range(9)), 5))) == 2
 
 
 def test_only_blocks_of_known_tokens_are_cached() -> None:
@@ -120,7 +120,7 @@ def test_only_blocks_of_known_tokens_are_cached() -> None:
 
 def test_duplicate_block_is_not_registered_twice() -> None:
     bm = BlockManager(num_blocks=4, block_size=2)
-    a, b = make_request([1, 2, 3], "a"), make_request([1, 2, 3], "b")
+    a, b = make_request([1, 2, 3], 1), make_request([1, 2, 3], 2)
     for req in (a, b):  # both miss, then both compute the same block
         bm.allocate(req, [], 3)
     for req in (a, b):

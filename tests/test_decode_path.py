@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedserve.actors.messages import SamplingParams, StepPlan, StepResult
+from pagedserve.actors.worker import startup
 from pagedserve.actors.worker.decode_buffers import DecodeBuffers, DecodeLayout
 from pagedserve.actors.worker.model_runner import ModelRunner
 from tests.test_model_parity import (
@@ -87,14 +88,17 @@ def replay_pipelined(runner: ModelRunner, plans: list[StepPlan]) -> list[StepRes
 
 
 def count_decode_steps(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The step ids of the plans that take the static decode path."""
     calls: list[int] = []
-    original = runner._run_decode
+    original = runner._is_decode_step
 
     def spy(plan, rows, pending_index):  # type: ignore[no-untyped-def]
-        calls.append(plan.step_id)
-        return original(plan, rows, pending_index)
+        is_decode = original(plan, rows, pending_index)
+        if is_decode:
+            calls.append(plan.step_id)
+        return is_decode
 
-    monkeypatch.setattr(runner, "_run_decode", spy)
+    monkeypatch.setattr(runner, "_is_decode_step", spy)
     return calls
 
 
@@ -125,7 +129,7 @@ def test_static_decode_steps_match_the_general_path(
     results = replay_pipelined(runner, recording.plans)
     assert len(decode_steps) > MAX_NEW_TOKENS // 2  # most steps are pure decode steps
     for got, expected in zip(results, recording.results, strict=True):
-        assert got.step_id == expected.step_id and got.request_ids == expected.request_ids
+        assert got.step_id == expected.step_id and got.handles == expected.handles
         assert got.sampled_token_ids == expected.sampled_token_ids
         assert got.logprobs == expected.logprobs
 
@@ -147,7 +151,7 @@ def test_plain_greedy_decode_takes_the_in_step_argmax(
     )
     decode_steps = count_decode_steps(runner, monkeypatch)
     results = replay_pipelined(runner, plans)
-    sampling_steps = [r.step_id for r in results if r.request_ids]
+    sampling_steps = [r.step_id for r in results if r.handles]
     general_steps = [step_id for step_id in sampling_steps if step_id not in decode_steps]
     assert len(sampler_calls) == len(general_steps) < len(decode_steps)  # prefill steps only
     for got, expected in zip(results, recording.results, strict=True):
@@ -162,7 +166,7 @@ def test_dry_run_leaves_the_runner_as_it_was(tmp_path: Path) -> None:
     expected = record_plans(tmp_path, params)
     runner = make_runner(tmp_path)
     runner.decode_step = None  # compare with the recording's path
-    runner.dry_run()
+    startup.dry_run(runner)
     assert len(runner.input_batch) == 0 and runner.pending is None
     assert all(layer.k_cache.data_ptr() == runner.kv_cache[i, 0].data_ptr()  # type: ignore[index]
                for i, layer in enumerate(runner.attention_layers))  # fmt: skip

@@ -9,9 +9,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pagedserve.actors import detokenizer as detok_mod
 from pagedserve.actors.chat import apply_chat_template, eos_token_ids, load_tokenizer
-from pagedserve.actors.detokenizer import IncrementalDetokenizer
+from pagedserve.actors.incremental_detokenizer import IncrementalDetokenizer, TokenDecoder
 from pagedserve.actors.messages import ChatMessage, SamplingParams
 
 FFFD = "\ufffd"
@@ -124,7 +123,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 def _stream(tokenizer, prompt, out, chunks=None, finish=True, **sampling_kwargs):
     """Feed `out` in chunks (default one token each); return (detokenizer, deltas, results)."""
     sampling = SamplingParams(**sampling_kwargs)
-    d = IncrementalDetokenizer(tokenizer, prompt, sampling)
+    d = IncrementalDetokenizer(TokenDecoder(tokenizer), prompt, sampling)
     sizes = chunks or [1] * len(out)
     results, pos = [], 0
     for i, n in enumerate(sizes):
@@ -148,7 +147,7 @@ def test_stream_equals_decode_one_token_at_a_time(tok, skip):
         ids = _encode(tok, text)
         d, deltas, _ = _stream(tok, [], ids, skip_special_tokens=skip)
         expected = tok.decode(ids, skip_special_tokens=skip)
-        assert "".join(deltas) == expected == d.output_text, text
+        assert "".join(deltas) == expected, text
         if FFFD not in expected:
             assert not any(FFFD in delta for delta in deltas), (text, deltas)
 
@@ -258,18 +257,18 @@ def test_special_tokens_sentencepiece(tok):
 def test_decode_window_stays_small(bl, monkeypatch):
     """O(1) per token: each decode covers only a few tokens, however long the output."""
     windows: list[int] = []
-    real = detok_mod.make_decoder
+    real = TokenDecoder.decoder
 
-    def spy(tokenizer, skip):
-        decode = real(tokenizer, skip)
+    def spy(self, skip):
+        decode = real(self, skip)
         return lambda ids: (windows.append(len(ids)), decode(ids))[1]
 
-    monkeypatch.setattr(detok_mod, "make_decoder", spy)
+    monkeypatch.setattr(TokenDecoder, "decoder", spy)
     out = _encode(bl, " ".join(TEXTS) * 20)
     assert len(out) > 2000
     prompt = _encode(bl, "some prompt text here")
     d, deltas, _ = _stream(bl, prompt, out)
-    assert d.output_text == bl.decode(out)
+    assert "".join(deltas) == bl.decode(out)
     assert max(windows) <= 16
 
 
@@ -285,10 +284,9 @@ def _check_stop(tokenizer, text, stop, expected, matched, include=False, prompt=
     for delta in deltas:
         streamed += delta
         assert expected.startswith(streamed), "streamed text that the stop string removes"
-    assert streamed == expected == d.output_text
+    assert streamed == expected
     stops = [r.stop_string for r in results if r.stop_string is not None]
     assert stops == ([matched] if matched else [])
-    assert d.stop_string == matched
     return d
 
 
@@ -297,9 +295,7 @@ def test_stop_string_truncates(tok, include):
     text = "héllo wörld 日本語 🙂 emoji"
     expected = "héllo wörld" if include else "héllo "
     d = _check_stop(tok, text, ["wörld"], expected, "wörld", include)
-    assert d.finished
-    assert d.update(_encode(tok, " more"), finished=False).text_delta == ""
-    assert d.output_text == expected
+    assert d.update(_encode(tok, " more"), finished=False).text_delta == ""  # it has finished
 
 
 def test_stop_string_split_across_tokens(bl):
@@ -325,15 +321,15 @@ def test_earliest_stop_string_wins(tok):
 
 def test_held_back_text_flushed_when_finished(bl):
     out = _encode(bl, "abc wörld x")
-    d = IncrementalDetokenizer(bl, [], SamplingParams(stop=["x marks", "wörld!"]))
+    d = IncrementalDetokenizer(TokenDecoder(bl), [], SamplingParams(stop=["x marks", "wörld!"]))
     streamed = "".join(d.update([i], finished=False).text_delta for i in out)
     assert streamed == "abc wörld "  # "x" may start "x marks": held back
-    assert d.update([], finished=True).text_delta == "x"
-    assert d.output_text == "abc wörld x" and d.stop_string is None
+    last = d.update([], finished=True)
+    assert last.text_delta == "x" and last.stop_string is None
 
 
 def test_only_possible_stop_prefixes_are_held(bl):
-    d = IncrementalDetokenizer(bl, [], SamplingParams(stop=["zzzz"]))
+    d = IncrementalDetokenizer(TokenDecoder(bl), [], SamplingParams(stop=["zzzz"]))
     streamed = "".join(d.update([i], finished=False).text_delta for i in _encode(bl, "hello"))
     assert streamed == "hello"  # no suffix of "hello" can start "zzzz"
 
@@ -347,7 +343,7 @@ def test_stop_string_matches_special_token_text(bl):
     im_end = bl.convert_tokens_to_ids("<|im_end|>")
     out = _encode(bl, "hello") + [im_end] + _encode(bl, " more")
     d, deltas, results = _stream(bl, [], out, stop=["<|im_end|>"], skip_special_tokens=False)
-    assert "".join(deltas) == "hello" == d.output_text
+    assert "".join(deltas) == "hello"
     assert [r.stop_string for r in results if r.stop_string] == ["<|im_end|>"]
 
 

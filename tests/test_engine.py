@@ -135,7 +135,7 @@ def test_text_prompts_and_token_prompts_agree(llama_engine: LLM) -> None:
 
 
 def test_bad_requests_raise_and_engine_keeps_serving(llama_engine: LLM) -> None:
-    from pagedserve.api.client import EngineRequestError
+    from pagedserve.api.client_core import EngineRequestError
 
     with pytest.raises(EngineRequestError, match="maximum context length"):
         llama_engine.generate([[5] * 600], GREEDY)
@@ -152,7 +152,7 @@ def test_malformed_frames_do_not_kill_the_engine(llama_engine: LLM) -> None:
         for address in (
             llama_engine.supervisor.addresses.scheduler_inbox,
             llama_engine.supervisor.addresses.worker_inbox(0),
-            llama_engine.supervisor.addresses.tokenizer_inbox,
+            llama_engine.supervisor.addresses.detokenizer_inbox,
         ):
             sock = ctx.socket(zmq.PUSH)
             sock.connect(address)
@@ -168,7 +168,7 @@ def test_shutdown_leaves_no_processes_or_sockets(llama_path: Path) -> None:
     llm = LLM(str(llama_path), num_kv_blocks=32)
     run_dir = llm.supervisor.run_dir
     pids = [p.pid for p in llm.supervisor.processes.values()]
-    assert len(pids) == 3 and os.listdir(run_dir)
+    assert len(pids) == 4 and os.listdir(run_dir)
     llm.shutdown()
     assert not os.path.exists(run_dir)
     assert not any(
@@ -184,6 +184,7 @@ def test_tensor_parallel_two_workers_match_one(llama_path: Path) -> None:
         single_blocks = single.supervisor.num_kv_blocks
     with LLM(str(llama_path), tensor_parallel_size=2, **budget) as sharded:
         assert sorted(sharded.supervisor.processes) == [
+            "detokenizer",
             "scheduler",
             "tokenizer",
             "worker",

@@ -18,6 +18,7 @@ from pagedserve.actors.messages import (
     SamplingParams,
     StepPlan,
 )
+from pagedserve.actors.worker import startup
 from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.config import EngineConfig
 from pagedserve.kernels import attention
@@ -71,13 +72,13 @@ def make_runner(path: Path, **overrides: object) -> ModelRunner:
     config = EngineConfig(model=str(path), num_kv_blocks=NUM_BLOCKS, max_num_seqs=16, **overrides)
     runner = ModelRunner(config.resolve())
     runner.load_model()
-    runner.init_kv_cache(runner.num_kv_blocks())
+    startup.init_kv_cache(runner, startup.num_kv_blocks(runner))
     return runner
 
 
 @dataclass
 class Request:
-    request_id: str
+    handle: int
     tokens: list[int]
     arrival: int
     chunk: int | None
@@ -96,8 +97,7 @@ class MiniScheduler:
     def __init__(self, prompts: list[list[int]], params: SamplingParams) -> None:
         self.params = params
         self.requests = [
-            Request(f"req-{i}", list(p), ARRIVAL_STEP[i], CHUNKED.get(i))
-            for i, p in enumerate(prompts)
+            Request(i, list(p), ARRIVAL_STEP[i], CHUNKED.get(i)) for i, p in enumerate(prompts)
         ]
         self.free_blocks = list(range(NUM_BLOCKS))
         random.Random(0).shuffle(self.free_blocks)
@@ -113,11 +113,11 @@ class MiniScheduler:
                 continue
             if len(request.outputs) == MAX_NEW_TOKENS:
                 request.finished = True
-                plan.finished_ids.append(request.request_id)
+                plan.finished.append(request.handle)
                 continue
             self._schedule(request, plan)
         if self.step_id % 2:  # the batch order is the plan's, not the arrival order
-            plan.scheduled_ids.reverse()
+            plan.scheduled.reverse()
             plan.num_scheduled_tokens.reverse()
         return plan
 
@@ -128,26 +128,27 @@ class MiniScheduler:
         new_blocks = [self.free_blocks.pop() for _ in range(needed)]
         request.blocks += new_blocks
         if not request.sent:
+            tokens, seed = list(request.tokens), 1000 + request.handle
             data = NewRequestData(
-                request.request_id, list(request.tokens), self.params, list(request.blocks), 0
+                request.handle, tokens, len(tokens), self.params, seed, list(request.blocks), 0
             )
             plan.new_requests.append(data)
             request.sent = True
         else:
-            plan.cached_requests.request_ids.append(request.request_id)
+            plan.cached_requests.handles.append(request.handle)
             plan.cached_requests.new_block_ids.append(new_blocks)
             plan.cached_requests.num_computed_tokens.append(request.computed)
-        plan.scheduled_ids.append(request.request_id)
+        plan.scheduled.append(request.handle)
         plan.num_scheduled_tokens.append(num_tokens)
         request.computed += num_tokens
 
     def run(self, runner: ModelRunner) -> list[Request]:
-        by_id = {r.request_id: r for r in self.requests}
+        by_id = {r.handle: r for r in self.requests}
         while not self.done():
             result = runner.execute(self.plan())
-            assert result.logprobs is not None or not result.request_ids
-            for i, request_id in enumerate(result.request_ids):
-                request, logprob = by_id[request_id], result.logprobs[i]  # type: ignore[index]
+            assert result.logprobs is not None or not result.handles
+            for i, handle in enumerate(result.handles):
+                request, logprob = by_id[handle], result.logprobs[i]  # type: ignore[index]
                 assert logprob is not None
                 request.tokens.append(result.sampled_token_ids[i])
                 request.outputs.append(result.sampled_token_ids[i])
@@ -180,7 +181,7 @@ def test_greedy_parity_with_transformers(
     requests = MiniScheduler(prompts, params).run(runner)
     for prompt, request in zip(prompts, requests):
         expected_tokens, expected_logprobs = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
-        assert request.outputs == expected_tokens, request.request_id
+        assert request.outputs == expected_tokens, request.handle
         torch.testing.assert_close(
             torch.tensor(request.logprobs), torch.tensor(expected_logprobs),
             atol=LOGPROB_ATOL, rtol=0,
@@ -229,7 +230,7 @@ def test_pipelined_steps_match_sequential_steps(tmp_path: Path, params: Sampling
     assert runner.pending is None and runner.finish() is None
     assert [r.step_id for r in results] == [p.step_id for p in recording.plans]
     for got, expected in zip(results, recording.results):
-        assert got.request_ids == expected.request_ids
+        assert got.handles == expected.handles
         assert got.sampled_token_ids == expected.sampled_token_ids
         assert got.logprobs == expected.logprobs
     with pytest.raises(RuntimeError, match="in flight"):
@@ -288,12 +289,12 @@ def test_dummy_weights_are_seeded(tmp_path: Path) -> None:
     runner = make_runner(tmp_path, load_format="dummy")
     plan = StepPlan(
         step_id=0,
-        new_requests=[NewRequestData("a", [1, 2, 3], SamplingParams(seed=1), [5], 0)],
-        scheduled_ids=["a"],
+        new_requests=[NewRequestData(7, [1, 2, 3], 3, SamplingParams(seed=1), 1, [5], 0)],
+        scheduled=[7],
         num_scheduled_tokens=[3],
     )
     result = runner.execute(plan)
-    assert result.request_ids == ["a"] and 0 <= result.sampled_token_ids[0] < 512
+    assert result.handles == [7] and 0 <= result.sampled_token_ids[0] < 512
 
 
 def test_kv_cache_sizing_and_profile_run(tmp_path: Path) -> None:
@@ -305,9 +306,9 @@ def test_kv_cache_sizing_and_profile_run(tmp_path: Path) -> None:
     runner.load_model()
     per_block = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4  # layers * (k, v) * tokens * kv_heads * dim * 4B
     assert runner.bytes_per_block() == per_block
-    assert runner.num_kv_blocks() == int(0.01 * 2**30) // per_block
-    runner.init_kv_cache(runner.num_kv_blocks())
-    runner.profile_run()  # the memory-profiling step, on CPU through the same path
+    assert startup.num_kv_blocks(runner) == int(0.01 * 2**30) // per_block
+    startup.init_kv_cache(runner, startup.num_kv_blocks(runner))
+    startup.profile_run(runner)  # the memory-profiling step, on CPU through the same path
     assert len(runner.input_batch) == 0
 
 
@@ -317,16 +318,18 @@ def test_eager_kernel_warm_up_leaves_the_runner_as_it_was(tmp_path: Path) -> Non
     save_hf_model("qwen3", tmp_path)
     plan = StepPlan(
         step_id=0,
-        new_requests=[NewRequestData("a", [1, 2, 3, 4], SamplingParams(temperature=1.0), [5], 0)],
-        scheduled_ids=["a"],
+        new_requests=[
+            NewRequestData(7, [1, 2, 3, 4], 4, SamplingParams(temperature=1.0), 3, [5], 0)
+        ],
+        scheduled=[7],
         num_scheduled_tokens=[4],
     )
     expected = make_runner(tmp_path).execute(plan)
     runner = make_runner(tmp_path)
-    runner.warm_up_eager_kernels(NUM_BLOCKS)
+    startup.warm_up_eager_kernels(runner, NUM_BLOCKS)
     assert len(runner.input_batch) == 0 and runner.pending is None
     got = runner.execute(plan)
-    assert got.sampled_token_ids == expected.sampled_token_ids and got.request_ids == ["a"]
+    assert got.sampled_token_ids == expected.sampled_token_ids and got.handles == [7]
 
 
 def _tensor_parallel_worker(rank: int, path: str, init_file: str, out_file: str) -> None:

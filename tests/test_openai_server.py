@@ -158,11 +158,11 @@ def test_http_zmq_and_offline_agree_with_the_same_seed(server, api, model_path: 
         c.choices[0].text
         for c in api.completions.create(model=MODEL_NAME, prompt="O Romeo", stream=True, **params)
     )
-    with Client(server[0].addresses.tokenizer_clients) as client:
+    with Client(server[0].addresses.engine_address) as client:
         zmq_text = "".join(d.text for d in client.generate("O Romeo", SamplingParams(**params)))
 
     async def async_zmq() -> str:
-        async with AsyncClient(server[0].addresses.tokenizer_clients) as client:
+        async with AsyncClient(server[0].addresses.engine_address) as client:
             return "".join(
                 [d.text async for d in client.generate("O Romeo", SamplingParams(**params))]
             )
@@ -287,7 +287,8 @@ def test_api_key_and_restart_of_dead_stateless_actors(model_path: Path) -> None:
                 assert time.monotonic() < deadline, "the server did not come back"
                 time.sleep(0.5)
         assert len(reply.choices) == 1
-        assert supervisor.restarts == {"api-server": 1, "tokenizer": 1}
+        restarts = {name: len(times) for name, times in supervisor.restarts.items()}
+        assert restarts == {"api-server": 1, "tokenizer": 1}
         assert supervisor.dead_reason is None
     finally:
         supervisor.stop()

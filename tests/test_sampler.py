@@ -1,4 +1,4 @@
-"""Sampler: greedy, filters restrict the support, seeded determinism, penalties, logprobs."""
+"""Sampler: greedy, filters restrict the support, counter-based draws, penalties, logprobs."""
 
 from __future__ import annotations
 
@@ -27,17 +27,20 @@ def make_batch(params: list[SamplingParams], prompts: list[list[int]] | None = N
     )
     for i, p in enumerate(params):
         prompt = prompts[i] if prompts else [1, 2, 3]
-        batch.add_request(NewRequestData(f"r{i}", prompt, p, [i], 0))
+        seed = p.seed if p.seed is not None else 1000 + i  # the scheduler draws one per request
+        batch.add_request(NewRequestData(i, prompt, len(prompt), p, seed, [i], 0))
     return batch
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], seed: int = 0
-) -> tuple[list[int], InputBatch]:
+def metadata_at(batch: InputBatch, rows: np.ndarray, vocab: int, position: int = 3):
+    """Sampling metadata of `rows`, each sampling the token at `position`."""
+    return batch.sampling_metadata(rows, np.full(len(rows), position), vocab)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], InputBatch]:
     batch = make_batch(params)
-    rows = np.arange(len(params))
-    metadata = batch.sampling_metadata(rows, logits.shape[1])
-    out = Sampler(torch.Generator().manual_seed(seed))(logits, metadata)
+    metadata = metadata_at(batch, np.arange(len(params)), logits.shape[1])
+    out = Sampler(use_triton=False)(logits, metadata)
     return out.token_ids.tolist(), batch
 
 
@@ -97,27 +100,46 @@ def test_sampling_frequencies_follow_probabilities() -> None:
     np.testing.assert_allclose(frequencies, PROBS, atol=0.015)
 
 
-def test_seeded_request_ignores_batch_composition() -> None:
-    """A seeded request draws from its own generator: same tokens alone or in any batch."""
+def test_a_draw_depends_only_on_the_request_seed_and_position() -> None:
+    """Counter-based draws: the same (seed, position) gives the same token alone or in any
+    batch, at any step; another position or seed gives another draw."""
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2))
     seeded = SamplingParams(temperature=1.0, seed=1234)
 
-    def run(params: list[SamplingParams], row: int, shared_seed: int) -> list[int]:
-        batch = make_batch(params)
-        sampler = Sampler(torch.Generator().manual_seed(shared_seed))
+    def run(params: list[SamplingParams], row: int, positions: range) -> list[int]:
+        batch, sampler = make_batch(params), Sampler(use_triton=False)
         rows = np.arange(len(params))
         steps = []
-        for _ in range(20):  # the request's generator advances step after step
-            metadata = batch.sampling_metadata(rows, VOCAB)
+        for position in positions:
+            metadata = metadata_at(batch, rows, VOCAB, position)
             steps.append(sampler(logits.expand(len(params), -1), metadata).token_ids[row].item())
         return steps
 
-    alone = run([seeded], 0, shared_seed=0)
+    alone = run([seeded], 0, range(3, 23))
     others = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, seed=5)]
-    crowded = run(others + [seeded] + others, 2, shared_seed=99)
+    crowded = run(others + [seeded] + others, 2, range(3, 23))
     assert alone == crowded
+    assert run([seeded], 0, range(12, 23)) == alone[9:]  # resumed at position 12: the same
     assert len(set(alone)) > 1  # it does sample
-    assert run([SamplingParams(temperature=1.0, seed=4321)], 0, 0) != alone
+    assert run([SamplingParams(temperature=1.0, seed=4321)], 0, range(3, 23)) != alone
+
+
+def test_triton_and_torch_samplers_draw_the_same_tokens() -> None:
+    """The Triton kernels (under the interpreter here) and the torch path share the noise."""
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
+    params = [
+        SamplingParams(temperature=0.9),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, top_k=7),
+        SamplingParams(temperature=0.6, seed=77),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=2.0, top_k=3),
+    ]
+    batch = make_batch(params)
+    metadata = metadata_at(batch, np.arange(len(params)), VOCAB, position=40)
+    torch_ids = Sampler(use_triton=False)(logits, metadata).token_ids
+    triton_ids = Sampler(use_triton=True)(logits, metadata).token_ids
+    assert torch_ids.tolist() == triton_ids.tolist()
 
 
 def test_penalties_formula() -> None:
@@ -135,7 +157,7 @@ def test_penalty_histograms_split_prompt_and_output() -> None:
     batch = make_batch([params, SamplingParams()], prompts=[[3, 4, 3], [5]])
     batch.append_sampled(np.array([0, 1]), np.array([7, 8]))
     batch.append_sampled(np.array([0]), np.array([7]))
-    metadata = batch.sampling_metadata(np.array([0, 1]), 10)
+    metadata = metadata_at(batch, np.array([0, 1]), 10)
     penalties = metadata.penalties
     assert penalties is not None
     assert penalties.output_counts[0].tolist() == [0, 0, 0, 0, 0, 0, 0, 2, 0, 0]
@@ -149,8 +171,8 @@ def test_penalties_change_greedy_choice() -> None:
     params = SamplingParams(temperature=0.0, presence_penalty=0.5)
     batch = make_batch([params], prompts=[[1]])
     batch.append_sampled(np.array([0]), np.array([0]))  # token 0 was already generated
-    metadata = batch.sampling_metadata(np.array([0]), VOCAB)
-    assert Sampler()(logits, metadata).token_ids.tolist() == [1]
+    metadata = metadata_at(batch, np.array([0]), VOCAB)
+    assert Sampler(use_triton=False)(logits, metadata).token_ids.tolist() == [1]
 
 
 def test_logprobs_from_raw_logits_with_ranks() -> None:
@@ -161,8 +183,8 @@ def test_logprobs_from_raw_logits_with_ranks() -> None:
         SamplingParams(temperature=0.0),
     ]
     batch = make_batch(params, prompts=[[1], [1], [1]])
-    metadata = batch.sampling_metadata(np.arange(3), VOCAB)
-    out = Sampler()(logits, metadata)
+    metadata = metadata_at(batch, np.arange(3), VOCAB)
+    out = Sampler(use_triton=False)(logits, metadata)
     raw = torch.log_softmax(logits[0], -1)
     assert out.logprobs is not None and out.logprobs[2] is None
     first, second = out.logprobs[0], out.logprobs[1]
@@ -176,7 +198,24 @@ def test_logprobs_from_raw_logits_with_ranks() -> None:
 
 def test_metadata_skips_unused_filters() -> None:
     batch = make_batch([SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)])
-    metadata = batch.sampling_metadata(np.arange(2), VOCAB)
+    metadata = metadata_at(batch, np.arange(2), VOCAB)
     assert isinstance(metadata, SamplingMetadata)
     assert metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
     assert metadata.penalties is None and not metadata.wants_logprobs
+
+
+def test_a_resumed_request_counts_its_earlier_output_as_output() -> None:
+    """After preemption a request comes back whole: penalties still see its output."""
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0, repetition_penalty=2.0)
+    batch = InputBatch(max_num_reqs=4, max_model_len=64, block_size=16, device=CPU)
+    batch.add_request(NewRequestData(9, [3, 4, 7, 7, 8], 2, params, 5, [0], 0))
+    penalties = metadata_at(batch, np.array([0]), 10).penalties
+    assert penalties is not None
+    assert penalties.output_counts[0].tolist() == [0, 0, 0, 0, 0, 0, 0, 2, 1, 0]
+    assert penalties.prompt_mask[0].nonzero().squeeze(1).tolist() == [3, 4]
+
+
+def test_a_handle_already_in_the_batch_is_refused() -> None:
+    batch = make_batch([SamplingParams()])
+    with pytest.raises(ValueError, match="already in the persistent batch"):
+        batch.add_request(NewRequestData(0, [1, 2], 2, SamplingParams(), 1, [3], 0))

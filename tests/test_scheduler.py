@@ -8,16 +8,20 @@ table). Wrong block tables, prefix-cache hits or recompute after preemption chan
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from pagedserve.actors.messages import (
     AddRequest,
     FinishReason,
+    RequestError,
     RequestOutput,
+    Route,
     SamplingParams,
     StepPlan,
     StepResult,
@@ -30,6 +34,41 @@ from pagedserve.config import EngineConfig
 VOCAB = 50
 EOS = 1
 MASK = (1 << 64) - 1
+CLIENT = b"test-client"
+
+# add() gives every request a fresh seq (its route is (CLIENT, seq)); tests name them by label
+LABELS: dict[int, str] = {}  # seq -> label
+SEQS: dict[str, int] = {}  # label -> its latest seq
+_seqs = itertools.count()
+
+
+def label_of(sched: Scheduler, handle: int) -> str:
+    """The label of the request with this handle (live or finished)."""
+    for req in [*sched.requests.values(), *sched.routes.finished.values()]:
+        if req.handle == handle:
+            return LABELS[req.seq]
+    raise KeyError(handle)
+
+
+def labels(sched: Scheduler, handles: list[int]) -> list[str]:
+    return [label_of(sched, h) for h in handles]
+
+
+def handle_of(sched: Scheduler, label: str) -> int:
+    request = sched.routes.find((CLIENT, SEQS[label]))
+    assert request is not None
+    return request.handle
+
+
+def admit(sched: Scheduler, req: AddRequest) -> int:
+    """Add a request the scheduler must accept; its handle."""
+    route = sched.add_request(req)
+    assert isinstance(route, Route), route
+    return route.handle
+
+
+def abort(sched: Scheduler, names: list[str]) -> list[RequestOutput]:
+    return sched.abort_requests(CLIENT, [SEQS[n] for n in names if n in SEQS])
 
 
 def digest(prev: int, token: int) -> int:
@@ -61,27 +100,27 @@ class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.bs = block_size
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
-        self.reqs: dict[str, WorkerRequest] = {}
+        self.reqs: dict[int, WorkerRequest] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
-        for rid in plan.finished_ids:
+        for rid in plan.finished:
             del self.reqs[rid]
         for new in plan.new_requests:
-            assert new.request_id not in self.reqs
+            assert new.handle not in self.reqs
             req = WorkerRequest(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens, False
             )
             req.logprobs = new.sampling.logprobs is not None
             self._check_kv(req, new.num_computed_tokens)  # prefix hit: written by earlier steps
-            self.reqs[new.request_id] = req
+            self.reqs[new.handle] = req
         cached = plan.cached_requests
         for rid, blocks, num_computed in zip(
-            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens
+            cached.handles, cached.new_block_ids, cached.num_computed_tokens
         ):
             assert self.reqs[rid].num_computed == num_computed
             self.reqs[rid].block_ids.extend(blocks)
         ids, sampled, logprobs = [], [], []
-        for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens):
+        for rid, n in zip(plan.scheduled, plan.num_scheduled_tokens):
             token = self._run(self.reqs[rid], n)
             if token is not None:
                 ids.append(rid)
@@ -89,7 +128,7 @@ class FakeWorker:
                 lp = TokenLogprobs(token, -0.5, 1, [], [])
                 logprobs.append(lp if self.reqs[rid].logprobs else None)
         return StepResult(
-            step_id=plan.step_id, request_ids=ids, sampled_token_ids=sampled, logprobs=logprobs
+            step_id=plan.step_id, handles=ids, sampled_token_ids=sampled, logprobs=logprobs
         )
 
     def _run(self, req: WorkerRequest, n: int) -> int | None:
@@ -133,10 +172,11 @@ class Collected:
     num_cached_tokens: int = 0
 
 
-def collect(into: dict[str, Collected], outputs: list[RequestOutput]) -> None:
+def collect(sched: Scheduler, into: dict[str, Collected], outputs: list[RequestOutput]) -> None:
     for out in outputs:
-        c = into.setdefault(out.request_id, Collected())
-        assert c.finish is None, f"output for {out.request_id} after it finished"
+        name = label_of(sched, out.handle)
+        c = into.setdefault(name, Collected())
+        assert c.finish is None, f"output for {name} after it finished"
         c.tokens.extend(out.new_token_ids)
         c.finish, c.stop_reason = out.finish_reason, out.stop_reason
         c.num_cached_tokens = out.num_cached_tokens
@@ -146,7 +186,7 @@ def check_views(sched: Scheduler, worker: FakeWorker, plan: StepPlan) -> None:
     """The worker's persistent batch agrees with the scheduler, right after a plan ran."""
     cfg = sched.config
     assert sum(plan.num_scheduled_tokens) <= cfg.max_num_batched_tokens
-    assert len(plan.scheduled_ids) == len(set(plan.scheduled_ids)) <= cfg.max_num_seqs
+    assert len(plan.scheduled) == len(set(plan.scheduled)) <= cfg.max_num_seqs
     in_worker = {rid for rid, r in sched.requests.items() if r.in_worker}
     assert set(worker.reqs) == in_worker
     for rid in in_worker:
@@ -176,19 +216,19 @@ def run_engine(
     tick = 0
     while arrivals or sched.has_unfinished():
         while arrivals and arrivals[0][0] <= tick:
-            sched.add_request(arrivals.pop(0)[1])
-        collect(results, sched.abort_requests((aborts or {}).get(tick, [])))
+            admit(sched, arrivals.pop(0)[1])
+        collect(sched, results, abort(sched, (aborts or {}).get(tick, [])))
         plan = sched.schedule() if len(pending) < depth else None
         if plan is not None:
             pending.append(worker.execute(plan))
             check_views(sched, worker, plan)
             if track is not None:
-                most = max((r.num_inflight for r in sched.requests.values()), default=0)
+                most = max((len(r.inflight_steps) for r in sched.requests.values()), default=0)
                 track["max_inflight"] = max(track.get("max_inflight", 0), most)
             if plans is not None:
                 plans.append(plan)
         if pending and (plan is None or (rng is not None and rng.random() < 0.3)):
-            collect(results, sched.update_from_result(pending.popleft()))
+            collect(sched, results, sched.update_from_result(pending.popleft()))
         elif plan is None:
             assert arrivals or not sched.has_unfinished(), "deadlock: nothing to run or wait for"
         tick += 1
@@ -208,14 +248,19 @@ def assert_no_leak(sched: Scheduler) -> None:
 
 def make_config(**kw: int | bool) -> EngineConfig:
     base: dict = dict(block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
+    base["max_waiting_requests"] = 1000
     base.update(kw)
     return EngineConfig(**base)
 
 
 def add(rid: str, prompt: list[int], **sampling: object) -> AddRequest:
+    """A request labelled `rid`, with a fresh seq."""
     sampling.setdefault("max_tokens", 8)
+    seq = next(_seqs)
+    LABELS[seq], SEQS[rid] = rid, seq
     return AddRequest(
-        request_id=rid,
+        client=CLIENT,
+        seq=seq,
         prompt_token_ids=prompt,
         sampling=SamplingParams(**sampling),  # type: ignore[arg-type]
         eos_token_ids=[EOS],
@@ -225,18 +270,22 @@ def add(rid: str, prompt: list[int], **sampling: object) -> AddRequest:
 def solo(req: AddRequest, max_model_len: int = 64) -> Collected:
     """Run one request alone, one plan at a time, with plenty of room."""
     sched = Scheduler(make_config(max_model_len=max_model_len, max_num_batched_tokens=256), 64)
-    return run_engine(sched, [(0, req)], depth=1)[req.request_id]
+    return run_engine(sched, [(0, req)], depth=1)[LABELS[req.seq]]
+
+
+def result(sched: Scheduler, step_id: int, tokens: dict[str, int]) -> StepResult:
+    """The result of step `step_id` sampling these tokens (by label)."""
+    handles = [handle_of(sched, name) for name in tokens]
+    return StepResult(step_id=step_id, handles=handles, sampled_token_ids=list(tokens.values()))
 
 
 def step(sched: Scheduler, tokens: dict[str, int]) -> tuple[StepPlan, list[RequestOutput]]:
     """Schedule one plan and feed back chosen tokens for the requests it samples."""
     plan = sched.schedule()
     assert plan is not None
-    ids = [rid for rid in plan.scheduled_ids if rid in tokens]
-    result = StepResult(
-        step_id=plan.step_id, request_ids=ids, sampled_token_ids=[tokens[r] for r in ids]
-    )
-    return plan, sched.update_from_result(result)
+    scheduled = labels(sched, plan.scheduled)
+    chosen = {name: t for name, t in tokens.items() if name in scheduled}
+    return plan, sched.update_from_result(result(sched, plan.step_id, chosen))
 
 
 # ---------------------------------------------------------------- budget and chunking
@@ -264,19 +313,19 @@ def test_budget_and_max_num_seqs_are_respected() -> None:
     reqs = [(0, add(f"r{i}", [i + 2] * (5 + 3 * i), max_tokens=4)) for i in range(5)]
     run_engine(sched, reqs, depth=2, plans=plans)
     assert max(sum(p.num_scheduled_tokens) for p in plans) == 10
-    assert max(len(p.scheduled_ids) for p in plans) == 2
+    assert max(len(p.scheduled) for p in plans) == 2
     # FCFS: r0 and r1 are admitted first, the rest only once seats free up.
-    assert plans[0].scheduled_ids == ["r0", "r1"]
+    assert labels(sched, plans[0].scheduled) == ["r0", "r1"]
     assert plans[0].num_scheduled_tokens == [5, 5]  # r1's 8-token prompt is chunked
 
 
 def test_waiting_request_is_admitted_into_leftover_budget() -> None:
     sched = Scheduler(make_config(max_num_batched_tokens=12), 64)
-    sched.add_request(add("a", [5] * 10))
-    sched.add_request(add("b", [6] * 10))
+    admit(sched, add("a", [5] * 10))
+    admit(sched, add("b", [6] * 10))
     plan = sched.schedule()
     assert plan is not None
-    assert plan.scheduled_ids == ["a", "b"] and plan.num_scheduled_tokens == [10, 2]
+    assert labels(sched, plan.scheduled) == ["a", "b"] and plan.num_scheduled_tokens == [10, 2]
 
 
 # ---------------------------------------------------------------- prefix caching
@@ -285,16 +334,16 @@ def test_waiting_request_is_admitted_into_leftover_budget() -> None:
 def test_prefix_cache_hit_for_a_shared_prefix() -> None:
     shared = [(3 * i) % VOCAB + 2 for i in range(16)]
     sched = Scheduler(make_config(), 32)
-    sched.add_request(add("a", shared + [9, 9, 9], max_tokens=2))
+    admit(sched, add("a", shared + [9, 9, 9], max_tokens=2))
     plan_a = sched.schedule()
     assert plan_a is not None and plan_a.new_requests[0].num_computed_tokens == 0
-    sched.add_request(add("b", shared + [8, 8], max_tokens=2))
+    admit(sched, add("b", shared + [8, 8], max_tokens=2))
     plan_b = sched.schedule()
     assert plan_b is not None
     new_b = plan_b.new_requests[0]
-    assert new_b.request_id == "b" and new_b.num_computed_tokens == 16
-    assert plan_b.num_scheduled_tokens[plan_b.scheduled_ids.index("b")] == 2
-    a, b = sched.requests["a"], sched.requests["b"]
+    assert label_of(sched, new_b.handle) == "b" and new_b.num_computed_tokens == 16
+    assert plan_b.num_scheduled_tokens[plan_b.scheduled.index(new_b.handle)] == 2
+    a, b = sched.requests[handle_of(sched, "a")], sched.requests[new_b.handle]
     assert b.block_table[:4] == a.block_table[:4]
     assert all(sched.block_manager.ref_count(x) == 2 for x in a.block_table[:4])
     stats = sched.stats()
@@ -340,35 +389,52 @@ def test_no_block_leaked_after_finish_and_abort() -> None:
 
 def test_abort_output_and_finished_ids_sent_once() -> None:
     sched = Scheduler(make_config(), 32)
-    sched.add_request(add("a", [3] * 5))
-    sched.add_request(add("b", [4] * 5))
+    admit(sched, add("a", [3] * 5))
+    admit(sched, add("b", [4] * 5))
     plan = sched.schedule()
     assert plan is not None
-    outs = sched.abort_requests(["a", "a", "zzz"])
+    outs = abort(sched, ["a", "a", "zzz"])
     assert len(outs) == 1 and outs[0].finish_reason is FinishReason.ABORT
     assert outs[0].new_token_ids == []
     # The in-flight result for "a" is ignored; "b" advances.
-    result = StepResult(step_id=plan.step_id, request_ids=["a", "b"], sampled_token_ids=[5, 6])
-    assert [o.request_id for o in sched.update_from_result(result)] == ["b"]
+    outs = sched.update_from_result(result(sched, plan.step_id, {"a": 5, "b": 6}))
+    assert labels(sched, [o.handle for o in outs]) == ["b"]
     nxt = sched.schedule()
-    assert nxt is not None and nxt.finished_ids == ["a"] and nxt.scheduled_ids == ["b"]
+    assert nxt is not None and labels(sched, nxt.finished) == ["a"]
+    assert labels(sched, nxt.scheduled) == ["b"]
     later = sched.schedule()
-    assert later is not None and later.finished_ids == []
-    assert sched.abort_requests(["a"]) == []
+    assert later is not None and later.finished == []
+    assert abort(sched, ["a"]) == []
 
 
-def test_invalid_requests_raise_value_error() -> None:
+def test_requests_that_can_never_run_are_refused() -> None:
     sched = Scheduler(make_config(max_model_len=16), 32)
-    with pytest.raises(ValueError):
-        sched.add_request(add("empty", []))
-    with pytest.raises(ValueError):
-        sched.add_request(add("long", [2] * 16))
-    sched.add_request(add("ok", [2] * 15))
-    with pytest.raises(ValueError):
-        sched.add_request(add("ok", [2] * 3))  # duplicate id
+    empty = sched.add_request(add("empty", []))
+    assert isinstance(empty, RequestError) and empty.status_code == 400
+    long = sched.add_request(add("long", [2] * 16))
+    assert isinstance(long, RequestError) and "maximum context length is 16" in long.message
+    assert long.client == CLIENT and long.seq == SEQS["long"]
+    admit(sched, add("ok", [2] * 15))
     out = run_engine(sched, [], depth=1)
     assert out["ok"].tokens and out["ok"].finish is FinishReason.LENGTH
     assert len(out["ok"].tokens) == 1  # 15 + 1 = max_model_len
+
+
+def test_a_prompt_larger_than_the_kv_cache_is_refused() -> None:
+    sched = Scheduler(make_config(max_model_len=64), 4)  # 4 blocks of 4: 16 tokens
+    refused = sched.add_request(add("big", [2] * 20))
+    assert isinstance(refused, RequestError) and refused.status_code == 400
+    assert "KV cache holds at most 16 tokens" in refused.message
+
+
+def test_admission_control_refuses_beyond_the_waiting_limit() -> None:
+    sched = Scheduler(make_config(max_waiting_requests=2), 32)
+    admit(sched, add("a", [2] * 3))
+    admit(sched, add("b", [2] * 3))
+    refused = sched.add_request(add("c", [2] * 3))
+    assert isinstance(refused, RequestError) and refused.status_code == 503
+    sched.schedule()  # a and b run: room again
+    admit(sched, add("d", [2] * 3))
 
 
 # ---------------------------------------------------------------- preemption
@@ -384,40 +450,45 @@ def test_preempts_newest_running_request_and_resumes_it() -> None:
     plans: list[StepPlan] = []
     out = run_engine(sched, [(0, r) for r in reqs], depth=1, plans=plans)
     assert sched.stats().num_preemptions >= 1
-    first = next(i for i, p in enumerate(plans) if p.finished_ids)
-    assert plans[first].finished_ids == ["new"]
-    assert "new" not in plans[first].scheduled_ids and "old" in plans[first].scheduled_ids
-    resumed = next(n for p in plans[first:] for n in p.new_requests if n.request_id == "new")
+    first = next(i for i, p in enumerate(plans) if p.finished)
+    assert labels(sched, plans[first].finished) == ["new"]
+    scheduled = labels(sched, plans[first].scheduled)
+    assert "new" not in scheduled and "old" in scheduled
+    new = handle_of(sched, "new")
+    admitted = next(n for n in plans[0].new_requests if n.handle == new)
+    resumed = next(n for p in plans[first:] for n in p.new_requests if n.handle == new)
     assert resumed.token_ids[:8] == reqs[1].prompt_token_ids and len(resumed.token_ids) > 8
+    # what the worker needs to continue exactly where it stopped: the prompt's end, the RNG key
+    assert resumed.num_prompt_tokens == 8 and resumed.seed == admitted.seed
     for r in reqs:
-        assert out[r.request_id].tokens == solo(r, 24).tokens
-        assert len(out[r.request_id].tokens) == 10
+        assert out[LABELS[r.seq]].tokens == solo(r, 24).tokens
+        assert len(out[LABELS[r.seq]].tokens) == 10
 
 
 def test_preempted_request_keeps_inflight_token_and_waits_for_it() -> None:
     sched = Scheduler(make_config(max_model_len=24, max_num_seqs=2), 5)
-    sched.add_request(add("old", [2] * 8, max_tokens=10, ignore_eos=True))
-    sched.add_request(add("new", [3] * 8, max_tokens=10, ignore_eos=True))
-    sched.add_request(add("late", [4] * 3, max_tokens=10, ignore_eos=True))  # no seat yet
+    admit(sched, add("old", [2] * 8, max_tokens=10, ignore_eos=True))
+    admit(sched, add("new", [3] * 8, max_tokens=10, ignore_eos=True))
+    admit(sched, add("late", [4] * 3, max_tokens=10, ignore_eos=True))  # no seat yet
     p0 = sched.schedule()  # both prefills (4 blocks), both sample
-    assert p0 is not None and p0.scheduled_ids == ["old", "new"]
+    assert p0 is not None and labels(sched, p0.scheduled) == ["old", "new"]
     p1 = sched.schedule()  # decodes need 2 new blocks, 1 free: "new" is preempted
-    assert p1 is not None and p1.finished_ids == ["new"]
-    assert p1.scheduled_ids == ["old"]  # a step that preempts admits nobody
-    assert [r.request_id for r in sched.waiting] == ["new", "late"]  # back at the front
-    new = sched.requests["new"]
-    assert new.status is RequestStatus.WAITING and new.block_table == [] and new.num_inflight == 1
+    assert p1 is not None and labels(sched, p1.finished) == ["new"]
+    assert labels(sched, p1.scheduled) == ["old"]  # a step that preempts admits nobody
+    assert [LABELS[r.seq] for r in sched.waiting] == ["new", "late"]  # back at the front
+    new = sched.requests[handle_of(sched, "new")]
+    assert new.status is RequestStatus.WAITING and new.block_table == []
+    assert len(new.inflight_steps) == 1
     assert sched.stats().num_preemptions == 1
-    assert sched.abort_requests(["old"])[0].finish_reason is FinishReason.ABORT
+    assert abort(sched, ["old"])[0].finish_reason is FinishReason.ABORT
     p2 = sched.schedule()  # "new" must not resume while its token is in flight
-    assert p2 is not None and p2.scheduled_ids == ["late"] and p2.finished_ids == ["old"]
-    outs = sched.update_from_result(
-        StepResult(step_id=p0.step_id, request_ids=["old", "new"], sampled_token_ids=[7, 8])
-    )
-    assert [(o.request_id, o.new_token_ids) for o in outs] == [("new", [8])]  # token kept
-    assert new.token_ids == [3] * 8 + [8] and new.num_inflight == 0
+    assert p2 is not None and labels(sched, p2.scheduled) == ["late"]
+    assert labels(sched, p2.finished) == ["old"]
+    outs = sched.update_from_result(result(sched, p0.step_id, {"old": 7, "new": 8}))
+    assert [(o.handle, o.new_token_ids) for o in outs] == [(new.handle, [8])]  # token kept
+    assert new.token_ids == [3] * 8 + [8] and not new.inflight_steps
     p3 = sched.schedule()
-    assert p3 is not None and p3.scheduled_ids == ["late", "new"]
+    assert p3 is not None and labels(sched, p3.scheduled) == ["late", "new"]
     assert p3.new_requests[0].token_ids == [3] * 8 + [8]
     # Its first block is still cached; its second was the oldest free block, taken by "late".
     assert p3.new_requests[0].num_computed_tokens == 4
@@ -440,23 +511,23 @@ def test_async_two_plans_in_flight_match_one_at_a_time() -> None:
         assert track["max_inflight"] == depth
     assert outputs[1] == outputs[2]
     for r in reqs:
-        assert outputs[2][r.request_id].tokens == solo(r).tokens
+        assert outputs[2][LABELS[r.seq]].tokens == solo(r).tokens
 
 
 def test_async_plan_before_result_schedules_one_decode() -> None:
     sched = Scheduler(make_config(), 32)
-    sched.add_request(add("a", [2, 3, 4, 5, 6], max_tokens=3, ignore_eos=True))
+    admit(sched, add("a", [2, 3, 4, 5, 6], max_tokens=3, ignore_eos=True))
     p0, p1 = sched.schedule(), sched.schedule()  # no result in between
     assert p0 is not None and p1 is not None
     assert p0.num_scheduled_tokens == [5] and p1.num_scheduled_tokens == [1]
     assert p1.cached_requests.num_computed_tokens == [5]
-    assert sched.requests["a"].num_inflight == 2
-    o0 = sched.update_from_result(StepResult(step_id=0, request_ids=["a"], sampled_token_ids=[9]))
+    assert len(sched.requests[handle_of(sched, "a")].inflight_steps) == 2
+    o0 = sched.update_from_result(result(sched, p0.step_id, {"a": 9}))
     p2 = sched.schedule()  # third and last token
     assert p2 is not None and p2.num_scheduled_tokens == [1]
     assert sched.schedule() is None  # a fourth sample would pass max_tokens
-    o1 = sched.update_from_result(StepResult(step_id=1, request_ids=["a"], sampled_token_ids=[8]))
-    o2 = sched.update_from_result(StepResult(step_id=2, request_ids=["a"], sampled_token_ids=[7]))
+    o1 = sched.update_from_result(result(sched, p1.step_id, {"a": 8}))
+    o2 = sched.update_from_result(result(sched, p2.step_id, {"a": 7}))
     assert [o.new_token_ids for o in o0 + o1 + o2] == [[9], [8], [7]]
     assert o2[0].finish_reason is FinishReason.LENGTH
     assert_no_leak(sched)
@@ -464,31 +535,75 @@ def test_async_plan_before_result_schedules_one_decode() -> None:
 
 def test_async_no_decode_past_max_tokens_or_max_model_len() -> None:
     sched = Scheduler(make_config(max_model_len=8), 32)
-    sched.add_request(add("a", [2] * 5, max_tokens=1))
-    sched.add_request(add("b", [2] * 6, max_tokens=None))  # may reach 8 tokens: 2 outputs
+    admit(sched, add("a", [2] * 5, max_tokens=1))
+    admit(sched, add("b", [2] * 6, max_tokens=None))  # may reach 8 tokens: 2 outputs
     p0, p1 = sched.schedule(), sched.schedule()
     assert p0 is not None and p1 is not None
-    assert p1.scheduled_ids == ["b"]
+    assert labels(sched, p1.scheduled) == ["b"]
     assert sched.schedule() is None
 
 
-def test_results_after_finish_are_ignored() -> None:
+def test_results_after_finish_are_ignored_and_handles_are_never_reused() -> None:
     sched = Scheduler(make_config(), 32)
-    sched.add_request(add("a", [2] * 5))
+    admit(sched, add("a", [2] * 5))
     p0, p1 = sched.schedule(), sched.schedule()
     assert p0 is not None and p1 is not None
-    outs = sched.update_from_result(
-        StepResult(step_id=0, request_ids=["a"], sampled_token_ids=[EOS])
-    )
+    first = handle_of(sched, "a")
+    outs = sched.update_from_result(result(sched, p0.step_id, {"a": EOS}))
     assert outs[0].finish_reason is FinishReason.STOP
-    sched.add_request(add("a", [3] * 5))  # the id is reused while step 1 is in flight
+    second = admit(sched, add("a", [3] * 5))  # the label is reused while step 1 is in flight
+    assert second != first
     p2 = sched.schedule()
-    assert p2 is not None and p2.finished_ids == ["a"] and p2.new_requests[0].token_ids == [3] * 5
-    stale = StepResult(step_id=1, request_ids=["a"], sampled_token_ids=[5])
+    assert p2 is not None and p2.finished == [first] and p2.new_requests[0].token_ids == [3] * 5
+    stale = StepResult(step_id=p1.step_id, handles=[first], sampled_token_ids=[5])
     assert sched.update_from_result(stale) == []
-    fresh = StepResult(step_id=2, request_ids=["a"], sampled_token_ids=[6])
+    fresh = StepResult(step_id=p2.step_id, handles=[second], sampled_token_ids=[6])
     assert [o.new_token_ids for o in sched.update_from_result(fresh)] == [[6]]
-    sched.abort_requests(["a"])
+    abort(sched, ["a"])
+    assert_no_leak(sched)
+
+
+def test_two_clients_with_the_same_seq_are_two_requests() -> None:
+    sched = Scheduler(make_config(), 32)
+    request = add("x", [2] * 5)
+    other = msgspec.structs.replace(request, client=b"another-client", prompt_token_ids=[4] * 5)
+    first, second = admit(sched, request), admit(sched, other)
+    assert first != second and len(sched.requests) == 2
+    assert sched.abort_requests(b"another-client", [request.seq])[0].handle == second
+    assert list(sched.requests) == [first]
+
+
+def test_a_resubmitted_route_gets_its_request_back_not_a_copy() -> None:
+    sched = Scheduler(make_config(), 32)
+    request = add("a", [2] * 5, max_tokens=3, ignore_eos=True)
+    handle = admit(sched, request)
+    step(sched, {"a": 7})
+    again = sched.add_request(msgspec.structs.replace(request, resume_token_ids=[7]))
+    assert isinstance(again, Route) and again.handle == handle
+    assert again.output_token_ids == [7] and again.finish_reason is None
+    assert len(sched.requests) == 1
+    step(sched, {"a": 8})
+    step(sched, {"a": 9})
+    done = sched.add_request(request)  # finished meanwhile: its result again
+    assert isinstance(done, Route) and done.handle == handle
+    assert done.output_token_ids == [7, 8, 9] and done.finish_reason is FinishReason.LENGTH
+    assert_no_leak(sched)
+
+
+def test_a_resumed_request_continues_after_the_tokens_its_client_holds() -> None:
+    request = add("r", [5, 9, 13, 4], max_tokens=6, ignore_eos=True)
+    want = solo(request).tokens
+    resumed = add("r2", [5, 9, 13, 4], max_tokens=6, ignore_eos=True)
+    resumed.resume_token_ids = want[:2]
+    sched = Scheduler(make_config(), 32)
+    plans: list[StepPlan] = []
+    out = run_engine(sched, [(0, resumed)], depth=2, plans=plans)
+    assert out["r2"].tokens == want[2:]  # four more tokens: max_tokens counts the resumed ones
+    assert plans[0].new_requests[0].num_prompt_tokens == 4
+    held = add("r3", [5, 9, 13, 4], max_tokens=6, ignore_eos=True)
+    held.resume_token_ids = want  # its client holds everything: it ends at once
+    route = sched.add_request(held)
+    assert isinstance(route, Route) and route.finish_reason is FinishReason.LENGTH
     assert_no_leak(sched)
 
 
@@ -507,7 +622,7 @@ def run_tokens(sched: Scheduler, rid: str, tokens: list[int]) -> list[RequestOut
 def test_stop_conditions() -> None:
     def finish(tokens: list[int], **kw: object) -> tuple[int, FinishReason | None, int | None]:
         sched = Scheduler(make_config(max_model_len=12), 32)
-        sched.add_request(add("a", [2, 3, 4], **kw))
+        admit(sched, add("a", [2, 3, 4], **kw))
         outs = run_tokens(sched, "a", tokens)
         last = outs[-1]
         return len(outs), last.finish_reason, last.stop_reason
@@ -524,13 +639,18 @@ def test_stop_conditions() -> None:
 
 def test_outputs_carry_logprobs_and_cached_tokens() -> None:
     sched = Scheduler(make_config(), 32)
-    sched.add_request(add("lp", [2] * 5, logprobs=2))
-    sched.add_request(add("no", [3] * 5))
+    admit(sched, add("lp", [2] * 5, logprobs=2))
+    admit(sched, add("no", [3] * 5))
     plan = sched.schedule()
     assert plan is not None
     lp = TokenLogprobs(6, -0.1, 1, [6, 7], [-0.1, -2.0])
     outs = sched.update_from_result(
-        StepResult(step_id=0, request_ids=["lp", "no"], sampled_token_ids=[6, 6], logprobs=[lp, lp])
+        StepResult(
+            step_id=0,
+            handles=[handle_of(sched, "lp"), handle_of(sched, "no")],
+            sampled_token_ids=[6, 6],
+            logprobs=[lp, lp],
+        )
     )
     assert outs[0].new_logprobs == [lp] and outs[1].new_logprobs is None
     assert outs[0].num_cached_tokens == 0 and outs[0].finish_reason is None
@@ -538,8 +658,8 @@ def test_outputs_carry_logprobs_and_cached_tokens() -> None:
 
 def test_stats() -> None:
     sched = Scheduler(make_config(), 20)
-    sched.add_request(add("a", [2] * 9))
-    sched.add_request(add("b", [3] * 3))
+    admit(sched, add("a", [2] * 9))
+    admit(sched, add("b", [3] * 3))
     sched.schedule()
     s = sched.stats()
     assert (s.num_running, s.num_waiting, s.num_total_blocks) == (2, 0, 20)
@@ -583,7 +703,7 @@ def test_randomized_against_solo(seed: int, depth: int, pressure: bool) -> None:
     sched = Scheduler(cfg, num_blocks)
     out = run_engine(sched, arrivals, depth=depth, rng=rng, aborts=aborts)
     for _, req in arrivals:
-        got, want = out[req.request_id], solo(req, 40)
+        got, want = out[LABELS[req.seq]], solo(req, 40)
         if got.finish is FinishReason.ABORT:
             assert want.tokens[: len(got.tokens)] == got.tokens
         else:
@@ -591,7 +711,7 @@ def test_randomized_against_solo(seed: int, depth: int, pressure: bool) -> None:
                 want.tokens,
                 want.finish,
                 want.stop_reason,
-            ), req.request_id
+            ), LABELS[req.seq]
     stats = sched.stats()
     assert stats.num_generation_tokens == sum(len(c.tokens) for c in out.values())
     if pressure:

@@ -32,10 +32,13 @@ PARENT_POLL_S = 0.5
 class Actor:
     name: ClassVar[str] = "actor"
 
-    def __init__(self, config: EngineConfig, addresses: bus.Addresses, rank: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig, addresses: bus.Addresses, rank: int = 0, epoch: int = 0
+    ) -> None:
         self.config = config
         self.addresses = addresses
         self.rank = rank
+        self.epoch = epoch  # the supervisor's restart count when it started this actor
         self.ctx = zmq.asyncio.Context()
 
     @property
@@ -91,7 +94,7 @@ async def _exit_on_sigterm(scope: anyio.CancelScope) -> None:
 
 
 def run_actor_process(
-    actor_cls: type[Actor], config_bytes: bytes, addresses: bus.Addresses, rank: int
+    actor_cls: type[Actor], config_bytes: bytes, addresses: bus.Addresses, rank: int, epoch: int
 ) -> None:
     """Entry point of every actor process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -100,7 +103,7 @@ def run_actor_process(
         level=config.log_level,
         format=f"%(asctime)s {actor_cls.name}[{rank}] %(levelname)s %(name)s: %(message)s",
     )
-    actor = actor_cls(config, addresses, rank)
+    actor = actor_cls(config, addresses, rank, epoch)
     try:
         anyio.run(actor.serve, backend="asyncio", backend_options={"use_uvloop": _has_uvloop()})
     except Exception:

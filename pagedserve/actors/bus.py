@@ -5,8 +5,10 @@ carries. Every frame is msgpack produced by msgspec; a frame that does not decod
 channel's type is logged and dropped, and the receiver keeps going. No pickle anywhere.
 
 Topology (same host: ipc:// sockets in a private run directory; `tcp://` works the same):
-  clients  --DEALER/ROUTER-->  tokenizer      (client requests in, deltas back by identity)
+  clients  --DEALER/ROUTER-->  tokenizer      (requests in; the ROUTER names each sender)
+  clients  <-DEALER/ROUTER-->  detokenizer    (deltas out by the client's identity; Hello/Ping)
   senders  --PUSH/PULL----->   each actor's inbox (bound by the inbox owner)
+A client reaches the engine by one *engine address*: `ipc://<run_dir>` or `tcp://host:port0`.
 """
 
 from __future__ import annotations
@@ -52,11 +54,29 @@ class Codec(Generic[T]):
 
 @dataclass(frozen=True)
 class Addresses:
-    """Where every actor's sockets live. `base` is `ipc://<run_dir>` or `tcp://host:port0`."""
+    """Where every actor's sockets live: ipc:// files in `run_dir`, or consecutive tcp ports
+    from `tcp_base_port` on `tcp_host`."""
 
     run_dir: str
     tcp_host: str | None = None
     tcp_base_port: int = 0
+
+    @classmethod
+    def from_engine_address(cls, address: str) -> Addresses:
+        """The addresses behind an engine address (what `pagedserve serve` prints)."""
+        if address.startswith("ipc://"):
+            return cls(address.removeprefix("ipc://"))
+        if address.startswith("tcp://"):
+            host, _, port = address.removeprefix("tcp://").rpartition(":")
+            if host and port.isdigit():
+                return cls("", host, int(port))
+        raise ValueError(f"not an engine address: {address!r} (ipc://DIR or tcp://HOST:PORT)")
+
+    @property
+    def engine_address(self) -> str:
+        if self.tcp_host is not None:
+            return f"tcp://{self.tcp_host}:{self.tcp_base_port}"
+        return f"ipc://{self.run_dir}"
 
     def _address(self, name: str, index: int) -> str:
         if self.tcp_host is not None:
@@ -68,16 +88,22 @@ class Addresses:
         return self._address("supervisor.sock", 0)
 
     @property
-    def tokenizer_clients(self) -> str:
-        return self._address("tokenizer-clients.sock", 1)
+    def requests(self) -> str:
+        """The tokenizer's ROUTER: clients send their requests here."""
+        return self._address("requests.sock", 1)
 
     @property
-    def tokenizer_inbox(self) -> str:
-        return self._address("tokenizer-inbox.sock", 2)
+    def outputs(self) -> str:
+        """The detokenizer's ROUTER: clients receive their deltas from here."""
+        return self._address("outputs.sock", 2)
+
+    @property
+    def detokenizer_inbox(self) -> str:
+        return self._address("detokenizer-inbox.sock", 3)
 
     @property
     def scheduler_inbox(self) -> str:
-        return self._address("scheduler-inbox.sock", 3)
+        return self._address("scheduler-inbox.sock", 4)
 
     def worker_inbox(self, rank: int) -> str:
         return self._address(f"worker-{rank}-inbox.sock", 16 + rank)
@@ -146,7 +172,8 @@ class Receiver(Generic[T]):
 
 
 class Router(Generic[T]):
-    """The tokenizer's client-facing socket: receives (identity, message), replies by identity."""
+    """A client-facing ROUTER: receives (identity, message), replies by identity (a reply to
+    an identity that is not connected is dropped)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, message_type: Any) -> None:
         self.socket = _socket(ctx, zmq.ROUTER, address, bind=True)
@@ -163,6 +190,20 @@ class Router(Generic[T]):
             if message is not None:
                 return frames[0], message
 
+    def recv_ready(self) -> list[tuple[bytes, T]]:
+        """Every (identity, message) already queued, without waiting."""
+        messages: list[tuple[bytes, T]] = []
+        while True:
+            try:
+                frames = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                if not isinstance(frames, list):  # an asyncio socket hands back a done future
+                    frames = frames.result()
+            except zmq.Again:
+                return messages
+            message = self.codec.decode(frames[1]) if len(frames) == 2 else None
+            if message is not None:
+                messages.append((frames[0], message))
+
     async def send(self, identity: bytes, message: msgspec.Struct) -> None:
         await self.socket.send_multipart([identity, encode(message)], copy=False)
 
@@ -171,7 +212,7 @@ class Router(Generic[T]):
 
 
 def dealer_socket(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
-    """A client's end of the tokenizer's ROUTER (sync or asyncio context)."""
+    """A client's end of an engine ROUTER (sync or asyncio context)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.LINGER, 0)

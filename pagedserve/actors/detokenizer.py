@@ -1,191 +1,180 @@
-"""Incremental detokenization and stop strings, one `IncrementalDetokenizer` per request.
+"""The detokenizer process: the engine's way out. Token outputs in, text deltas to clients.
 
-Decoding uses the prefix_offset / read_offset window: each step decodes only the tokens since
-the last emission plus the previous emitted chunk as context, and emits the difference, so the
-cost per token is O(1) in the output length. Text that ends in U+FFFD (a UTF-8 character
-whose bytes are split across tokens) is held back until the character completes.
+The scheduler announces each request it accepts (a `Route`: the client, its number for the
+request, the prompt and the sampling settings) before the request's first tokens, in the same
+ordered channel, so the detokenizer learns every route from the request's owner. For each step
+it turns new tokens into text (incremental, UTF-8 safe, stop strings), and sends each client
+one frame with all its deltas. A stop string ends the request here: the final delta goes out
+and the scheduler is told to stop computing it. Refusals from the tokenizer and the scheduler
+and stats replies reach their clients through here too: clients have one way in.
 
-The output text is the text the output tokens add after the prompt, i.e.
-`decode(prompt + output)[len(decode(prompt)):]`: the last prompt tokens are decoded as context,
-so a SentencePiece word-start token keeps its leading space. With an empty prompt (and always
-for byte-level BPE) this equals `decode(output)`. Decoding never applies HF's
-`clean_up_tokenization_spaces` (it is not incremental).
+Clients connect a DEALER to its ROUTER (Hello -> Welcome) and probe it (Ping -> Pong); both
+answers carry the supervisor's epoch, which changes when an actor was restarted: a client then
+resubmits the requests it still waits for (see api/client.py). A route for a request the
+detokenizer does not know yet, with output already generated (such a resubmission, or a restart
+of this actor), replays that output from its start; deltas carry their offsets in the output,
+so a client keeps only what it lacks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import tokenizers
+import anyio
 
-from pagedserve.actors.messages import SamplingParams
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-REPLACEMENT_CHAR = "\ufffd"
-PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded as context for the first output tokens
-MAX_CONTEXT_EXTENSION = 8  # extra prompt tokens to reach the start of a character
-
-Decoder = Callable[[list[int]], str]
-
-
-@dataclass(frozen=True, slots=True)
-class DetokenizeResult:
-    text_delta: str  # new output text, safe to stream
-    stop_string: str | None = None  # the stop string that matched (the request is finished)
-
-
-def make_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Decoder:
-    """A token-ids -> text function; the Rust tokenizer directly when there is one."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if isinstance(backend, tokenizers.Tokenizer):
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(
-        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-    )
+from pagedserve.actors import bus
+from pagedserve.actors.actor import Actor
+from pagedserve.actors.incremental_detokenizer import IncrementalDetokenizer, TokenDecoder
+from pagedserve.actors.messages import (
+    ClientControl,
+    DeltaBatch,
+    DetokenizerInbound,
+    EngineOutputs,
+    EpochChanged,
+    FinishReason,
+    Hello,
+    Pong,
+    RequestDelta,
+    RequestError,
+    Route,
+    SchedulerInbound,
+    SchedulerStats,
+    Shutdown,
+    StopRequests,
+    TokenLogprobs,
+    Welcome,
+)
 
 
-def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """Every id that `skip_special_tokens=True` drops."""
-    ids = set(tokenizer.all_special_ids)
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
-    return ids
+@dataclass
+class OutputStream:
+    """One request's way to its client: what has been sent and the text state."""
 
+    client: bytes
+    seq: int
+    prompt_token_ids: list[int]
+    text: IncrementalDetokenizer | None  # None: an engine without a tokenizer (ids only)
+    num_tokens: int = 0  # output tokens sent
+    text_length: int = 0  # output characters sent
+    first_sent: bool = False
 
-def prompt_context(
-    decode: Decoder, prompt_ids: list[int], special_ids: set[int], skip_special_tokens: bool
-) -> list[int]:
-    """The last few prompt tokens that decode to text: the left context of the output.
-
-    Starts on a character boundary (a context that begins inside a UTF-8 character decodes
-    to U+FFFD, and byte-fallback decoders then garble the whole byte run)."""
-    tail = prompt_ids[-4 * (PROMPT_CONTEXT_TOKENS + MAX_CONTEXT_EXTENSION) :]
-    if skip_special_tokens:
-        tail = [t for t in tail if t not in special_ids]
-    start = max(len(tail) - PROMPT_CONTEXT_TOKENS, 0)
-    for begin in range(start, max(start - MAX_CONTEXT_EXTENSION, 0) - 1, -1):
-        if not decode(tail[begin:]).startswith(REPLACEMENT_CHAR):
-            return tail[begin:]
-    return tail[start:]
-
-
-class TokenStream:
-    """Token ids in, text deltas out, via a sliding decode window."""
-
-    def __init__(self, decode: Decoder, context_ids: list[int]) -> None:
-        self._decode = decode
-        self._ids = list(context_ids)
-        self._prefix = 0  # start of the decode window: the previous emitted chunk
-        self._read = len(self._ids)  # end of the text emitted so far
-
-    def push(self, new_ids: list[int], flush: bool) -> str:
-        """Append tokens; return the text they complete (all pending text when `flush`)."""
-        self._ids.extend(new_ids)
-        if self._read == len(self._ids):
-            return ""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        if len(new_text) <= len(prefix_text):
-            return ""  # the new tokens add no text yet (e.g. skipped special tokens)
-        if new_text.endswith(REPLACEMENT_CHAR) and not flush:
-            return ""  # an incomplete UTF-8 character: wait for its remaining bytes
-        self._advance()
-        return new_text[len(prefix_text) :]
-
-    def _advance(self) -> None:
-        """Slide the window and forget ids before it, keeping the list short."""
-        del self._ids[: self._read]
-        self._prefix, self._read = 0, len(self._ids)
-
-
-class StopStringMatcher:
-    """Finds stop strings in streamed text and holds back text that may start one."""
-
-    def __init__(self, stops: list[str], include_stop: bool) -> None:
-        self._stops = stops
-        self._include = include_stop
-        self._prefixes = {s[:k] for s in stops for k in range(1, len(s))}
-        self._max_hold = max((len(s) for s in stops), default=1) - 1
-        self._pending = ""  # decoded text not yet emitted
-
-    def feed(self, text: str, flush: bool) -> tuple[str, str | None]:
-        """Add decoded text; return (text safe to emit, matched stop string or None)."""
-        buf = self._pending + text
-        match = self._find(buf)
-        if match is not None:
-            idx, stop = match
-            self._pending = ""
-            return buf[: idx + len(stop) if self._include else idx], stop
-        hold = 0 if flush else self._hold_length(buf)
-        self._pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], None
-
-    def _find(self, buf: str) -> tuple[int, str] | None:
-        """The earliest stop string occurrence (first listed wins a tie)."""
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            idx = buf.find(stop)
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        return best
-
-    def _hold_length(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
-        for k in range(min(len(buf), self._max_hold), 0, -1):
-            if buf[-k:] in self._prefixes:
-                return k
-        return 0
-
-
-class IncrementalDetokenizer:
-    """Streams a request's output text: UTF-8 safe, O(1) per token, stop-string aware."""
-
-    def __init__(
+    def push(
         self,
-        tokenizer: PreTrainedTokenizerBase,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-    ) -> None:
-        skip = sampling.skip_special_tokens
-        decode = make_decoder(tokenizer, skip)
-        special = special_token_ids(tokenizer) if skip else set()
-        context = prompt_context(decode, prompt_token_ids, special, skip)
-        self._stream = TokenStream(decode, context)
-        stops = sampling.stop_strings
-        self._matcher = StopStringMatcher(stops, sampling.include_stop_str_in_output)
-        self._pieces: list[str] = []
-        self._stop_string: str | None = None
-        self._done = False
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs] | None,
+        finish: FinishReason | None,
+        stop_reason: int | str | None,
+        num_cached_tokens: int,
+    ) -> RequestDelta:
+        """The delta for new tokens; finish is set (STOP) when they complete a stop string."""
+        text = ""
+        if self.text is not None:
+            result = self.text.update(token_ids, finished=finish is not None)
+            text = result.text_delta
+            if result.stop_string is not None:
+                finish, stop_reason = FinishReason.STOP, result.stop_string
+        delta = RequestDelta(
+            seq=self.seq, text=text, token_ids=token_ids, logprobs=logprobs,
+            finish_reason=finish, stop_reason=stop_reason,
+            token_offset=self.num_tokens, text_offset=self.text_length,
+        )  # fmt: skip
+        if not self.first_sent:
+            delta.prompt_token_ids = self.prompt_token_ids
+            delta.num_cached_tokens = num_cached_tokens
+            self.first_sent = True
+        self.num_tokens += len(token_ids)
+        self.text_length += len(text)
+        return delta
 
-    def update(self, new_token_ids: list[int], finished: bool) -> DetokenizeResult:
-        """Add sampled tokens; `finished` flushes held-back text (the request ended)."""
-        if self._done:
-            return DetokenizeResult("")
-        text = self._stream.push(new_token_ids, flush=finished)
-        delta, stop = self._matcher.feed(text, flush=finished)
-        self._done = finished or stop is not None
-        self._stop_string = stop
-        if delta:
-            self._pieces.append(delta)
-        return DetokenizeResult(delta, stop)
 
-    @property
-    def output_text(self) -> str:
-        """All output text emitted so far."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+class DetokenizerActor(Actor):
+    name = "detokenizer"
 
-    @property
-    def stop_string(self) -> str | None:
-        """The stop string that ended the output, if any."""
-        return self._stop_string
+    async def setup(self) -> dict:
+        self.decoder = None
+        if not self.config.skip_tokenizer_init:
+            self.decoder = TokenDecoder.load(self.config.tokenizer_path)
+        self.clients: bus.Router[ClientControl] = bus.Router(
+            self.ctx, self.addresses.outputs, ClientControl
+        )
+        self.inbox: bus.Receiver[DetokenizerInbound] = bus.Receiver(
+            self.ctx, self.addresses.detokenizer_inbox, DetokenizerInbound
+        )
+        self.to_scheduler: bus.Sender[SchedulerInbound] = bus.Sender(
+            self.ctx, self.addresses.scheduler_inbox
+        )
+        self.streams: dict[int, OutputStream] = {}  # by handle
+        return {}
 
-    @property
-    def finished(self) -> bool:
-        """True once a stop string matched or `update(..., finished=True)` was called."""
-        return self._done
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.serve_clients)
+            await self.serve_engine()
+            tg.cancel_scope.cancel()
+
+    async def serve_clients(self) -> None:
+        """Hello -> Welcome, Ping -> Pong: connection and liveness, with the epoch."""
+        while True:
+            client, message = await self.clients.recv()
+            reply = Welcome(self.epoch) if isinstance(message, Hello) else Pong(self.epoch)
+            await self.clients.send(client, reply)
+
+    async def serve_engine(self) -> None:
+        while True:
+            message = await self.inbox.recv()
+            if isinstance(message, Shutdown):
+                return
+            if isinstance(message, EngineOutputs):
+                await self.on_outputs(message)
+            elif isinstance(message, EpochChanged):
+                self.epoch = message.epoch
+            else:
+                await self.forward(message)
+
+    async def forward(self, message: RequestError | SchedulerStats) -> None:
+        """A refusal or a stats reply, to the client it names."""
+        client, message.client = message.client, b""
+        await self.clients.send(client, message)
+
+    async def on_outputs(self, message: EngineOutputs) -> None:
+        """One frame per client: the deltas of all its requests in this step."""
+        batches: dict[bytes, list[RequestDelta]] = defaultdict(list)
+        stopped: list[int] = []
+        for route in message.routes:
+            stream = self.open_stream(route)
+            if stream is not None and (route.output_token_ids or route.finish_reason is not None):
+                delta = stream.push(route.output_token_ids, None, route.finish_reason,
+                                    route.stop_reason, 0)  # fmt: skip
+                batches[stream.client].append(self.close_if_final(route.handle, delta))
+        for error in message.errors:
+            await self.forward(error)
+        for output in message.outputs:
+            stream = self.streams.get(output.handle)
+            if stream is None:
+                continue  # finished here already (a stop string), or never routed
+            delta = stream.push(output.new_token_ids, output.new_logprobs, output.finish_reason,
+                                output.stop_reason, output.num_cached_tokens)  # fmt: skip
+            if delta.finish_reason is not None and output.finish_reason is None:
+                stopped.append(output.handle)
+            batches[stream.client].append(self.close_if_final(output.handle, delta))
+        for client, deltas in batches.items():
+            await self.clients.send(client, DeltaBatch(deltas))
+        if stopped:
+            await self.to_scheduler.send(StopRequests(stopped))
+
+    def open_stream(self, route: Route) -> OutputStream | None:
+        """A stream for a route the detokenizer does not know yet (None if it does)."""
+        if route.handle in self.streams:
+            return None
+        text = None
+        if self.decoder is not None:
+            text = IncrementalDetokenizer(self.decoder, route.prompt_token_ids, route.sampling)
+        stream = OutputStream(route.client, route.seq, route.prompt_token_ids, text)
+        self.streams[route.handle] = stream
+        return stream
+
+    def close_if_final(self, handle: int, delta: RequestDelta) -> RequestDelta:
+        if delta.finish_reason is not None:
+            del self.streams[handle]
+        return delta

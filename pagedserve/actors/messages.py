@@ -3,14 +3,25 @@
 Rules: add fields only at the end; enums are IntEnum; every top-level message is a tagged
 Struct so that each channel decodes a typed union with one decoder. No pickle anywhere.
 
+Names. A client numbers its own requests (`seq`, unique per client for its lifetime) and may
+give each a label (`request_id`, never interpreted by the engine). (client identity, seq) is a
+request's *route*. The scheduler, which owns every request's state, gives each accepted
+request a *handle*: an integer assigned once and never reused (its epoch in the high bits), by
+which the workers and the detokenizer know it.
+
 Channels (see bus.py for addresses):
-  client     -> tokenizer : ClientInbound   (GenerateRequest, AbortRequest, StatsRequest)
-  tokenizer  -> client    : ClientOutbound  (DeltaBatch, RequestDelta, RequestError, SchedulerStats)
-  tokenizer  -> scheduler : SchedulerInbound (AddRequest, AbortRequest, StatsRequest)
-  worker 0   -> scheduler : SchedulerInbound (StepResult)
-  scheduler  -> tokenizer : TokenizerInbound (EngineOutputs, SchedulerStats)
-  scheduler  -> worker k  : WorkerInbound    (StepPlan, Shutdown)
-  actor      -> supervisor: SupervisorInbound (ActorReady, ActorFailed)
+  client      -> tokenizer   : ClientRequests      (GenerateRequest, AbortRequest, StatsRequest)
+  client      -> detokenizer : ClientControl       (Hello, Ping)
+  detokenizer -> client      : ClientOutbound      (DeltaBatch, RequestError, SchedulerStats,
+                                                    Welcome, Pong)
+  tokenizer   -> scheduler   : SchedulerInbound    (AddRequest, AbortRequest, StatsRequest)
+  detokenizer -> scheduler   : SchedulerInbound    (StopRequests)
+  worker 0    -> scheduler   : SchedulerInbound    (StepResult)
+  scheduler   -> detokenizer : DetokenizerInbound  (EngineOutputs, SchedulerStats)
+  tokenizer   -> detokenizer : DetokenizerInbound  (RequestError)
+  supervisor  -> detokenizer : DetokenizerInbound  (EpochChanged)
+  scheduler   -> worker k    : WorkerInbound       (StepPlan, Shutdown)
+  actor       -> supervisor  : SupervisorInbound   (ActorReady, ActorFailed)
 """
 
 from __future__ import annotations
@@ -105,30 +116,55 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     content: str
 
 
-# ---------------------------------------------------------------- client <-> tokenizer
+# ---------------------------------------------------------------- client -> tokenizer
 
 
 class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
-    request_id: str
+    seq: int  # the client's number for this request (unique per client)
     sampling: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None  # chat: the tokenizer applies the chat template
     add_generation_prompt: bool = True
+    # A client resubmitting after an engine restart: the output tokens it already holds. The
+    # engine continues after them (or, if the request is still live, re-sends what it has).
+    resume_token_ids: list[int] = []
 
 
-class AbortRequest(msgspec.Struct, tag=True):
-    request_ids: list[str]
+class AbortRequest(msgspec.Struct, tag=True, kw_only=True):
+    seqs: list[int]
+    client: bytes = b""  # filled in by the tokenizer (the ROUTER's identity of the sender)
 
 
-class StatsRequest(msgspec.Struct, tag=True):
-    request_id: str
+class StatsRequest(msgspec.Struct, tag=True, kw_only=True):
+    seq: int
+    client: bytes = b""  # filled in by the tokenizer
 
 
-class RequestDelta(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
-    """What a client receives for a request: new text and tokens since the last delta."""
+# ---------------------------------------------------------------- client <-> detokenizer
 
-    request_id: str
+
+class Hello(msgspec.Struct, tag=True):
+    """A client's first frame to the detokenizer, which answers Welcome."""
+
+
+class Ping(msgspec.Struct, tag=True):
+    """A client's liveness probe; the detokenizer answers Pong."""
+
+
+class Welcome(msgspec.Struct, tag=True):
+    epoch: int  # bumped by the supervisor whenever it restarts an actor
+
+
+class Pong(msgspec.Struct, tag=True):
+    epoch: int
+
+
+class RequestDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a client receives for a request: new text and tokens. Offsets place them in the
+    request's output, so that a delta sent again (after an engine restart) is recognised."""
+
+    seq: int
     text: str = ""
     token_ids: list[int] = []
     logprobs: list[TokenLogprobs] | None = None
@@ -136,6 +172,9 @@ class RequestDelta(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     prompt_token_ids: list[int] | None = None  # sent with the first delta only
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first delta)
+    token_offset: int = 0  # index of token_ids[0] in the output
+    text_offset: int = 0  # index of text[0] in the output text
+    request_id: str = ""  # the client's label: filled in by the client, never sent
 
 
 class DeltaBatch(msgspec.Struct, tag=True):
@@ -144,27 +183,51 @@ class DeltaBatch(msgspec.Struct, tag=True):
     deltas: list[RequestDelta]
 
 
-class RequestError(msgspec.Struct, tag=True):
-    request_id: str
+class RequestError(msgspec.Struct, tag=True, kw_only=True):
+    """A request refused (the final message of its route). Also tokenizer -> detokenizer."""
+
+    seq: int
     message: str
     status_code: int = 400
+    client: bytes = b""  # the route, for the detokenizer; cleared before the client gets it
 
 
-# ---------------------------------------------------------------- tokenizer <-> scheduler
+# ---------------------------------------------------------------- into the scheduler
 
 
 class AddRequest(msgspec.Struct, tag=True, kw_only=True):
-    request_id: str
+    client: bytes
+    seq: int
     prompt_token_ids: list[int]
     sampling: SamplingParams
     eos_token_ids: list[int]
     arrival_time: float = 0.0
+    resume_token_ids: list[int] = []  # see GenerateRequest
+
+
+class StopRequests(msgspec.Struct, tag=True):
+    """The detokenizer found a stop string: it has sent the final delta; stop computing."""
+
+    handles: list[int]
+
+
+class Route(msgspec.Struct, array_like=True):
+    """What the detokenizer needs to stream a request to its client."""
+
+    handle: int
+    client: bytes
+    seq: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int]  # generated before this route was sent (a resume or rebuild)
+    finish_reason: FinishReason | None = None  # set when re-sending a finished request's route
+    stop_reason: int | None = None
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
-    """Scheduler -> tokenizer, one per request that advanced in a step."""
+    """Scheduler -> detokenizer, one per request that advanced in a step."""
 
-    request_id: str
+    handle: int
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None
     finish_reason: FinishReason | None
@@ -172,12 +235,18 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int
 
 
-class EngineOutputs(msgspec.Struct, tag=True):
-    outputs: list[RequestOutput]
+class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):
+    """Scheduler -> detokenizer, once per step with news. Routes come first: a route for a
+    handle the detokenizer does not know starts it (replaying its output tokens so far)."""
+
+    routes: list[Route] = []
+    outputs: list[RequestOutput] = []
+    errors: list[RequestError] = []
 
 
 class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
-    request_id: str = ""
+    seq: int = 0  # the asking client's seq (its route, with `client`)
+    client: bytes = b""
     num_running: int = 0
     num_waiting: int = 0
     num_total_blocks: int = 0
@@ -190,15 +259,25 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     num_steps: int = 0
 
 
+class EpochChanged(msgspec.Struct, tag=True):
+    """Supervisor -> detokenizer: an actor was restarted; clients resubmit what they wait for."""
+
+    epoch: int
+
+
 # ---------------------------------------------------------------- scheduler <-> workers
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
-    """Full data for a request the worker has not seen (new, or resumed after preemption)."""
+    """Everything a worker caches of a request it has not seen (new, or resumed after
+    preemption): the token history, where the prompt ends, the sampling settings with the
+    request's RNG seed, its blocks and the tokens already in the KV cache."""
 
-    request_id: str
+    handle: int
     token_ids: list[int]  # every token known now: the prompt, plus outputs when resumed
+    num_prompt_tokens: int
     sampling: SamplingParams
+    seed: int  # the request's counter-based RNG key (its own seed, or one the scheduler drew)
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
 
@@ -206,29 +285,28 @@ class NewRequestData(msgspec.Struct, array_like=True):
 class CachedRequestData(msgspec.Struct, array_like=True):
     """Columnar diff for requests already in the worker's persistent batch."""
 
-    request_ids: list[str] = []
+    handles: list[int] = []
     new_block_ids: list[list[int]] = []  # blocks appended to each block table this step
     num_computed_tokens: list[int] = []
 
 
 class StepPlan(msgspec.Struct, tag=True, kw_only=True):
-    """One step for every worker. The batch order is `scheduled_ids`; a request samples a token
+    """One step for every worker. The batch order is `scheduled`; a request samples a token
     when its scheduled tokens reach the end of the tokens the worker knows for it."""
 
     step_id: int
     new_requests: list[NewRequestData] = []
     cached_requests: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
-    scheduled_ids: list[str] = []
+    scheduled: list[int] = []  # handles
     num_scheduled_tokens: list[int] = []
-    finished_ids: list[str] = []  # drop from the persistent batch before this step
+    finished: list[int] = []  # handles to drop from the persistent batch before this step
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True):
     step_id: int
-    request_ids: list[str]  # the requests that sampled a token this step, batch order
+    handles: list[int]  # the requests that sampled a token this step, batch order
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None  # per request, None if not asked
-    execute_ms: float = 0.0
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -250,26 +328,10 @@ class ActorFailed(msgspec.Struct, tag=True):
     error: str
 
 
-ClientInbound = GenerateRequest | AbortRequest | StatsRequest
-ClientOutbound = RequestDelta | DeltaBatch | RequestError | SchedulerStats
-SchedulerInbound = AddRequest | AbortRequest | StatsRequest | StepResult | Shutdown
-TokenizerInbound = EngineOutputs | SchedulerStats | Shutdown
+ClientRequests = GenerateRequest | AbortRequest | StatsRequest
+ClientControl = Hello | Ping
+ClientOutbound = DeltaBatch | RequestError | SchedulerStats | Welcome | Pong
+SchedulerInbound = AddRequest | AbortRequest | StatsRequest | StopRequests | StepResult | Shutdown
+DetokenizerInbound = EngineOutputs | SchedulerStats | RequestError | EpochChanged | Shutdown
 WorkerInbound = StepPlan | Shutdown
 SupervisorInbound = ActorReady | ActorFailed
-
-ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
-    GenerateRequest,
-    AbortRequest,
-    StatsRequest,
-    RequestDelta,
-    DeltaBatch,
-    RequestError,
-    AddRequest,
-    EngineOutputs,
-    SchedulerStats,
-    StepPlan,
-    StepResult,
-    Shutdown,
-    ActorReady,
-    ActorFailed,
-)

@@ -1,12 +1,17 @@
 """Starts the actor topology, watches it, and tears it down without leaving anything behind.
 
 Start order: the workers (they load the model and report how many KV blocks fit) together
-with the tokenizer and any extra actor (the HTTP server), then the scheduler, sized by the
-smallest worker's report. Every actor says
-`ActorReady` once its sockets are bound. `stop()` sends SIGTERM, waits, kills stragglers and
-removes the private run directory with its socket files. A watcher thread restarts the actors
-that hold no engine state (tokenizer, HTTP server) when they die; the death of any other actor
-marks the engine dead, so clients fail fast instead of hanging.
+with the tokenizer, the detokenizer and any extra actor (the HTTP server), then the scheduler,
+sized by the smallest worker's report. Every actor says `ActorReady` once its sockets are bound.
+`stop()` sends SIGTERM, waits, kills stragglers and removes the private run directory with its
+socket files.
+
+A watcher thread restarts the actors that own no request state (tokenizer, detokenizer, HTTP
+server) when they die, within a restart budget per actor (RESTART_BUDGET restarts a
+RESTART_WINDOW_S: a rate, not a lifetime count). Each restart moves the engine's *epoch*: the
+restarted actor starts with it, and the detokenizer hands it to clients, which then resubmit
+what they still wait for (api/client_core.py). The death of any other actor, or a budget
+spent, marks the engine dead, so clients fail fast instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ import msgspec
 import zmq
 
 from pagedserve.actors import bus, launch
-from pagedserve.actors.messages import ActorFailed, ActorReady, SupervisorInbound
+from pagedserve.actors.messages import ActorFailed, ActorReady, EpochChanged, SupervisorInbound
 from pagedserve.config import EngineConfig, encode_config
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
-RESTARTABLE = ("tokenizer", "api-server")  # hold no engine state: a new one picks up the work
-MAX_RESTARTS = 3
+RESTART_READY_TIMEOUT_S = 120.0
+# own no request state: a new one picks up the work
+RESTARTABLE = ("tokenizer", "detokenizer", "api-server")
+RESTART_BUDGET = 5  # restarts of one actor ...
+RESTART_WINDOW_S = 60.0  # ... within this many seconds
+WATCH_INTERVAL_S = 0.1
 STOP_TIMEOUT_S = 10.0
 
 
@@ -52,7 +61,8 @@ class Supervisor:
         )
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self.restarts: dict[str, int] = {}
+        self.epoch = 0  # restarts so far
+        self.restarts: dict[str, list[float]] = {}  # per actor: monotonic times of restarts
         self._readies: dict[str, ActorReady] = {}
         self._spawned_at: dict[str, float] = {}
         # per actor: seconds from its spawn to ActorReady, and its own setup phases
@@ -68,7 +78,8 @@ class Supervisor:
                 self._spawn("worker", self.config, r)
                 for r in range(self.config.tensor_parallel_size)
             ]
-            others = [self._spawn(name, self.config, 0) for name in ("tokenizer", *extra_actors)]
+            front = ("tokenizer", "detokenizer", *extra_actors)
+            others = [self._spawn(name, self.config, 0) for name in front]
             readies = self._wait_ready(set(workers))
             self.num_kv_blocks = min(readies[label].num_kv_blocks for label in workers)
             sized = msgspec.structs.replace(self.config, num_kv_blocks=self.num_kv_blocks)
@@ -82,7 +93,8 @@ class Supervisor:
 
     def _spawn(self, name: str, config: EngineConfig, rank: int) -> str:
         label = name if rank == 0 else f"{name}-{rank}"
-        process = subprocess.Popen(launch.command(name, rank, self.run_dir), stdin=subprocess.PIPE)
+        command = launch.command(name, rank, self.run_dir, self.epoch)
+        process = subprocess.Popen(command, stdin=subprocess.PIPE)
         assert process.stdin is not None
         process.stdin.write(encode_config(config))
         process.stdin.close()
@@ -90,17 +102,21 @@ class Supervisor:
         self._spawned_at[label] = time.monotonic()
         return label
 
-    def _wait_ready(self, labels: set[str]) -> dict[str, ActorReady]:
-        """Wait until every actor in `labels` is ready (others' reports are kept too)."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
+    def _wait_ready(
+        self, labels: set[str], timeout_s: float = READY_TIMEOUT_S, only_these: bool = False
+    ) -> dict[str, ActorReady]:
+        """Wait until every actor in `labels` is ready (others' reports are kept too). At
+        start-up any death fails the wait; with `only_these`, only those of `labels`."""
+        deadline = time.monotonic() + timeout_s
+        watched = labels if only_these else set(self.processes)
         while not labels <= self._readies.keys():
             if time.monotonic() > deadline:
                 raise TimeoutError("actors did not become ready in time")
-            self._raise_if_any_died()
+            self._raise_if_any_died(watched)
             if not self._inbox.poll(200):
                 continue
             message = self._codec.decode(self._inbox.recv())
-            if isinstance(message, ActorFailed):
+            if isinstance(message, ActorFailed) and message.name in watched:
                 raise EngineDeadError(f"{message.name} failed to start:\n{message.error}")
             if isinstance(message, ActorReady):
                 self._on_ready(message)
@@ -114,28 +130,52 @@ class Supervisor:
         logger.info("%s ready (pid %d): %s", message.name, message.pid, phases)
         self._readies[message.name] = message
 
-    def _raise_if_any_died(self) -> None:
+    def _raise_if_any_died(self, labels: set[str]) -> None:
         for label, process in self.processes.items():
-            if process.poll() is not None:
+            if label in labels and process.poll() is not None:
                 raise EngineDeadError(f"{label} exited with code {process.returncode}")
 
     def _watch(self) -> None:
-        """Restart a dead stateless actor (tokenizer, HTTP server); any other death, or too
-        many restarts, marks the engine dead."""
-        while not self._stopping.wait(0.5):
+        """Restart a dead actor that owns no request state, within its budget; any other
+        death, or a spent budget, marks the engine dead."""
+        while not self._stopping.wait(WATCH_INTERVAL_S):
             for label, process in list(self.processes.items()):
-                if process.poll() is None:
-                    continue
-                reason = f"{label} died with exit code {process.returncode}"
-                if label not in RESTARTABLE or self.restarts.get(label, 0) >= MAX_RESTARTS:
-                    self._mark_dead(reason)
-                    return
-                logger.error("%s; restarting it", reason)
-                self.restarts[label] = self.restarts.get(label, 0) + 1
-                with self._lock:
-                    if self._stopping.is_set():
+                if process.poll() is not None and not self._stopping.is_set():
+                    reason = f"{label} died with exit code {process.returncode}"
+                    if not self._restart(label, reason):
+                        self._mark_dead(reason)
                         return
-                    self._spawn(label, self.sized_config, 0)
+
+    def _restart(self, label: str, reason: str) -> bool:
+        """Start a new `label` at a new epoch and tell the clients; False if not allowed."""
+        now = time.monotonic()
+        recent = [t for t in self.restarts.get(label, []) if now - t < RESTART_WINDOW_S]
+        if label not in RESTARTABLE or len(recent) >= RESTART_BUDGET:
+            return False
+        logger.error("%s; restarting it", reason)
+        self.restarts[label] = [*recent, now]
+        with self._lock:
+            if self._stopping.is_set():
+                return True
+            self.epoch += 1
+            self._readies.pop(label, None)
+            while self._inbox.poll(0):  # the dead actor's last words (ActorFailed)
+                self._inbox.recv()
+            self._spawn(label, self.sized_config, 0)
+        try:
+            self._wait_ready({label}, RESTART_READY_TIMEOUT_S, only_these=True)
+        except (TimeoutError, EngineDeadError) as exc:
+            logger.error("restarting %s failed: %s", label, exc)
+            return False
+        self._announce_epoch()
+        return True
+
+    def _announce_epoch(self) -> None:
+        """Tell the detokenizer (and through it every client) that the epoch moved."""
+        sock = bus.push_socket(self._ctx, self.addresses.detokenizer_inbox)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.send(bus.encode(EpochChanged(self.epoch)))
+        sock.close()
 
     def _mark_dead(self, reason: str) -> None:
         logger.error("engine is dead: %s", reason)

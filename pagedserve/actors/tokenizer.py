@@ -1,136 +1,63 @@
-"""The tokenizer process: text in (tokenize, chat template, validate), text out (incremental
-detokenization, stop strings). It is the engine's front door: clients talk to it over a ROUTER
-socket, and it routes every delta back to the client that asked.
+"""The tokenizer process: the engine's way in. Client requests in, token ids to the scheduler.
+
+Clients send over a DEALER to its ROUTER, which names each sender: (identity, seq) is the
+request's route, carried to the scheduler, which owns it from then on. Text is checked against
+a size bound before anything is encoded (a prompt whose characters cannot fit max_model_len
+tokens is refused at once), small prompts are encoded in the loop, and large ones in worker
+threads (the Rust tokenizer's batch encode releases the GIL), so a huge prompt never stalls
+the requests behind it. A refusal goes to the detokenizer, the clients' one way out.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+
+import anyio
 
 from pagedserve.actors import bus
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.chat import apply_chat_template, eos_token_ids, load_tokenizer
-from pagedserve.actors.detokenizer import DetokenizeResult, IncrementalDetokenizer
 from pagedserve.actors.messages import (
     AbortRequest,
     AddRequest,
-    ClientInbound,
-    DeltaBatch,
-    EngineOutputs,
-    FinishReason,
+    ClientRequests,
+    DetokenizerInbound,
     GenerateRequest,
-    RequestDelta,
     RequestError,
-    RequestOutput,
     SchedulerInbound,
-    SchedulerStats,
-    Shutdown,
-    TokenizerInbound,
 )
 from pagedserve.config import read_hf_config
 
 logger = logging.getLogger(__name__)
 
-
-class NullDetokenizer:
-    """For engines without a tokenizer: token ids only, no text, no stop strings."""
-
-    def update(self, new_token_ids: list[int], finished: bool) -> DetokenizeResult:
-        return DetokenizeResult("")
+INLINE_ENCODE_CHARS = 4096  # prompts up to this size are encoded in the loop
+ENCODE_THREADS = 2
 
 
-@dataclass
-class LiveRequest:
-    client: bytes
-    detokenizer: IncrementalDetokenizer | NullDetokenizer
-    prompt_token_ids: list[int]
-    first_delta_sent: bool = False
+class PromptEncoder:
+    """Prompt -> validated token ids; every ValueError becomes a 400 for the client."""
 
+    def __init__(self, tokenizer: object | None, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.max_chars = max_model_len * longest_token_chars(tokenizer)
 
-class TokenizerActor(Actor):
-    name = "tokenizer"
+    def size(self, request: GenerateRequest) -> int:
+        """Characters of text to encode (0 for token ids)."""
+        if request.messages is not None:
+            return sum(len(m.content) + len(m.role) for m in request.messages)
+        return len(request.prompt or "") if request.prompt_token_ids is None else 0
 
-    async def setup(self) -> dict:
-        if self.config.skip_tokenizer_init:
-            self.tokenizer = None
-            self.eos_token_ids = eos_token_ids(self.config.model_path, None)
-            self.vocab_size = int(read_hf_config(self.config.model_path)["vocab_size"])
-        else:
-            self.tokenizer = load_tokenizer(self.config.tokenizer_path)
-            self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
-            self.vocab_size = len(self.tokenizer)
-        self.clients: bus.Router[ClientInbound] = bus.Router(
-            self.ctx, self.addresses.tokenizer_clients, ClientInbound
-        )
-        self.inbox: bus.Receiver[TokenizerInbound] = bus.Receiver(
-            self.ctx, self.addresses.tokenizer_inbox, TokenizerInbound
-        )
-        self.to_scheduler: bus.Sender[SchedulerInbound] = bus.Sender(
-            self.ctx, self.addresses.scheduler_inbox
-        )
-        self.live: dict[str, LiveRequest] = {}
-        self.stats_waiters: dict[str, bytes] = {}
-        return {}
-
-    async def run(self) -> None:
-        import anyio
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self.serve_clients)
-            await self.serve_scheduler()
-            tg.cancel_scope.cancel()
-
-    async def serve_clients(self) -> None:
-        while True:
-            client, message = await self.clients.recv()
-            if isinstance(message, GenerateRequest):
-                await self.on_generate(client, message)
-            elif isinstance(message, AbortRequest):
-                await self.to_scheduler.send(message)
-            else:
-                self.stats_waiters[message.request_id] = client
-                await self.to_scheduler.send(message)
-
-    async def serve_scheduler(self) -> None:
-        while True:
-            message = await self.inbox.recv()
-            if isinstance(message, Shutdown):
-                return
-            if isinstance(message, SchedulerStats):
-                await self.on_stats(message)
-            else:
-                await self.on_outputs(message)
-
-    # ------------------------------------------------------------------ requests in
-
-    async def on_generate(self, client: bytes, request: GenerateRequest) -> None:
-        try:
-            prompt_ids = self.prompt_token_ids(request)
-        except ValueError as exc:
-            await self.clients.send(client, RequestError(request.request_id, str(exc), 400))
-            return
-        detokenizer = (
-            NullDetokenizer()
-            if self.tokenizer is None
-            else IncrementalDetokenizer(self.tokenizer, prompt_ids, request.sampling)
-        )
-        self.live[request.request_id] = LiveRequest(client, detokenizer, prompt_ids)
-        await self.to_scheduler.send(
-            AddRequest(
-                request_id=request.request_id,
-                prompt_token_ids=prompt_ids,
-                sampling=request.sampling,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=time.time(),
+    def check_size(self, request: GenerateRequest) -> None:
+        """Refuse text that cannot fit max_model_len tokens, before encoding it."""
+        if self.size(request) > self.max_chars:
+            raise ValueError(
+                f"the prompt is too long: {self.size(request)} characters cannot fit this "
+                f"model's maximum context length of {self.max_model_len} tokens"
             )
-        )
 
-    def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
-        """Tokenize and validate; every ValueError becomes a 400 for the client."""
-        if request.request_id in self.live:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+    def encode(self, request: GenerateRequest) -> list[int]:
         if self.tokenizer is None and request.prompt_token_ids is None:
             raise ValueError("this engine has no tokenizer (skip_tokenizer_init): send token ids")
         if request.messages is not None:
@@ -140,56 +67,109 @@ class TokenizerActor(Actor):
         elif request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.prompt is not None:
-            ids = self.tokenizer.encode(request.prompt)
+            ids = encode_text(self.tokenizer, request.prompt)
         else:
             raise ValueError("a request needs a prompt, prompt token ids or chat messages")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        max_len = self.config.max_model_len or 0
-        if len(ids) >= max_len:
-            raise ValueError(
-                f"This model's maximum context length is {max_len} tokens; the prompt has "
-                f"{len(ids)} tokens, which leaves no room for output."
-            )
+        self.check_ids(ids, request.resume_token_ids)
         return ids
 
-    # ------------------------------------------------------------------ outputs out
+    def check_ids(self, ids: list[int], resume_ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in ids + resume_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {len(ids)} tokens, which leaves no room for output."
+            )
 
-    async def on_outputs(self, message: EngineOutputs) -> None:
-        """One frame per client per step: the deltas of all its requests."""
-        batches: dict[bytes, list[RequestDelta]] = {}
-        for output in message.outputs:
-            live = self.live.get(output.request_id)
-            if live is not None:
-                batches.setdefault(live.client, []).append(await self.make_delta(output, live))
-        for client, deltas in batches.items():
-            await self.clients.send(client, DeltaBatch(deltas))
 
-    async def make_delta(self, output: RequestOutput, live: LiveRequest) -> RequestDelta:
-        finish, stop_reason = output.finish_reason, output.stop_reason
-        result = live.detokenizer.update(output.new_token_ids, finished=finish is not None)
-        if result.stop_string is not None and finish is None:
-            finish, stop_reason = FinishReason.STOP, result.stop_string
-            await self.to_scheduler.send(AbortRequest([output.request_id]))
-        delta = RequestDelta(
-            request_id=output.request_id,
-            text=result.text_delta,
-            token_ids=output.new_token_ids,
-            logprobs=output.new_logprobs,
-            finish_reason=finish,
-            stop_reason=result.stop_string if result.stop_string is not None else stop_reason,
+def encode_text(tokenizer: object, text: str) -> list[int]:
+    """Token ids of `text` with the tokenizer's special tokens (BOS...); the Rust tokenizer's
+    batch encode when there is one: unlike its single encode, it releases the GIL."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None:
+        return backend.encode_batch([text], add_special_tokens=True)[0].ids
+    return tokenizer.encode(text)  # type: ignore[attr-defined]
+
+
+def longest_token_chars(tokenizer: object | None) -> int:
+    """An upper bound on the characters one token stands for (byte-level vocabularies spell
+    each byte as one character, so this also bounds UTF-8 bytes)."""
+    if tokenizer is None:
+        return 1
+    vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
+    return max((len(token) for token in vocab), default=1) + 1
+
+
+class TokenizerActor(Actor):
+    name = "tokenizer"
+
+    async def setup(self) -> dict:
+        tokenizer = None
+        if self.config.skip_tokenizer_init:
+            vocab_size = int(read_hf_config(self.config.model_path)["vocab_size"])
+        else:
+            tokenizer = load_tokenizer(self.config.tokenizer_path)
+            vocab_size = len(tokenizer)
+        self.eos_token_ids = eos_token_ids(self.config.model_path, tokenizer)
+        self.encoder = PromptEncoder(tokenizer, vocab_size, self.config.max_model_len or 0)
+        self.clients: bus.Router[ClientRequests] = bus.Router(
+            self.ctx, self.addresses.requests, ClientRequests
         )
-        if not live.first_delta_sent:
-            delta.prompt_token_ids = live.prompt_token_ids
-            delta.num_cached_tokens = output.num_cached_tokens
-            live.first_delta_sent = True
-        if finish is not None:
-            del self.live[output.request_id]
-        return delta
+        self.to_scheduler: bus.Sender[SchedulerInbound] = bus.Sender(
+            self.ctx, self.addresses.scheduler_inbox
+        )
+        self.to_detokenizer: bus.Sender[DetokenizerInbound] = bus.Sender(
+            self.ctx, self.addresses.detokenizer_inbox
+        )
+        self.encoding: dict[tuple[bytes, int], bool] = {}  # off-loop encodes: aborted yet?
+        self.threads = anyio.CapacityLimiter(ENCODE_THREADS)
+        return {}
 
-    async def on_stats(self, stats: SchedulerStats) -> None:
-        client = self.stats_waiters.pop(stats.request_id, None)
-        if client is not None:
-            await self.clients.send(client, stats)
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            while True:
+                client, message = await self.clients.recv()
+                if isinstance(message, GenerateRequest):
+                    if self.encoder.size(message) <= INLINE_ENCODE_CHARS:
+                        await self.admit(client, message, off_loop=False)
+                    else:
+                        self.encoding[(client, message.seq)] = False
+                        tg.start_soon(self.admit, client, message, True)
+                else:
+                    if isinstance(message, AbortRequest):
+                        for seq in message.seqs:
+                            if (client, seq) in self.encoding:
+                                self.encoding[(client, seq)] = True
+                    message.client = client
+                    await self.to_scheduler.send(message)
+
+    async def admit(self, client: bytes, request: GenerateRequest, off_loop: bool) -> None:
+        """Encode and validate, then hand the request to the scheduler (or refuse it)."""
+        arrival = time.time()
+        try:
+            self.encoder.check_size(request)
+            if off_loop:
+                ids = await anyio.to_thread.run_sync(
+                    self.encoder.encode, request, limiter=self.threads
+                )
+            else:
+                ids = self.encoder.encode(request)
+        except Exception as exc:  # a bad input never takes the tokenizer down: a 400
+            if not isinstance(exc, ValueError):
+                logger.exception("could not encode request %d", request.seq)
+            error = RequestError(seq=request.seq, message=str(exc), client=client)
+            self.encoding.pop((client, request.seq), None)
+            await self.to_detokenizer.send(error)
+            return
+        if self.encoding.pop((client, request.seq), False):
+            return  # aborted while it was being encoded
+        await self.to_scheduler.send(
+            AddRequest(
+                client=client, seq=request.seq, prompt_token_ids=ids, sampling=request.sampling,
+                eos_token_ids=self.eos_token_ids, arrival_time=arrival,
+                resume_token_ids=request.resume_token_ids,
+            )
+        )  # fmt: skip

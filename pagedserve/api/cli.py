@@ -98,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or config.model
     print(
         f"pagedserve: serving {name} on http://{args.host}:{args.port}/v1 "
-        f"(ZeroMQ clients: {supervisor.addresses.tokenizer_clients})",
+        f"(ZeroMQ clients: {supervisor.addresses.engine_address})",
         flush=True,
     )
     try:
@@ -120,7 +120,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     supervisor.start()
     history: list[ChatMessage] = []
     try:
-        with Client(supervisor.addresses.tokenizer_clients) as client:
+        with Client(supervisor.addresses.engine_address) as client:
             while True:
                 try:
                     line = input("you> ")

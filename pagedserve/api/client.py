@@ -1,166 +1,200 @@
-"""ZeroMQ clients of the engine, sync and async: msgspec messages straight to the tokenizer
-actor's ROUTER socket, streamed `RequestDelta`s back. The offline `LLM` and the HTTP server
-are both built on these: one path to the engine.
+"""ZeroMQ clients of the engine, sync and async: msgspec messages straight to the engine, streamed
+`RequestDelta`s back. The offline `LLM` and the HTTP server are both built on these.
 
-    with Client(address) as client:
+    with Client(engine_address) as client:   # what `pagedserve serve` prints: ipc://... or tcp://...
         for delta in client.generate("To be, or not", SamplingParams(max_tokens=20)):
             print(delta.text, end="")
 
-    async with AsyncClient(address) as client:
+    async with AsyncClient(engine_address) as client:
         async for delta in client.generate([1, 2, 3], SamplingParams(max_tokens=20)):
             ...
+
+A client sends requests to the tokenizer and receives from the detokenizer (one DEALER each,
+under one identity). Connecting waits for the engine's Welcome (EngineUnavailableError after
+`connect_timeout_s`); while requests wait, the client pings the engine every second, and if the
+engine stays silent for `liveness_timeout_s`, every waiting request ends with a 503 error: no
+call waits without a deadline (silence is measured from the oldest ping still unanswered).
+Resubmission after an engine restart: see client_core.py.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
-import os
-import uuid
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
 import anyio.abc
-import msgspec
 import zmq
 import zmq.asyncio
 
 from pagedserve.actors import bus
 from pagedserve.actors.messages import (
     AbortRequest,
-    ChatMessage,
     ClientOutbound,
-    DeltaBatch,
     GenerateRequest,
-    RequestDelta,
+    Hello,
+    Ping,
+    Pong,
     RequestError,
     SamplingParams,
     SchedulerStats,
     StatsRequest,
+    Welcome,
+)
+from pagedserve.api.client_core import (
+    CONNECT_TIMEOUT_S,
+    LIVENESS_TIMEOUT_S,
+    PING_INTERVAL_S,
+    ClientCore,
+    EngineRequestError,
+    EngineUnavailableError,
+    Event,
+    Prompt,
+    fan_out,
+    raise_if_error,
 )
 
-Prompt = str | list[int] | list[ChatMessage]
+__all__ = ["AsyncClient", "Client", "EngineRequestError", "EngineUnavailableError", "fan_out"]
 
 
-class EngineRequestError(ValueError):
-    """The engine rejected a request (bad input); `status_code` is the HTTP status to use."""
-
-    def __init__(self, message: str, status_code: int = 400) -> None:
-        super().__init__(message)
-        self.status_code = status_code
+def _unreachable(address: str, seconds: float) -> EngineUnavailableError:
+    return EngineUnavailableError(f"no pagedserve engine answered at {address} in {seconds:g} s")
 
 
-def make_request(request_id: str, prompt: Prompt, sampling: SamplingParams) -> GenerateRequest:
-    if isinstance(prompt, str):
-        return GenerateRequest(request_id=request_id, sampling=sampling, prompt=prompt)
-    if prompt and isinstance(prompt[0], ChatMessage):
-        return GenerateRequest(request_id=request_id, sampling=sampling, messages=prompt)  # type: ignore[arg-type]
-    return GenerateRequest(request_id=request_id, sampling=sampling, prompt_token_ids=prompt)  # type: ignore[arg-type]
-
-
-def fan_out(request_id: str, sampling: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """n > 1 becomes n engine requests sharing the prompt (and so its cached KV blocks).
-    Child i of a seeded request uses seed + i, so each is reproducible on its own."""
-    if sampling.n == 1:
-        return [(request_id, sampling)]
-    children = []
-    for i in range(sampling.n):
-        seed = None if sampling.seed is None else sampling.seed + i
-        children.append((f"{request_id}#{i}", msgspec.structs.replace(sampling, n=1, seed=seed)))
-    return children
-
-
-class _Ids:
-    def __init__(self) -> None:
-        self.prefix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.counter = itertools.count()
-
-    def next(self) -> str:
-        return f"{self.prefix}-{next(self.counter)}"
-
-
-def unbatch(
-    message: RequestDelta | DeltaBatch | RequestError | SchedulerStats | None,
-) -> list[RequestDelta | RequestError | SchedulerStats]:
-    """A frame as the messages it carries (a DeltaBatch holds one step's deltas)."""
-    if message is None:
-        return []
-    if isinstance(message, DeltaBatch):
-        return list(message.deltas)
-    return [message]
-
-
-def _raise_if_error(message: Any) -> None:
-    if isinstance(message, RequestError):
-        raise EngineRequestError(message.message, message.status_code)
+def _silent_engine_errors(core: ClientCore, seconds: float) -> list[Event]:
+    """A 503 for every waiting request of a client whose engine went silent."""
+    message = f"the engine stopped answering ({seconds:g} s without a reply)"
+    errors: list[Event] = [
+        RequestError(seq=seq, message=message, status_code=503) for seq in core.requests
+    ]
+    for error in errors:
+        core.events(error)  # type: ignore[arg-type]
+    return errors
 
 
 class Client:
     """Synchronous client. Not thread-safe: one thread drives it."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
+    ) -> None:
+        self.address, self.liveness_timeout_s = address, liveness_timeout_s
+        addresses = bus.Addresses.from_engine_address(address)
+        self.core = ClientCore()
         self._ctx = zmq.Context()
-        self._ids = _Ids()
-        self._socket = bus.dealer_socket(self._ctx, address, self._ids.prefix.encode())
-        self._codec: bus.Codec[RequestDelta | DeltaBatch | RequestError | SchedulerStats] = (
-            bus.Codec(ClientOutbound, "client")
-        )
-        self._pending: collections.deque[RequestDelta | RequestError | SchedulerStats] = (
-            collections.deque()
-        )
-
-    def submit(self, request: GenerateRequest) -> None:
-        self._socket.send(bus.encode(request))
-
-    def abort(self, request_ids: list[str]) -> None:
-        self._socket.send(bus.encode(AbortRequest(request_ids)))
-
-    def receive(
-        self, timeout_ms: int | None = None
-    ) -> RequestDelta | RequestError | SchedulerStats | None:
-        """The next message for this client, or None after `timeout_ms`."""
-        while not self._pending:
-            if timeout_ms is not None and not self._socket.poll(timeout_ms):
-                return None
-            self._pending.extend(unbatch(self._codec.decode(self._socket.recv())))
-        return self._pending.popleft()
-
-    def generate(
-        self, prompt: Prompt, sampling: SamplingParams | None = None
-    ) -> Iterator[RequestDelta]:
-        """Stream one request's deltas (n must be 1; use `submit` for many at once)."""
-        request = make_request(self._ids.next(), prompt, sampling or SamplingParams())
-        self.submit(request)
+        self._requests = bus.dealer_socket(self._ctx, addresses.requests, self.core.identity)
+        self._outputs = bus.dealer_socket(self._ctx, addresses.outputs, self.core.identity)
+        self._codec: bus.Codec[Any] = bus.Codec(ClientOutbound, "client")
+        self._pending: collections.deque[Event] = collections.deque()
+        self._last_ping = 0.0
+        self._unanswered_since: float | None = None  # the oldest ping with no frame since
         try:
-            while True:
-                message = self.receive()
-                if getattr(message, "request_id", None) != request.request_id:
-                    continue
-                _raise_if_error(message)
-                if isinstance(message, RequestDelta):
-                    yield message
-                    if message.finish_reason is not None:
-                        return
-        except GeneratorExit:
-            self.abort([request.request_id])
+            self._connect(connect_timeout_s)
+        except BaseException:
+            self.close()
             raise
 
-    def stats(self, timeout_ms: int = 10_000) -> SchedulerStats:
-        request_id = self._ids.next()
-        self._socket.send(bus.encode(StatsRequest(request_id)))
-        while True:
-            message = self.receive(timeout_ms)
-            if message is None:
-                raise TimeoutError("no stats from the engine")
-            if isinstance(message, SchedulerStats) and message.request_id == request_id:
-                return message
+    def _connect(self, timeout_s: float) -> None:
+        self._outputs.send(bus.encode(Hello()))
+        deadline = time.monotonic() + timeout_s
+        while self.core.epoch is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._outputs.poll(int(remaining * 1000) + 1):
+                raise _unreachable(self.address, timeout_s)
+            self._accept(self._codec.decode(self._outputs.recv()))
 
-    def next_request_id(self) -> str:
-        return self._ids.next()
+    def submit(self, prompt: Prompt, sampling: SamplingParams, label: str | None = None) -> int:
+        """Send a request; returns its seq (deltas and errors name it)."""
+        request = self.core.track(prompt, sampling, label)
+        self._send(request)
+        return request.seq
+
+    def abort(self, labels: list[str]) -> None:
+        self.abort_seqs(self.core.seqs_labelled(labels))
+
+    def abort_seqs(self, seqs: list[int]) -> None:
+        for seq in seqs:
+            self.core.forget(seq)
+        if seqs:
+            self._send(AbortRequest(seqs=seqs))
+
+    def receive(self, timeout_ms: int | None = None) -> Event | None:
+        """The next event for this client (a delta, a refusal or stats), or None after
+        `timeout_ms`."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while not self._pending:
+            self._keep_alive()
+            wait = PING_INTERVAL_S
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    return None
+            if self._outputs.poll(int(wait * 1000) + 1):
+                self._accept(self._codec.decode(self._outputs.recv()))
+        return self._pending.popleft()
+
+    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[Any]:
+        """Stream one request's deltas (n must be 1; use `submit` for many at once)."""
+        seq = self.submit(prompt, sampling or SamplingParams())
+        finished = False
+        try:
+            while not finished:
+                event = self.receive()
+                if isinstance(event, SchedulerStats) or event is None or event.seq != seq:
+                    continue
+                raise_if_error(event)
+                finished = event.finish_reason is not None  # type: ignore[union-attr]
+                yield event
+        finally:
+            if not finished and seq in self.core.requests:
+                self.abort_seqs([seq])
+
+    def stats(self, timeout_ms: int = 10_000) -> SchedulerStats:
+        seq = self.core.next_seq()
+        self._send(StatsRequest(seq=seq))
+        deadline = time.monotonic() + timeout_ms / 1000
+        others: list[Event] = []  # other requests' events, kept for receive()
+        try:
+            while (remaining := deadline - time.monotonic()) > 0:
+                event = self.receive(int(remaining * 1000) + 1)
+                if isinstance(event, SchedulerStats) and event.seq == seq:
+                    return event
+                if event is not None and not isinstance(event, SchedulerStats):
+                    others.append(event)
+        finally:
+            self._pending.extendleft(reversed(others))
+        raise TimeoutError("no stats from the engine")
+
+    def _send(self, message: GenerateRequest | AbortRequest | StatsRequest) -> None:
+        self._requests.send(bus.encode(message))
+
+    def _accept(self, message: Any) -> None:
+        self._unanswered_since = None
+        if isinstance(message, (Welcome, Pong)):
+            for request in self.core.on_epoch(message):
+                self._send(request)
+        elif message is not None:
+            self._pending.extend(self.core.events(message))
+
+    def _keep_alive(self) -> None:
+        now = time.monotonic()
+        if now - self._last_ping >= PING_INTERVAL_S:
+            self._outputs.send(bus.encode(Ping()))
+            self._last_ping = now
+            if self._unanswered_since is None:
+                self._unanswered_since = now
+        silent = 0.0 if self._unanswered_since is None else now - self._unanswered_since
+        if self.core.requests and silent > self.liveness_timeout_s:
+            self._pending.extend(_silent_engine_errors(self.core, self.liveness_timeout_s))
 
     def close(self) -> None:
-        self._socket.close(linger=0)
+        self._requests.close(linger=0)
+        self._outputs.close(linger=0)
         self._ctx.term()
 
     def __enter__(self) -> Client:
@@ -171,89 +205,131 @@ class Client:
 
 
 class AsyncClient:
-    """Asynchronous client: one socket, one reader task, a stream per live request."""
+    """Asynchronous client: two sockets, a reader task, a keep-alive task, a stream per
+    request."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
+    ) -> None:
+        self.address = address
+        self.connect_timeout_s, self.liveness_timeout_s = connect_timeout_s, liveness_timeout_s
+        addresses = bus.Addresses.from_engine_address(address)
+        self.core = ClientCore()
         self._ctx = zmq.asyncio.Context()
-        self._ids = _Ids()
-        self._socket = bus.dealer_socket(self._ctx, address, self._ids.prefix.encode())
-        self._codec: bus.Codec[RequestDelta | DeltaBatch | RequestError | SchedulerStats] = (
-            bus.Codec(ClientOutbound, "async-client")
-        )
-        self._streams: dict[str, anyio.abc.ObjectSendStream] = {}
+        self._requests = bus.dealer_socket(self._ctx, addresses.requests, self.core.identity)
+        self._outputs = bus.dealer_socket(self._ctx, addresses.outputs, self.core.identity)
+        self._codec: bus.Codec[Any] = bus.Codec(ClientOutbound, "async-client")
+        self._streams: dict[int, anyio.abc.ObjectSendStream] = {}  # by seq
+        self._connected = anyio.Event()
+        self._unanswered_since: float | None = None  # the oldest ping with no frame since
         self._task_group: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> AsyncClient:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._read_loop)
+        self._task_group.start_soon(self._keep_alive)
+        try:
+            await self._outputs.send(bus.encode(Hello()))
+            with anyio.fail_after(self.connect_timeout_s):
+                await self._connected.wait()
+        except TimeoutError:
+            await self.__aexit__(None, None, None)
+            raise _unreachable(self.address, self.connect_timeout_s) from None
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._task_group is not None
         self._task_group.cancel_scope.cancel()
         await self._task_group.__aexit__(None, None, None)
-        self._socket.close(linger=0)
+        self._requests.close(linger=0)
+        self._outputs.close(linger=0)
         self._ctx.term()
 
     async def _read_loop(self) -> None:
         while True:
-            for message in unbatch(self._codec.decode(await self._socket.recv())):
-                self._deliver(message)
+            message = self._codec.decode(await self._outputs.recv())
+            self._unanswered_since = None
+            if isinstance(message, (Welcome, Pong)):
+                for request in self.core.on_epoch(message):
+                    await self._requests.send(bus.encode(request))
+                self._connected.set()
+            elif message is not None:
+                for event in self.core.events(message):
+                    self._deliver(event)
 
-    def _deliver(self, message: RequestDelta | RequestError | SchedulerStats) -> None:
-        stream = self._streams.get(message.request_id)
+    async def _keep_alive(self) -> None:
+        while True:
+            await anyio.sleep(PING_INTERVAL_S)
+            await self._outputs.send(bus.encode(Ping()))
+            now = time.monotonic()
+            if self._unanswered_since is None:
+                self._unanswered_since = now
+            if self.core.requests and now - self._unanswered_since > self.liveness_timeout_s:
+                for event in _silent_engine_errors(self.core, self.liveness_timeout_s):
+                    self._deliver(event)
+
+    def _deliver(self, event: Event) -> None:
+        stream = self._streams.get(event.seq)
         if stream is None:
             return
         try:
-            stream.send_nowait(message)  # the buffer is unbounded in practice
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            stream.send_nowait(event)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.WouldBlock):
             pass  # its consumer left (an abort is on its way)
 
-    async def _open(self, request_id: str) -> anyio.abc.ObjectReceiveStream:
-        send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=1 << 20)
-        self._streams[request_id] = send
+    def _open(self, seq: int) -> anyio.abc.ObjectReceiveStream:
+        send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=1 << 16)
+        self._streams[seq] = send
         return receive
 
-    def _close(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
+    def _close(self, seq: int) -> None:
+        stream = self._streams.pop(seq, None)
         if stream is not None:
             stream.close()
 
     async def generate(
         self, prompt: Prompt, sampling: SamplingParams | None = None, request_id: str | None = None
-    ) -> AsyncIterator[RequestDelta]:
-        """Stream one request's deltas; leaving the loop early aborts the request."""
-        request = make_request(request_id or self._ids.next(), prompt, sampling or SamplingParams())
-        receive = await self._open(request.request_id)
+    ) -> AsyncIterator[Any]:
+        """Stream one request's deltas (`request_id`: a label for them); leaving the loop early
+        aborts the request."""
+        request = self.core.track(prompt, sampling or SamplingParams(), request_id)
+        receive = self._open(request.seq)
         finished = False
         try:
-            await self._socket.send(bus.encode(request))
+            await self._requests.send(bus.encode(request))
             async with receive:
-                async for message in receive:
-                    _raise_if_error(message)
-                    finished = message.finish_reason is not None
-                    yield message
+                async for event in receive:
+                    raise_if_error(event)
+                    finished = event.finish_reason is not None
+                    yield event
                     if finished:
                         return
         finally:
-            self._close(request.request_id)
-            if not finished:
-                await self.abort([request.request_id])
+            self._close(request.seq)
+            if not finished and request.seq in self.core.requests:
+                await self._abort_seqs([request.seq])
 
     async def abort(self, request_ids: list[str]) -> None:
-        with anyio.CancelScope(shield=True):
-            await self._socket.send(bus.encode(AbortRequest(request_ids)))
+        """Abort the live requests labelled with these ids."""
+        await self._abort_seqs(self.core.seqs_labelled(request_ids))
+
+    async def _abort_seqs(self, seqs: list[int]) -> None:
+        for seq in seqs:
+            self.core.forget(seq)
+        if seqs:
+            with anyio.CancelScope(shield=True):
+                await self._requests.send(bus.encode(AbortRequest(seqs=seqs)))
 
     async def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
-        request_id = self._ids.next()
-        receive = await self._open(request_id)
+        seq = self.core.next_seq()
+        receive = self._open(seq)
         try:
-            await self._socket.send(bus.encode(StatsRequest(request_id)))
+            await self._requests.send(bus.encode(StatsRequest(seq=seq)))
             with anyio.fail_after(timeout_s):
                 return await receive.receive()
         finally:
-            self._close(request_id)
-
-    def next_request_id(self) -> str:
-        return self._ids.next()
+            self._close(seq)

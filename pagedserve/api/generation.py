@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import anyio
 
 from pagedserve.actors.messages import RequestDelta, SamplingParams, TokenLogprobs
-from pagedserve.api.client import AsyncClient, Prompt, fan_out
+from pagedserve.api.client import AsyncClient
+from pagedserve.api.client_core import Prompt, fan_out
 
 
 @dataclass
@@ -42,21 +43,20 @@ async def stream_choices(
     Leaving early (or a client disconnect cancelling us) aborts every unfinished request."""
     jobs = []
     for p_index, prompt in enumerate(prompts):
-        base = client.next_request_id()
-        for c_index, (request_id, child) in enumerate(fan_out(base, sampling)):
-            jobs.append((p_index * sampling.n + c_index, request_id, prompt, child))
+        for c_index, child in enumerate(fan_out(sampling)):
+            jobs.append((p_index * sampling.n + c_index, prompt, child))
     if len(jobs) == 1:
-        index, request_id, prompt, child = jobs[0]
-        async for delta in client.generate(prompt, child, request_id):
+        index, prompt, child = jobs[0]
+        async for delta in client.generate(prompt, child):
             yield index, delta
         return
     send, receive = anyio.create_memory_object_stream[tuple[int, RequestDelta] | BaseException](
         max_buffer_size=1 << 20
     )
 
-    async def pump(index: int, request_id: str, prompt: Prompt, child: SamplingParams) -> None:
+    async def pump(index: int, prompt: Prompt, child: SamplingParams) -> None:
         try:
-            async for delta in client.generate(prompt, child, request_id):
+            async for delta in client.generate(prompt, child):
                 await send.send((index, delta))
         except Exception as exc:  # surfaced to the consumer, which cancels the rest
             await send.send(exc)

@@ -8,6 +8,7 @@ prompt at once through the ZeroMQ client and gathers the streamed deltas into vL
 from __future__ import annotations
 
 import atexit
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +16,8 @@ from tqdm import tqdm
 
 from pagedserve.actors.messages import ChatMessage, RequestDelta, RequestError, SamplingParams
 from pagedserve.actors.supervisor import EngineDeadError, Supervisor
-from pagedserve.api.client import Client, EngineRequestError, Prompt, fan_out, make_request
+from pagedserve.api.client import Client
+from pagedserve.api.client_core import EngineRequestError, Prompt, fan_out
 from pagedserve.config import DEFAULT_MODEL, EngineConfig
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
@@ -31,7 +33,8 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_args)
         self.supervisor = Supervisor(self.config)
         self.supervisor.start()
-        self.client = Client(self.supervisor.addresses.tokenizer_clients)
+        self.client = Client(self.supervisor.addresses.engine_address)
+        self._request_counter = itertools.count()
         atexit.register(self.shutdown)
 
     def generate(
@@ -73,7 +76,7 @@ class LLM:
             while remaining:
                 remaining -= self._apply(self._next_message(), results, owners, bar)
         except BaseException:
-            self.client.abort(list(owners))
+            self.client.abort_seqs(list(owners))
             raise
         finally:
             bar.close()
@@ -81,17 +84,18 @@ class LLM:
 
     def _submit(
         self, items: list[tuple[str | None, Prompt]], params: list[SamplingParams]
-    ) -> tuple[list[RequestOutput], dict[str, tuple[int, int]]]:
+    ) -> tuple[list[RequestOutput], dict[int, tuple[int, int]]]:
+        """Send every request; the results to fill and, per engine request (seq), its place."""
         results: list[RequestOutput] = []
-        owners: dict[str, tuple[int, int]] = {}
+        owners: dict[int, tuple[int, int]] = {}
         for index, ((text, prompt), sampling) in enumerate(zip(items, params)):
-            request_id = self.client.next_request_id()
-            children = fan_out(request_id, sampling)
+            request_id = str(next(self._request_counter))
+            children = fan_out(sampling)
             outputs = [CompletionOutput(index=i) for i in range(len(children))]
             results.append(RequestOutput(request_id, text, [], outputs))
-            for child_index, (child_id, child_sampling) in enumerate(children):
-                owners[child_id] = (index, child_index)
-                self.client.submit(make_request(child_id, prompt, child_sampling))
+            for child_index, child in enumerate(children):
+                seq = self.client.submit(prompt, child, label=request_id)
+                owners[seq] = (index, child_index)
         return results, owners
 
     def _next_message(self) -> RequestDelta | RequestError:
@@ -106,15 +110,15 @@ class LLM:
     def _apply(
         message: RequestDelta | RequestError,
         results: list[RequestOutput],
-        owners: dict[str, tuple[int, int]],
+        owners: dict[int, tuple[int, int]],
         bar: tqdm,
     ) -> int:
         """Fold one delta into its result; returns how many engine requests finished (0/1)."""
-        if message.request_id not in owners:
+        if message.seq not in owners:
             return 0
         if isinstance(message, RequestError):
             raise EngineRequestError(message.message, message.status_code)
-        index, child = owners[message.request_id]
+        index, child = owners[message.seq]
         result = results[index]
         if message.prompt_token_ids is not None:
             result.prompt_token_ids = message.prompt_token_ids
@@ -122,7 +126,7 @@ class LLM:
         result.outputs[child].add(message)
         if message.finish_reason is None:
             return 0
-        del owners[message.request_id]
+        del owners[message.seq]
         if result.finished:
             bar.update(1)
         return 1

@@ -22,7 +22,8 @@ from starlette.routing import Route
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.chat import load_tokenizer
 from pagedserve.actors.messages import ChatMessage, RequestDelta, SamplingParams
-from pagedserve.api.client import AsyncClient, EngineRequestError, Prompt
+from pagedserve.api.client import AsyncClient
+from pagedserve.api.client_core import EngineRequestError, Prompt
 from pagedserve.api.generation import Choice, stream_choices
 from pagedserve.api.metrics import Metrics, RequestTimer
 from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest, decode_body
@@ -199,7 +200,7 @@ class APIServerActor(Actor):
 
     async def run(self) -> None:
         tokenizer = load_tokenizer(self.config.tokenizer_path)
-        async with AsyncClient(self.addresses.tokenizer_clients) as client:
+        async with AsyncClient(self.addresses.engine_address) as client:
             handler = OpenAIServer(
                 client,
                 self.server_config.served_model_name or self.config.model,

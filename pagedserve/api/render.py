@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.actors.messages import RequestDelta, TokenLogprobs
-from pagedserve.api.client import Prompt
+from pagedserve.api.client_core import Prompt
 from pagedserve.api.generation import Choice
 from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest
 

@@ -42,6 +42,7 @@ import triton.language as tl
 __all__ = [
     "GREEDY_TEMPERATURE",
     "apply_top_k_top_p",
+    "gumbel_noise",
     "random_seeds",
     "reference_keep_mask",
     "reference_probs",
@@ -511,6 +512,40 @@ def reference_probs(
     greedy = (temperature < GREEDY_TEMPERATURE).unsqueeze(1)
     one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, probs)
+
+
+def _as_int64(value: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_MIX1, _MIX2 = _as_int64(0xBF58476D1CE4E5B9), _as_int64(0x94D049BB133111EB)
+_GOLDEN = _as_int64(0x9E3779B97F4A7C15)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors read as uint64."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64_torch(x: torch.Tensor) -> torch.Tensor:
+    """_mix64 on int64 tensors (wrapping multiplication: the same bits as uint64)."""
+    x = x ^ _shift_right(x, 30)
+    x = x * _MIX1
+    x = x ^ _shift_right(x, 27)
+    x = x * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32: the Gumbel noise `_sample_kernel` adds, bit for bit the same hash:
+    row b's noise depends only on (seeds[b], offsets[b]) (int64 [B])."""
+    key = seeds.to(torch.int64) ^ _mix64_torch(offsets.to(torch.int64) + 1)
+    stream = _mix64_torch(key).unsqueeze(1)
+    cols = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    bits = _shift_right(_mix64_torch(stream + cols * _GOLDEN), 41)
+    u = (bits.to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+    return -torch.log(-torch.log(u))
 
 
 def _scaled(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:

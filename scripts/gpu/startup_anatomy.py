@@ -58,6 +58,7 @@ def profile_top(profiler: cProfile.Profile, top: int) -> list[str]:
 def worker_steps(model: str) -> list[str]:
     import torch
 
+    from pagedserve.actors.worker import startup
     from pagedserve.actors.worker.model_runner import ModelRunner
     from pagedserve.config import EngineConfig
 
@@ -82,10 +83,10 @@ def worker_steps(model: str) -> list[str]:
     profiler.disable()
     timed("load_model (under cProfile)", start)
     start = time.perf_counter()
-    num_blocks = runner.num_kv_blocks()
+    num_blocks = startup.num_kv_blocks(runner)
     timed("memory profile", start)
     start = time.perf_counter()
-    runner.init_kv_cache(num_blocks)
+    startup.init_kv_cache(runner, num_blocks)
     timed("KV cache + warm-up + graphs", start)
     lines.append("| step | s |")
     lines.append("|---|---:|")

@@ -29,6 +29,7 @@ from pagedserve.actors.messages import (  # noqa: E402
     SamplingParams,
     StepPlan,
 )
+from pagedserve.actors.worker import startup  # noqa: E402
 from pagedserve.actors.worker.model_runner import ModelRunner  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.kernels.attention import cdiv  # noqa: E402
@@ -43,16 +44,16 @@ class DecodeSession:
     def __init__(self, runner: ModelRunner, batch: int, context: int, first_block: int) -> None:
         self.runner, self.batch = runner, batch
         self.block_size = runner.block_size
-        self.ids = [f"d{batch}-{i}" for i in range(batch)]
+        self.ids = [batch * 100_000 + i for i in range(batch)]  # handles
         self.num_computed = [context] * batch
         self.blocks_per_request = cdiv(min(context + 512, 4096), self.block_size)
         self.step_id = 0
         new = []
-        for i, request_id in enumerate(self.ids):
+        for i, handle in enumerate(self.ids):
             start = first_block + i * self.blocks_per_request
             blocks = list(range(start, start + self.blocks_per_request))
             tokens = [(7 * i + t) % 1000 for t in range(context + 1)]
-            new.append(NewRequestData(request_id, tokens, GREEDY, blocks, context))
+            new.append(NewRequestData(handle, tokens, len(tokens), GREEDY, i, blocks, context))
         self.pending_new: list[NewRequestData] = new
 
     @property
@@ -67,7 +68,7 @@ class DecodeSession:
             )
         plan = StepPlan(
             step_id=self.step_id, new_requests=self.pending_new, cached_requests=cached,
-            scheduled_ids=list(self.ids), num_scheduled_tokens=[1] * self.batch,
+            scheduled=list(self.ids), num_scheduled_tokens=[1] * self.batch,
         )  # fmt: skip
         self.pending_new = []
         self.step_id += 1
@@ -75,8 +76,8 @@ class DecodeSession:
         return plan
 
     def close(self) -> None:
-        for request_id in self.ids:
-            self.runner.input_batch.remove_request(request_id)
+        for handle in self.ids:
+            self.runner.input_batch.remove_request(handle)
 
 
 def sync(device: torch.device) -> None:
@@ -164,7 +165,7 @@ def main() -> int:
     t0 = time.perf_counter()
     runner.load_model()
     t1 = time.perf_counter()
-    runner.init_kv_cache(blocks_needed)
+    startup.init_kv_cache(runner, blocks_needed)
     t2 = time.perf_counter()
     graphs = runner.decode_step.graphs if runner.decode_step else {}
     lines = [

@@ -1,12 +1,13 @@
-"""The scheduler process: requests and step results in, step plans and token outputs out.
+"""The scheduler process: requests and step results in, step plans and engine outputs out.
 
 It keeps up to `max_inflight_steps` plans at the workers, so it plans step N+1 while step N
 runs (decode needs exactly one more slot per running request, whatever step N samples).
+Everything a step produced for the clients (new routes, tokens, refusals) leaves in one
+`EngineOutputs` frame to the detokenizer.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 from pagedserve.actors import bus
@@ -15,20 +16,18 @@ from pagedserve.actors.loop_timer import LoopTimer
 from pagedserve.actors.messages import (
     AbortRequest,
     AddRequest,
+    DetokenizerInbound,
     EngineOutputs,
-    FinishReason,
-    RequestOutput,
+    RequestError,
     SchedulerInbound,
     Shutdown,
     StatsRequest,
     StepPlan,
     StepResult,
-    TokenizerInbound,
+    StopRequests,
     WorkerInbound,
 )
 from pagedserve.actors.scheduler.scheduler import Scheduler
-
-logger = logging.getLogger(__name__)
 
 
 class SchedulerActor(Actor):
@@ -38,12 +37,12 @@ class SchedulerActor(Actor):
     async def setup(self) -> dict:
         self.timer = LoopTimer()
         assert self.config.num_kv_blocks, "the supervisor sizes the scheduler"
-        self.scheduler = Scheduler(self.config, self.config.num_kv_blocks)
+        self.scheduler = Scheduler(self.config, self.config.num_kv_blocks, self.epoch)
         self.inbox: bus.Receiver[SchedulerInbound] = bus.Receiver(
             self.ctx, self.addresses.scheduler_inbox, SchedulerInbound
         )
-        self.to_tokenizer: bus.Sender[TokenizerInbound] = bus.Sender(
-            self.ctx, self.addresses.tokenizer_inbox
+        self.to_detokenizer: bus.Sender[DetokenizerInbound] = bus.Sender(
+            self.ctx, self.addresses.detokenizer_inbox
         )
         self.to_workers: list[bus.Sender[WorkerInbound]] = [
             bus.Sender(self.ctx, self.addresses.worker_inbox(rank))
@@ -56,15 +55,15 @@ class SchedulerActor(Actor):
         while True:
             with self.timer.phase("wait"):
                 messages = [await self.inbox.recv(), *self.inbox.recv_ready()]
-            outputs: list[RequestOutput] = []
+            outputs = EngineOutputs()
             with self.timer.phase("handle"):
                 for message in messages:
                     if isinstance(message, Shutdown):
                         return
-                    outputs += await self.handle(message)
+                    await self.handle(message, outputs)
             with self.timer.phase("send_outputs"):
-                if outputs:
-                    await self.to_tokenizer.send(EngineOutputs(outputs))
+                if outputs.routes or outputs.outputs or outputs.errors:
+                    await self.to_detokenizer.send(outputs)
             with self.timer.phase("plan"):
                 await self.plan_ahead()
 
@@ -74,27 +73,28 @@ class SchedulerActor(Actor):
         super().close()
 
     async def handle(
-        self, message: AddRequest | AbortRequest | StatsRequest | StepResult
-    ) -> list[RequestOutput]:
+        self,
+        message: AddRequest | AbortRequest | StatsRequest | StopRequests | StepResult,
+        outputs: EngineOutputs,
+    ) -> None:
+        scheduler = self.scheduler
         if isinstance(message, StepResult):
             self.num_inflight -= 1
-            return self.scheduler.update_from_result(message)
-        if isinstance(message, AddRequest):
-            return self.add(message)
-        if isinstance(message, AbortRequest):
-            return self.scheduler.abort_requests(message.request_ids)
-        stats = self.scheduler.stats()
-        stats.request_id = message.request_id
-        await self.to_tokenizer.send(stats)
-        return []
-
-    def add(self, request: AddRequest) -> list[RequestOutput]:
-        try:
-            self.scheduler.add_request(request)
-        except ValueError as exc:  # the tokenizer validates first; never die on a bad request
-            logger.error("rejected request %s: %s", request.request_id, exc)
-            return [RequestOutput(request.request_id, [], None, FinishReason.ABORT, None, 0)]
-        return []
+            outputs.outputs += scheduler.update_from_result(message)
+        elif isinstance(message, AddRequest):
+            accepted = scheduler.add_request(message)
+            if isinstance(accepted, RequestError):
+                outputs.errors.append(accepted)
+            else:
+                outputs.routes.append(accepted)
+        elif isinstance(message, AbortRequest):
+            outputs.outputs += scheduler.abort_requests(message.client, message.seqs)
+        elif isinstance(message, StopRequests):
+            scheduler.stop_requests(message.handles)
+        else:
+            stats = scheduler.stats()
+            stats.client, stats.seq = message.client, message.seq
+            await self.to_detokenizer.send(stats)
 
     async def plan_ahead(self) -> None:
         while self.num_inflight < self.config.max_inflight_steps:

@@ -1,4 +1,4 @@
-"""Scheduler-side state of one request."""
+"""Scheduler-side state of one request: the one owner of its token history."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.actors.messages import AddRequest, FinishReason, SamplingParams
+from pagedserve.actors.messages import AddRequest, FinishReason, Route, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -17,10 +17,13 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(eq=False)
 class Request:
-    request_id: str
+    handle: int  # assigned once by the scheduler, never reused
+    client: bytes  # the route back to the client: its identity and its number for the request
+    seq: int
     token_ids: list[int]  # the prompt, then every output token the scheduler knows
     num_prompt_tokens: int
     sampling: SamplingParams
+    seed: int  # key of the request's counter-based RNG (see worker/sampler.py)
     eos_token_ids: frozenset[int]
     arrival_time: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
@@ -38,16 +41,23 @@ class Request:
     stop_reason: int | None = None
 
     @classmethod
-    def from_add(cls, msg: AddRequest) -> Request:
+    def from_add(cls, msg: AddRequest, handle: int, seed: int) -> Request:
         eos = frozenset() if msg.sampling.ignore_eos else frozenset(msg.eos_token_ids)
         return cls(
-            request_id=msg.request_id,
-            token_ids=list(msg.prompt_token_ids),
+            handle=handle,
+            client=msg.client,
+            seq=msg.seq,
+            token_ids=[*msg.prompt_token_ids, *msg.resume_token_ids],
             num_prompt_tokens=len(msg.prompt_token_ids),
             sampling=msg.sampling,
+            seed=seed,
             eos_token_ids=eos,
             arrival_time=msg.arrival_time,
         )
+
+    @property
+    def route_key(self) -> tuple[bytes, int]:
+        return self.client, self.seq
 
     @property
     def num_tokens(self) -> int:
@@ -58,14 +68,6 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self.inflight_steps)
-
-    @property
     def num_tokens_with_inflight(self) -> int:
         """The tokens the worker will know when it runs the next plan."""
         return len(self.token_ids) + len(self.inflight_steps)
@@ -73,3 +75,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def route(self) -> Route:
+        """The detokenizer's view of the request, with every output token so far."""
+        return Route(
+            self.handle,
+            self.client,
+            self.seq,
+            self.token_ids[: self.num_prompt_tokens],
+            self.sampling,
+            self.token_ids[self.num_prompt_tokens :],
+            self.finish_reason,
+            self.stop_reason,
+        )

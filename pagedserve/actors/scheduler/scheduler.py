@@ -1,5 +1,9 @@
 """Token-budget scheduler: continuous batching, chunked prefill, prefix caching, preemption.
 
+The scheduler owns every request's state: its token history, its sampling settings and RNG key,
+its KV blocks and its route back to the client. Workers and the detokenizer hold caches of it,
+keyed by the request's handle.
+
 There are no prefill/decode phases: every step, each request's `num_computed_tokens` catches
 up with the tokens the worker will know for it, within one token budget. Running requests go
 first (in order), then waiting ones (FCFS). Plans are diffs against the worker's persistent
@@ -10,6 +14,8 @@ worker appends its own sampled tokens, so it knows them when it runs the next pl
 
 from __future__ import annotations
 
+import itertools
+import random
 import sys
 from collections import deque
 
@@ -20,7 +26,9 @@ from pagedserve.actors.messages import (
     CachedRequestData,
     FinishReason,
     NewRequestData,
+    RequestError,
     RequestOutput,
+    Route,
     SchedulerStats,
     StepPlan,
     StepResult,
@@ -28,50 +36,93 @@ from pagedserve.actors.messages import (
 )
 from pagedserve.actors.scheduler.block_manager import BlockManager
 from pagedserve.actors.scheduler.request import Request, RequestStatus
+from pagedserve.actors.scheduler.routes import RouteTable
 from pagedserve.config import EngineConfig
+
+EPOCH_SHIFT = 40  # handles and step ids carry the scheduler's epoch above this bit
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, epoch: int = 0) -> None:
         self.config = config
         self.block_size = config.block_size
         # A request never outgrows the whole cache, so it can always run alone.
         self.max_len = min(config.max_model_len or sys.maxsize, num_kv_blocks * self.block_size)
+        self.max_waiting = config.max_waiting_requests or default_max_waiting(config, num_kv_blocks)
         self.block_manager = BlockManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.requests: dict[str, Request] = {}  # unfinished requests
+        self.requests: dict[int, Request] = {}  # unfinished requests by handle
+        self.routes = RouteTable()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest
-        self.finished_ids: list[str] = []  # for the worker to drop, sent with the next plan
-        self.next_step_id = 0
+        self.finished_handles: list[int] = []  # for the worker to drop, sent with the next plan
+        self._handles = itertools.count(epoch << EPOCH_SHIFT)
+        self._seeds = random.Random(config.seed + (epoch << 32))  # RNG keys of unseeded requests
+        self.next_step_id = epoch << EPOCH_SHIFT
         self.counters = SchedulerStats(num_total_blocks=num_kv_blocks)
 
     # ------------------------------------------------------------------ requests in and out
 
-    def add_request(self, req: AddRequest) -> None:
-        num_tokens = len(req.prompt_token_ids)
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
-        if num_tokens == 0:
-            raise ValueError("the prompt is empty")
-        if num_tokens >= self.max_len:
-            raise ValueError(
-                f"the prompt has {num_tokens} tokens; it must be shorter than {self.max_len} "
-                "(max_model_len, or the KV cache capacity) to leave room for output"
-            )
-        request = Request.from_add(req)
-        self.requests[req.request_id] = request
+    def add_request(self, msg: AddRequest) -> Route | RequestError:
+        """Accept a request (its route, for the detokenizer) or refuse it (an error for its
+        client). A resubmitted route that is known gets that request's route again."""
+        known = self.routes.find((msg.client, msg.seq))
+        if known is not None:
+            return known.route()
+        refusal = self._refusal(msg)
+        if refusal is not None:
+            return RequestError(seq=msg.seq, message=refusal[0], status_code=refusal[1],
+                                client=msg.client)  # fmt: skip
+        seed = msg.sampling.seed if msg.sampling.seed is not None else self._seeds.getrandbits(63)
+        request = Request.from_add(msg, next(self._handles), seed)
+        self.requests[request.handle] = request
+        self.routes.add(request)
         self.waiting.append(request)
+        if msg.resume_token_ids:  # it may have ended with the tokens its client holds
+            reason = self._check_stop(request, request.token_ids[-1])
+            if reason is not None:
+                self._finish(request, reason)
+        return request.route()
 
-    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _refusal(self, msg: AddRequest) -> tuple[str, int] | None:
+        """Why a request cannot be accepted (message, HTTP status), or None."""
+        num_tokens = len(msg.prompt_token_ids) + len(msg.resume_token_ids)
+        if not msg.prompt_token_ids:
+            return "the prompt is empty", 400
+        if num_tokens >= self.max_len:
+            limit = (
+                f"This model's maximum context length is {self.max_len} tokens"
+                if self.max_len == self.config.max_model_len
+                else f"The KV cache holds at most {self.max_len} tokens of one request"
+            )
+            return (
+                f"{limit}; the prompt has {num_tokens} tokens, which leaves no room for output.",
+                400,
+            )
+        if len(self.waiting) >= self.max_waiting:
+            return (
+                f"the engine is overloaded ({len(self.waiting)} requests waiting); retry later",
+                503,
+            )
+        return None
+
+    def abort_requests(self, client: bytes, seqs: list[int]) -> list[RequestOutput]:
+        """Finish the client's live requests among `seqs`; their final (abort) outputs."""
         outputs = []
-        for request_id in request_ids:
-            req = self.requests.get(request_id)
+        for seq in seqs:
+            req = self.routes.live.get((client, seq))
             if req is not None:
                 self._finish(req, FinishReason.ABORT)
                 outputs.append(self._output(req, [], None))
         return outputs
+
+    def stop_requests(self, handles: list[int]) -> None:
+        """Finish requests whose final message the detokenizer has sent (a stop string)."""
+        for handle in handles:
+            req = self.requests.get(handle)
+            if req is not None:
+                self._finish(req, FinishReason.STOP)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -91,12 +142,12 @@ class Scheduler:
         budget, preempted = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if not preempted:  # a step that preempts admits nobody
             self._schedule_waiting(plan, budget)
-        if not plan.scheduled_ids:
+        if not plan.scheduled:
             return None
         # Cached only now, so that no request in this plan reads KV that this plan writes.
-        for request_id in plan.scheduled_ids:
-            self.block_manager.cache_full_blocks(self.requests[request_id])
-        plan.finished_ids, self.finished_ids = self.finished_ids, []
+        for handle in plan.scheduled:
+            self.block_manager.cache_full_blocks(self.requests[handle])
+        plan.finished, self.finished_handles = self.finished_handles, []
         self.next_step_id += 1
         self.counters.num_steps += 1
         return plan
@@ -158,21 +209,23 @@ class Scheduler:
     def _add_to_plan(self, plan: StepPlan, req: Request, n: int, new_blocks: list[int]) -> None:
         if req.in_worker:
             cached = plan.cached_requests
-            cached.request_ids.append(req.request_id)
+            cached.handles.append(req.handle)
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(req.num_computed_tokens)
         else:
             plan.new_requests.append(
                 NewRequestData(
-                    req.request_id,
+                    req.handle,
                     list(req.token_ids),
+                    req.num_prompt_tokens,
                     req.sampling,
+                    req.seed,
                     list(req.block_table),
                     req.num_computed_tokens,
                 )
             )
             req.in_worker = True
-        plan.scheduled_ids.append(req.request_id)
+        plan.scheduled.append(req.handle)
         plan.num_scheduled_tokens.append(n)
         if req.num_computed_tokens + n == req.num_tokens_with_inflight:
             req.inflight_steps.append(plan.step_id)  # this chunk ends in a sampled token
@@ -199,9 +252,9 @@ class Scheduler:
 
     def update_from_result(self, result: StepResult) -> list[RequestOutput]:
         outputs = []
-        logprobs = result.logprobs or [None] * len(result.request_ids)
-        for request_id, token, lp in zip(result.request_ids, result.sampled_token_ids, logprobs):
-            req = self.requests.get(request_id)
+        logprobs = result.logprobs or [None] * len(result.handles)
+        for handle, token, lp in zip(result.handles, result.sampled_token_ids, logprobs):
+            req = self.requests.get(handle)
             if req is None or not req.inflight_steps or req.inflight_steps[0] != result.step_id:
                 continue  # finished or aborted meanwhile (or a stale id)
             req.inflight_steps.popleft()
@@ -239,22 +292,30 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        del self.requests[req.request_id]
+        del self.requests[req.handle]
+        self.routes.finish(req)
         self._drop_from_worker(req)
 
     def _drop_from_worker(self, req: Request) -> None:
         if req.in_worker:
-            self.finished_ids.append(req.request_id)
+            self.finished_handles.append(req.handle)
             req.in_worker = False
 
     def _output(
         self, req: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None
     ) -> RequestOutput:
         return RequestOutput(
-            req.request_id,
+            req.handle,
             new_token_ids,
             logprobs,
             req.finish_reason,
             req.stop_reason,
             max(req.num_cached_tokens, 0),
         )
+
+
+def default_max_waiting(config: EngineConfig, num_kv_blocks: int) -> int:
+    """Requests allowed to wait: enough to refill the running set several times over, scaled
+    with the KV cache (a cache that holds more requests drains a longer queue as fast)."""
+    tokens_per_request = min(config.max_model_len or 1024, 1024)
+    return max(4 * config.max_num_seqs, 2 * num_kv_blocks * config.block_size // tokens_per_request)

@@ -19,6 +19,7 @@ from pagedserve.actors.messages import (
     StepResult,
     WorkerInbound,
 )
+from pagedserve.actors.worker import startup
 from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.actors.worker.profiling import LoopTimer, StepLog, StepProfiler, TritonCompileLog
 
@@ -48,9 +49,9 @@ class WorkerActor(Actor):
         self.runner = ModelRunner(self.config, self.rank)
         runner_init_s = round(time.perf_counter() - start, 3)
         self.runner.load_model()
-        self.runner.compile_kernels_ahead()
-        num_blocks = self.runner.num_kv_blocks()
-        self.runner.init_kv_cache(num_blocks)
+        startup.compile_kernels_ahead(self.runner)
+        num_blocks = startup.num_kv_blocks(self.runner)
+        startup.init_kv_cache(self.runner, num_blocks)
         setup_s = {"imports": imports_s, "runner_init": runner_init_s}
         setup_s |= self.runner.setup_seconds
         if profiling:

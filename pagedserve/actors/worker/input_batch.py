@@ -1,8 +1,12 @@
-"""The worker's persistent batch: per-request state kept across steps, one row per request.
+"""The worker's persistent batch: its cache of the requests it runs, one row per request.
 
-Rows are preallocated (max_num_seqs x max_model_len tokens, a block table of the matching
-width, sampling settings) and updated in place from each StepPlan's diff; a step gathers the
-rows of its scheduled requests by index. Token ids include the tokens this worker sampled.
+The scheduler owns every request's state; a worker keeps a copy of what its steps need, keyed by
+the request's handle: rows are preallocated (max_num_seqs x max_model_len tokens, a block table
+of the matching width, sampling settings and RNG key) and updated in place from each StepPlan's
+diff; a step gathers the rows of its scheduled requests by index. Token ids include the tokens
+this worker sampled. A request resumed after preemption arrives whole again (NewRequestData):
+its prompt length, so penalties count its earlier output as output, and its RNG key, so its
+draws continue where they stopped (they depend only on the key and the token's position).
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class InputBatch:
     ) -> None:
         self.max_num_reqs, self.block_size, self.device = max_num_reqs, block_size, device
         self.token_capacity = max_model_len + 1  # room for a token sampled past the limit
-        self.row_of: dict[str, int] = {}
+        self.row_of: dict[int, int] = {}  # handle -> row
         self._free_rows = list(range(max_num_reqs))
         self.token_ids = np.zeros((max_num_reqs, self.token_capacity), np.int32)
         self.num_tokens = np.zeros(max_num_reqs, np.int64)
@@ -78,39 +82,38 @@ class InputBatch:
         self.block_table_np = self.block_table.numpy()
         self.num_blocks = np.zeros(max_num_reqs, np.int64)
         self.sampling = _SamplingColumns.allocate(max_num_reqs)
-        self.generators: dict[int, torch.Generator] = {}
+        self.seeds = np.zeros(max_num_reqs, np.int64)  # each request's RNG key
         self.penalty_rows: set[int] = set()  # rows whose sampling reads their past tokens
 
     def __len__(self) -> int:
         return len(self.row_of)
 
     def add_request(self, data: NewRequestData) -> int:
-        """A new (or resumed) request; its token_ids all count as prompt tokens."""
-        self.remove_request(data.request_id)
+        """A new (or resumed) request: a handle this batch must not hold already."""
+        if data.handle in self.row_of:
+            raise ValueError(f"request {data.handle} is already in the persistent batch")
         if not self._free_rows:
             raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} requests)")
         num_tokens = len(data.token_ids)
-        if num_tokens > self.token_capacity:
-            raise ValueError(f"request {data.request_id} has {num_tokens} tokens, over the limit")
+        if num_tokens > self.token_capacity or not 0 < data.num_prompt_tokens <= num_tokens:
+            raise ValueError(f"request {data.handle} has {num_tokens} tokens, over the limit")
         row = heapq.heappop(self._free_rows)
-        self.row_of[data.request_id] = row
+        self.row_of[data.handle] = row
         self.token_ids[row, :num_tokens] = data.token_ids
-        self.num_tokens[row] = self.num_prompt_tokens[row] = num_tokens
+        self.num_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = data.num_prompt_tokens
         self.num_computed_tokens[row] = data.num_computed_tokens
         self.num_blocks[row] = 0
         self.append_block_ids(row, data.block_ids)
         self.sampling.set_row(row, data.sampling)
+        self.seeds[row] = data.seed
         if self.needs_token_history(np.array([row])):
             self.penalty_rows.add(row)
-        if data.sampling.seed is not None:
-            generator = torch.Generator(device=self.device)
-            self.generators[row] = generator.manual_seed(data.sampling.seed)
         return row
 
-    def remove_request(self, request_id: str) -> None:
-        row = self.row_of.pop(request_id, None)
+    def remove_request(self, handle: int) -> None:
+        row = self.row_of.pop(handle, None)
         if row is not None:
-            self.generators.pop(row, None)
             self.penalty_rows.discard(row)
             heapq.heappush(self._free_rows, row)
 
@@ -130,17 +133,18 @@ class InputBatch:
         """Whether these rows' tokens are just the argmax of their logits."""
         return bool(self.sampling.plain_greedy[rows].all())
 
-    def sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
-        """Settings of the given rows, in order, as device tensors."""
+    def sampling_metadata(
+        self, rows: np.ndarray, positions: np.ndarray, vocab_size: int
+    ) -> SamplingMetadata:
+        """Settings of the given rows, in order, as device tensors; `positions` are the indices
+        of the tokens they sample (their draws' counters)."""
         cols = self.sampling
         temperature = cols.temperature[rows]
         greedy = temperature < GREEDY_TEMPERATURE
         all_greedy = bool(greedy.all())
         num_logprobs = cols.num_logprobs[rows].tolist()
         metadata = SamplingMetadata(
-            temperature=None
-            if all_greedy
-            else self._to_device(np.where(greedy, 1.0, temperature).astype(np.float32)),
+            temperature=None if all_greedy else self._to_device(temperature),
             greedy=None if all_greedy else self._to_device(greedy),
             all_greedy=all_greedy,
             all_random=not bool(greedy.any()),
@@ -149,11 +153,8 @@ class InputBatch:
         )
         if not metadata.all_greedy:
             self._set_filters(metadata, rows, greedy, vocab_size)
-            metadata.generators = {
-                i: self.generators[row]
-                for i, row in enumerate(rows.tolist())
-                if row in self.generators and not greedy[i]
-            }
+            metadata.seeds = self._to_device(self.seeds[rows])
+            metadata.positions = self._to_device(positions.astype(np.int64))
         return metadata
 
     def _set_filters(

@@ -2,10 +2,15 @@
 
 Order: raw log-softmax (for the logprobs, before anything else) -> penalties (repetition over
 prompt + output, frequency/presence over the output) -> greedy argmax for rows with temperature
-< 1e-5 -> temperature -> top-k / top-p -> softmax -> min-p -> an exponential race
-argmax(p / q), q ~ Exp(1), which samples from p. A seeded request draws its q row from its own
-torch.Generator, so its tokens do not depend on which other requests share the batch; the other
-rows share the runner's generator (seeded from EngineConfig.seed, so tensor-parallel ranks agree).
+< 1e-5 -> temperature -> top-k / top-p / min-p support -> Gumbel-max: argmax(z + g) over the
+support, g = -log(-log u) standard Gumbel noise, samples from softmax(z) on it.
+
+The noise is counter-based: u for (row, token i) is a hash of the request's RNG key (its seed,
+or one the scheduler drew for it) and the position of the token being sampled
+(kernels.triton_sampling: `gumbel_noise` is the torch form, `_sample_kernel` the Triton one). A
+token's draw depends only on the request and its index: not on the batch, the step, a
+preemption, or the tensor-parallel rank. On a GPU the Triton kernels find the support and draw
+(`use_triton`); elsewhere the torch functions below do the same.
 """
 
 from __future__ import annotations
@@ -15,9 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.actors.messages import TokenLogprobs
-
-# q ~ Exp(1) can be exactly 0 on some backends; p / 0 would pick a zero-probability token.
-_MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
+from pagedserve.kernels import triton_sampling
 
 
 @dataclass
@@ -33,7 +36,7 @@ class PenaltyState:
 class SamplingMetadata:
     """Per-row sampling settings of one step; optional parts are None when no row uses them."""
 
-    temperature: torch.Tensor | None  # [B] float32; 1.0 on greedy rows (None: all greedy)
+    temperature: torch.Tensor | None  # [B] float32; < 1e-5 on greedy rows (None: all greedy)
     greedy: torch.Tensor | None  # [B] bool (None: all greedy)
     all_greedy: bool
     all_random: bool
@@ -41,7 +44,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None = None  # [B] float32; 1.0 on rows without top-p
     min_p: torch.Tensor | None = None  # [B] float32
     penalties: PenaltyState | None = None
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> own generator
+    seeds: torch.Tensor | None = None  # [B] int64: each row's RNG key (None: all greedy)
+    positions: torch.Tensor | None = None  # [B] int64: position of the token each row samples
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None: not asked
 
     @property
@@ -61,8 +65,8 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator | None = None) -> None:
-        self.generator = generator  # shared by the rows without a seed
+    def __init__(self, use_triton: bool) -> None:
+        self.use_triton = use_triton  # the Triton support search and draw (GPU) or torch
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, vocab] (any float dtype; computed in float32)."""
@@ -79,17 +83,22 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprob_tensors=logprobs)
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
         if metadata.all_greedy:
-            assert greedy_ids is not None
-            return greedy_ids
+            return logits.argmax(dim=-1)
         assert metadata.temperature is not None and metadata.greedy is not None
-        logits = logits / metadata.temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = logits.softmax(dim=-1)
+        assert metadata.seeds is not None and metadata.positions is not None
+        if self.use_triton:
+            return triton_sampling.sample_from_logits(
+                logits, metadata.temperature, metadata.seeds, metadata.positions,
+                metadata.top_k, metadata.top_p, metadata.min_p,
+            )  # fmt: skip
+        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+        temperature = torch.where(metadata.greedy, 1.0, metadata.temperature)
+        z = apply_top_k_top_p(logits / temperature.unsqueeze(1), metadata.top_k, metadata.top_p)
         if metadata.min_p is not None:
-            probs = apply_min_p(probs, metadata.min_p)
-        sampled = exponential_race(probs, metadata.generators, self.generator)
+            z = apply_min_p(z, metadata.min_p)
+        noise = triton_sampling.gumbel_noise(metadata.seeds, metadata.positions, z.shape[1])
+        sampled = (z + noise).argmax(dim=-1)
         if greedy_ids is None:
             return sampled
         return torch.where(metadata.greedy, greedy_ids, sampled)
@@ -139,32 +148,11 @@ def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zero the tokens whose probability is below min_p * (the row's top probability)."""
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return probs.masked_fill(probs < threshold, 0.0)
-
-
-def exponential_race(
-    probs: torch.Tensor,
-    generators: dict[int, torch.Generator],
-    shared_generator: torch.Generator | None,
-) -> torch.Tensor:
-    """argmax(probs / q) with q ~ Exp(1) per entry: a sample from each row of probs."""
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_(generator=shared_generator)
-    for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    noise.clamp_(min=_MIN_EXPONENTIAL)
-    return probs.div(noise).argmax(dim=-1)
-
-
-def gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
-) -> list[TokenLogprobs | None]:
-    """The sampled token's logprob and rank (1 = most likely; ties rank below) and the top-n."""
-    return select_logprobs(logprobs, token_ids, num_logprobs).to_list()
+def apply_min_p(z: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """-inf on the tokens whose probability is below min_p * (the row's top probability),
+    i.e. z < max z + log(min_p) (rows with min_p 0 keep everything)."""
+    limit = z.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
+    return z.masked_fill(z < limit, float("-inf"))
 
 
 @dataclass

@@ -1,0 +1,183 @@
+"""Incremental detokenization and stop strings, one `IncrementalDetokenizer` per request.
+
+Decoding uses the prefix_offset / read_offset window: each step decodes only the tokens since
+the last emission plus the previous emitted chunk as context, and emits the difference, so the
+cost per token is O(1) in the output length. Text that ends in U+FFFD (a UTF-8 character
+whose bytes are split across tokens) is held back until the character completes.
+
+The output text is the text the output tokens add after the prompt, i.e.
+`decode(prompt + output)[len(decode(prompt)):]`: the last prompt tokens are decoded as context,
+so a SentencePiece word-start token keeps its leading space. With an empty prompt (and always
+for byte-level BPE) this equals `decode(output)`. Decoding never applies HF's
+`clean_up_tokenization_spaces` (it is not incremental).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import tokenizers
+
+from pagedserve.actors.messages import SamplingParams
+
+REPLACEMENT_CHAR = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded as context for the first output tokens
+MAX_CONTEXT_EXTENSION = 8  # extra prompt tokens to reach the start of a character
+
+Decoder = Callable[[list[int]], str]
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizeResult:
+    text_delta: str  # new output text, safe to stream
+    stop_string: str | None = None  # the stop string that matched (the request is finished)
+
+
+class TokenDecoder:
+    """Token ids -> text for one tokenizer: the Rust `tokenizers.Tokenizer` when the model has
+    a tokenizer.json (fast to load: no transformers import), else an HF tokenizer's decode."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.special_ids = special_token_ids(tokenizer)
+
+    @classmethod
+    def load(cls, path: str) -> TokenDecoder:
+        tokenizer_json = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(tokenizer_json):
+            return cls(tokenizers.Tokenizer.from_file(tokenizer_json))
+        from pagedserve.actors.chat import load_tokenizer
+
+        return cls(load_tokenizer(path))
+
+    def decoder(self, skip_special_tokens: bool) -> Decoder:
+        tokenizer = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+        if isinstance(tokenizer, tokenizers.Tokenizer):
+            return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return lambda ids: self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """Every id that `skip_special_tokens=True` drops."""
+    if isinstance(tokenizer, tokenizers.Tokenizer):
+        added = tokenizer.get_added_tokens_decoder()
+        return {i for i, token in added.items() if token.special}
+    ids = set(tokenizer.all_special_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
+    return ids
+
+
+def prompt_context(
+    decode: Decoder, prompt_ids: list[int], special_ids: set[int], skip_special_tokens: bool
+) -> list[int]:
+    """The last few prompt tokens that decode to text: the left context of the output.
+
+    Starts on a character boundary (a context that begins inside a UTF-8 character decodes
+    to U+FFFD, and byte-fallback decoders then garble the whole byte run)."""
+    tail = prompt_ids[-4 * (PROMPT_CONTEXT_TOKENS + MAX_CONTEXT_EXTENSION) :]
+    if skip_special_tokens:
+        tail = [t for t in tail if t not in special_ids]
+    start = max(len(tail) - PROMPT_CONTEXT_TOKENS, 0)
+    for begin in range(start, max(start - MAX_CONTEXT_EXTENSION, 0) - 1, -1):
+        if not decode(tail[begin:]).startswith(REPLACEMENT_CHAR):
+            return tail[begin:]
+    return tail[start:]
+
+
+class TokenStream:
+    """Token ids in, text deltas out, via a sliding decode window."""
+
+    def __init__(self, decode: Decoder, context_ids: list[int]) -> None:
+        self._decode = decode
+        self._ids = list(context_ids)
+        self._prefix = 0  # start of the decode window: the previous emitted chunk
+        self._read = len(self._ids)  # end of the text emitted so far
+
+    def push(self, new_ids: list[int], flush: bool) -> str:
+        """Append tokens; return the text they complete (all pending text when `flush`)."""
+        self._ids.extend(new_ids)
+        if self._read == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) <= len(prefix_text):
+            return ""  # the new tokens add no text yet (e.g. skipped special tokens)
+        if new_text.endswith(REPLACEMENT_CHAR) and not flush:
+            return ""  # an incomplete UTF-8 character: wait for its remaining bytes
+        self._advance()
+        return new_text[len(prefix_text) :]
+
+    def _advance(self) -> None:
+        """Slide the window and forget ids before it, keeping the list short."""
+        del self._ids[: self._read]
+        self._prefix, self._read = 0, len(self._ids)
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text and holds back text that may start one."""
+
+    def __init__(self, stops: list[str], include_stop: bool) -> None:
+        self._stops = stops
+        self._include = include_stop
+        self._prefixes = {s[:k] for s in stops for k in range(1, len(s))}
+        self._max_hold = max((len(s) for s in stops), default=1) - 1
+        self._pending = ""  # decoded text not yet emitted
+
+    def feed(self, text: str, flush: bool) -> tuple[str, str | None]:
+        """Add decoded text; return (text safe to emit, matched stop string or None)."""
+        buf = self._pending + text
+        match = self._find(buf)
+        if match is not None:
+            idx, stop = match
+            self._pending = ""
+            return buf[: idx + len(stop) if self._include else idx], stop
+        hold = 0 if flush else self._hold_length(buf)
+        self._pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], None
+
+    def _find(self, buf: str) -> tuple[int, str] | None:
+        """The earliest stop string occurrence (first listed wins a tie)."""
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            idx = buf.find(stop)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        return best
+
+    def _hold_length(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
+        for k in range(min(len(buf), self._max_hold), 0, -1):
+            if buf[-k:] in self._prefixes:
+                return k
+        return 0
+
+
+class IncrementalDetokenizer:
+    """Streams a request's output text: UTF-8 safe, O(1) per token, stop-string aware."""
+
+    def __init__(
+        self, decoder: TokenDecoder, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> None:
+        skip = sampling.skip_special_tokens
+        decode = decoder.decoder(skip)
+        special = decoder.special_ids if skip else set()
+        context = prompt_context(decode, prompt_token_ids, special, skip)
+        self._stream = TokenStream(decode, context)
+        stops = sampling.stop_strings
+        self._matcher = StopStringMatcher(stops, sampling.include_stop_str_in_output)
+        self._done = False
+
+    def update(self, new_token_ids: list[int], finished: bool) -> DetokenizeResult:
+        """Add sampled tokens; `finished` flushes held-back text (the request ended)."""
+        if self._done:
+            return DetokenizeResult("")
+        text = self._stream.push(new_token_ids, flush=finished)
+        delta, stop = self._matcher.feed(text, flush=finished)
+        self._done = finished or stop is not None
+        return DetokenizeResult(delta, stop)

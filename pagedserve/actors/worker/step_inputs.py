@@ -1,0 +1,135 @@
+"""The flattened inputs of a general step (prefill chunks and decodes mixed) on the device.
+
+For each scheduled request the step computes `num_scheduled_tokens` tokens from its
+`num_computed_tokens` on: their token ids (a token the step in flight samples is not known on
+the host yet: it is copied on the device from that step's output), positions, KV slots, the
+attention metadata, and the rows whose logits are needed: the last token of every request whose
+scheduled tokens reach the end of the tokens the worker knows for it (it samples). In a step
+with prefill tokens the model's last layer, past caching every token's k/v, runs only those
+sampling rows (AttentionMetadata.output_rows). Every array goes to the device in one upload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.actors.worker.input_batch import InputBatch
+from pagedserve.actors.worker.uploader import Uploader
+from pagedserve.kernels.attention import (
+    AttentionMetadata,
+    OutputRows,
+    assemble_attention_metadata,
+    cdiv,
+    metadata_inputs,
+)
+
+HostMetadata = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64, device
+    positions: torch.Tensor  # [num_tokens] int64, device
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling] token rows whose logits are needed
+    sampling_rows: np.ndarray  # [num_sampling] persistent-batch rows of the sampling requests
+    sampling_positions: np.ndarray  # [num_sampling] position of the token each one samples
+    sampling_handles: list[int]
+
+
+def _metadata_host(
+    query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, slots: np.ndarray
+) -> HostMetadata:
+    """(query_lens, seq_lens, block_tables, slot_mapping) as CPU tensors sharing the arrays."""
+    arrays = (query_lens, seq_lens, np.ascontiguousarray(block_tables), slots)
+    return tuple(torch.from_numpy(a) for a in arrays)  # type: ignore[return-value]
+
+
+def check_plan_fits(
+    batch: InputBatch, rows: np.ndarray, seq_lens: np.ndarray, known: np.ndarray, block_size: int
+) -> None:
+    """A plan may only compute tokens the worker knows, into blocks it was given."""
+    if (seq_lens > known).any():
+        raise ValueError("a step schedules tokens the worker does not know")
+    if (seq_lens > batch.num_blocks[rows] * block_size).any():
+        raise ValueError("a step schedules tokens beyond the block tables")
+
+
+class StepInputBuilder:
+    def __init__(
+        self, batch: InputBatch, uploader: Uploader, sampled: torch.Tensor, block_size: int,
+        backend: str,
+    ) -> None:  # fmt: skip
+        self.batch, self.uploader, self.sampled = batch, uploader, sampled
+        self.block_size, self.backend = block_size, backend
+
+    def build(
+        self,
+        handles: list[int],
+        num_scheduled: list[int],
+        rows: np.ndarray,
+        pending_index: np.ndarray,
+    ) -> StepInputs:
+        """The step's inputs; advances the rows' num_computed_tokens. pending_index[i] is the
+        index of row i's token in the step in flight (-1: none)."""
+        batch, block_size = self.batch, self.block_size
+        query_lens = np.asarray(num_scheduled, dtype=np.int64)
+        if len(query_lens) != len(rows) or (query_lens < 1).any():
+            raise ValueError("a step needs >= 1 token per scheduled request")
+        known = batch.num_tokens[rows] + (pending_index >= 0)
+        computed = batch.num_computed_tokens[rows]
+        seq_lens = computed + query_lens
+        check_plan_fits(batch, rows, seq_lens, known, block_size)
+        request_of_token = np.repeat(np.arange(len(rows)), query_lens)
+        query_starts = np.cumsum(query_lens) - query_lens
+        offsets = np.arange(len(request_of_token)) - query_starts[request_of_token]
+        positions = computed[request_of_token] + offsets
+        token_rows = rows[request_of_token]
+        input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
+        # tokens sampled by the step in flight: copied on the device from its output
+        targets = np.flatnonzero(positions == batch.num_tokens[token_rows])
+        sources = pending_index[request_of_token[targets]]
+        blocks = batch.block_table_np[token_rows, positions // block_size].astype(np.int64)
+        slot_mapping = blocks * block_size + positions % block_size
+        block_tables = batch.block_table_np[rows, : cdiv(int(seq_lens.max()), block_size)]
+        batch.num_computed_tokens[rows] = seq_lens
+        samples = seq_lens >= known
+        logits_indices = (query_starts + query_lens - 1)[samples]
+        host = _metadata_host(query_lens, seq_lens, block_tables, slot_mapping)
+        arrays = [input_ids, positions, targets, sources, logits_indices]
+        arrays += [t.numpy() for t in metadata_inputs(*host)]
+        # prefill in the step: the last layer needs only the sampling rows past its k/v
+        rows_host = None
+        if 0 < len(logits_indices) < len(slot_mapping):
+            rows_host = _metadata_host(
+                np.ones(len(logits_indices), np.int64), seq_lens[samples],
+                block_tables[samples], slot_mapping[logits_indices],
+            )  # fmt: skip
+            arrays += [t.numpy() for t in metadata_inputs(*rows_host)]
+        device_ids, device_positions, device_targets, device_sources, device_logits, *rest = (
+            self.uploader.upload(arrays)
+        )
+        metadata = self._assemble(rest[0:4], host)
+        if rows_host is not None:
+            metadata.output_rows = OutputRows(device_logits, self._assemble(rest[4:8], rows_host))
+        if len(targets):
+            fed = self.sampled.index_select(0, device_sources)
+            device_ids.index_copy_(0, device_targets, fed)
+        return StepInputs(
+            input_ids=device_ids,
+            positions=device_positions,
+            attn_metadata=metadata,
+            logits_indices=device_logits,
+            sampling_rows=rows[samples],
+            sampling_positions=seq_lens[samples],
+            sampling_handles=[h for h, s in zip(handles, samples.tolist()) if s],
+        )
+
+    def _assemble(self, device_inputs: list[torch.Tensor], host: HostMetadata) -> AttentionMetadata:
+        query_lens, seq_lens, block_tables, _ = host
+        return assemble_attention_metadata(
+            device_inputs, query_lens, seq_lens, block_tables, self.block_size, self.backend
+        )

@@ -1,0 +1,172 @@
+"""The ZeroMQ clients' bookkeeping, without sockets: what a client asked for and what it holds.
+
+A client numbers its requests (`seq`); the engine routes every delta by (client, seq). Deltas
+carry their offsets in the output, so one that arrives again (the engine resends after a
+restart) is trimmed to what the client lacks. Each detokenizer answer (Welcome, Pong) carries
+the supervisor's epoch; when it changes, an actor was restarted and a request of ours may have
+been lost in it, so the client resubmits every unfinished request with the tokens it already
+holds: the engine either finds it live and resends its route, or continues it after those
+tokens (for greedy and seeded sampling, the same tokens an undisturbed run gives).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pagedserve.actors.messages import (
+    ChatMessage,
+    DeltaBatch,
+    GenerateRequest,
+    Pong,
+    RequestDelta,
+    RequestError,
+    SamplingParams,
+    SchedulerStats,
+    Welcome,
+)
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | list[ChatMessage]
+Event = RequestDelta | RequestError | SchedulerStats
+
+CONNECT_TIMEOUT_S = 10.0  # the engine must answer a new client's Hello within this
+PING_INTERVAL_S = 1.0
+LIVENESS_TIMEOUT_S = 10.0  # an engine silent this long while requests wait is gone
+
+
+class EngineRequestError(ValueError):
+    """The engine refused a request; `status_code` is the HTTP status to use."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class EngineUnavailableError(ConnectionError):
+    """No engine answers at the address (never started, stopped or dead)."""
+
+
+def make_request(seq: int, prompt: Prompt, sampling: SamplingParams) -> GenerateRequest:
+    if isinstance(prompt, str):
+        return GenerateRequest(seq=seq, sampling=sampling, prompt=prompt)
+    if prompt and isinstance(prompt[0], ChatMessage):
+        return GenerateRequest(seq=seq, sampling=sampling, messages=prompt)  # type: ignore[arg-type]
+    return GenerateRequest(seq=seq, sampling=sampling, prompt_token_ids=prompt)  # type: ignore[arg-type]
+
+
+def fan_out(sampling: SamplingParams) -> list[SamplingParams]:
+    """n > 1 becomes n engine requests sharing the prompt (and so its cached KV blocks).
+    Child i of a seeded request uses seed + i, so each is reproducible on its own."""
+    if sampling.n == 1:
+        return [sampling]
+    return [
+        msgspec.structs.replace(
+            sampling, n=1, seed=None if sampling.seed is None else sampling.seed + i
+        )
+        for i in range(sampling.n)
+    ]
+
+
+@dataclass
+class TrackedRequest:
+    request: GenerateRequest
+    label: str
+    token_ids: list[int] = field(default_factory=list)  # output tokens received
+    text_length: int = 0  # output characters received
+    has_prompt: bool = False  # the first delta (with the prompt ids) arrived
+
+
+class ClientCore:
+    def __init__(self) -> None:
+        self.identity = f"{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
+        self._seqs = itertools.count()
+        self.requests: dict[int, TrackedRequest] = {}  # unfinished, by seq
+        self.epoch: int | None = None
+
+    def next_seq(self) -> int:
+        return next(self._seqs)
+
+    def track(
+        self, prompt: Prompt, sampling: SamplingParams, label: str | None = None
+    ) -> GenerateRequest:
+        """A new request (labelled `label`, or identity-seq) to send."""
+        request = make_request(self.next_seq(), prompt, sampling)
+        label = label if label is not None else f"{self.identity.decode()}-{request.seq}"
+        self.requests[request.seq] = TrackedRequest(request, label)
+        return request
+
+    def forget(self, seq: int) -> None:
+        self.requests.pop(seq, None)
+
+    def seqs_labelled(self, labels: list[str]) -> list[int]:
+        wanted = set(labels)
+        return [seq for seq, t in self.requests.items() if t.label in wanted]
+
+    def on_epoch(self, message: Welcome | Pong) -> list[GenerateRequest]:
+        """The requests to resubmit: all unfinished ones when the epoch moved."""
+        moved = self.epoch is not None and message.epoch != self.epoch
+        self.epoch = message.epoch
+        if not moved:
+            return []
+        logger.warning(
+            "the engine restarted an actor; resubmitting %d requests", len(self.requests)
+        )
+        return [
+            msgspec.structs.replace(t.request, resume_token_ids=list(t.token_ids))
+            for t in self.requests.values()
+        ]
+
+    def events(self, frame: DeltaBatch | RequestError | SchedulerStats) -> list[Event]:
+        """The events a frame holds for this client's requests, trimmed to what is new;
+        finished requests are forgotten."""
+        if isinstance(frame, SchedulerStats):
+            return [frame]
+        if isinstance(frame, RequestError):
+            tracked = self.requests.pop(frame.seq, None)
+            return [] if tracked is None else [frame]
+        events: list[Event] = []
+        for delta in frame.deltas:
+            tracked = self.requests.get(delta.seq)
+            if tracked is None:
+                continue
+            fresh = self._trim(delta, tracked)
+            if fresh is not None:
+                events.append(fresh)
+                if fresh.finish_reason is not None:
+                    del self.requests[delta.seq]
+        return events
+
+    @staticmethod
+    def _trim(delta: RequestDelta, tracked: TrackedRequest) -> RequestDelta | None:
+        """The part of `delta` this client does not hold yet (None: nothing new)."""
+        skip = len(tracked.token_ids) - delta.token_offset
+        if skip > 0:
+            delta.token_ids = delta.token_ids[skip:]
+            if delta.logprobs is not None:
+                delta.logprobs = delta.logprobs[skip:]
+        skip_text = tracked.text_length - delta.text_offset
+        if skip_text > 0:
+            delta.text = delta.text[skip_text:]
+        if tracked.has_prompt:
+            delta.prompt_token_ids = None
+        elif delta.prompt_token_ids is not None:
+            tracked.has_prompt = True
+        tracked.token_ids += delta.token_ids
+        tracked.text_length += len(delta.text)
+        delta.request_id = tracked.label
+        if not (delta.token_ids or delta.text or delta.prompt_token_ids is not None):
+            if delta.finish_reason is None:
+                return None
+        return delta
+
+
+def raise_if_error(event: Event) -> None:
+    if isinstance(event, RequestError):
+        raise EngineRequestError(event.message, event.status_code)
