@@ -37,6 +37,43 @@ class ProfileConfig(msgspec.Struct, kw_only=True):
     num_steps: int = 20
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding, vLLM's `speculative_config`: {"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, or
+    {"model": PATH, "num_speculative_tokens": 4} (a draft model with the target's vocabulary,
+    run by the same workers on its own paged KV cache)."""
+
+    num_speculative_tokens: int
+    method: str | None = None  # ngram | draft_model (the default when `model` is given)
+    model: str | None = None  # the draft model
+    prompt_lookup_max: int = 4  # n-gram: the longest suffix n-gram looked up
+    prompt_lookup_min: int = 1  # n-gram: the shortest
+    # no speculation in a step with more running requests than this (None: always speculate)
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"unknown speculative method {self.method!r}; expected one of {SPECULATIVE_METHODS}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative method 'draft_model' needs a draft `model`")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots beyond a step's tokens that its proposer writes (a draft model's k decodes)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -72,8 +109,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     server: ServerConfig | None = None
     skip_tokenizer_init: bool = False  # token ids in and out only (models with no tokenizer)
     profile: ProfileConfig | None = None  # profile a window of worker steps (rank 0)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...})
+            self.speculative_config = speculative_config(self.speculative_config)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs <= 0:
@@ -98,6 +138,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def resolve(self) -> EngineConfig:
         """Fill the fields that depend on the model (max_model_len) and the machine (device)."""
         hf = read_hf_config(self.model_path)
+        if self.speculative_config is not None:
+            check_draft_model(self.speculative_config, hf)
         limit = hf.get("max_position_embeddings") or 2048
         max_len = min(self.max_model_len or limit, limit)
         device = self.device
@@ -112,6 +154,27 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             device=device,
             attention_backend=backend,
             max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
+        )
+
+
+def speculative_config(value: dict) -> SpeculativeConfig:
+    """A SpeculativeConfig from vLLM's dict form; ValueError with a clear message otherwise."""
+    try:
+        return msgspec.convert(value, SpeculativeConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid speculative_config: {exc}") from None
+
+
+def check_draft_model(spec: SpeculativeConfig, target_hf_config: dict) -> None:
+    """A draft model must exist and share the target's vocabulary."""
+    if spec.model is None:
+        return
+    draft = read_hf_config(resolve_model_path(spec.model))
+    if draft.get("vocab_size") != target_hf_config.get("vocab_size"):
+        raise ValueError(
+            f"the draft model {spec.model!r} has a vocabulary of {draft.get('vocab_size')} "
+            f"tokens, the target {target_hf_config.get('vocab_size')}: a draft must share the "
+            "target's tokenizer"
         )
 
 

@@ -27,6 +27,11 @@ Three subcommands, run in this order:
     over-fitting the ~1.8M-token corpus) as a bf16 HF directory, together with the
     tokenizer files from ``--data/tokenizer`` when present, and ``metrics.json``.
 
+    ``--preset target`` trains the ~94M-parameter Llama (20 layers of 640) that the
+    speculative-decoding benchmarks use as the target, with the embedded model as its
+    draft (same tokenizer); ``--deterministic`` makes a run repeatable for its seed. Its
+    weights are not committed: scripts/gpu/bench_speculative.py trains it first.
+
 ``sample``  (CPU)
     Loads a model directory with transformers, offline, checks the tokenizer
     round-trip and the chat template, and prints greedy and temperature-0.8 samples.
@@ -279,17 +284,23 @@ def cmd_prepare(args) -> None:
 # ----------------------------------------------------------------------------- train
 
 
-def build_config(vocab_size: int):
+# Model sizes: `tiny` is the embedded model (~4M parameters); `target` (~94M) is the
+# speculative-decoding benchmarks' target, with the embedded model as its draft (same
+# tokenizer): 20 layers of 640, 10 heads of 64, 5 kv heads, MLP 1728.
+PRESETS = {
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=32, intermediate_size=768),
+    "target": dict(hidden_size=640, num_hidden_layers=20, num_attention_heads=10,
+                   num_key_value_heads=5, head_dim=64, intermediate_size=1728),
+}  # fmt: skip
+
+
+def build_config(vocab_size: int, preset: str = "tiny"):
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        intermediate_size=768,
+        **PRESETS[preset],
         max_position_embeddings=1024,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
@@ -310,12 +321,16 @@ def cmd_train(args) -> None:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
+    if args.deterministic:  # the same weights for the same seed, also on a GPU (slower)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     data = Path(args.data)
     train_ids = torch.from_numpy(np.load(data / "train.npy").astype(np.int64)).to(device)
     val_ids = torch.from_numpy(np.load(data / "val.npy").astype(np.int64)).to(device)
     vocab = int(json.loads((data / "data.json").read_text())["vocab_size"])
 
-    config = build_config(vocab)
+    config = build_config(vocab, args.preset)
     model = LlamaForCausalLM(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(
@@ -566,6 +581,8 @@ def main(argv=None) -> None:
     )
     t.add_argument("--threads", type=int, default=1, help="CPU threads when --device cpu")
     t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size")
+    t.add_argument("--deterministic", action="store_true", help="repeatable for a seed")
     t.set_defaults(fn=cmd_train)
     s = sub.add_parser("sample")
     s.add_argument("--model", required=True)

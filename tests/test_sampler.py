@@ -32,9 +32,11 @@ def make_batch(params: list[SamplingParams], prompts: list[list[int]] | None = N
     return batch
 
 
-def metadata_at(batch: InputBatch, rows: np.ndarray, vocab: int, position: int = 3):
-    """Sampling metadata of `rows`, each sampling the token at `position`."""
-    return batch.sampling_metadata(rows, np.full(len(rows), position), vocab)
+def metadata_at(batch: InputBatch, rows: np.ndarray, vocab: int, position: int | None = None):
+    """Sampling metadata of `rows`, each sampling the token at `position` (default: the one
+    after its known tokens)."""
+    positions = batch.num_tokens[rows] if position is None else np.full(len(rows), position)
+    return batch.sampling_metadata(rows, positions, vocab)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], InputBatch]:

@@ -257,6 +257,12 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
+    # speculative decoding (vLLM's spec_decode metrics): steps that verified drafts, draft
+    # tokens verified, of those accepted, and tokens emitted by those steps
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_emitted_tokens: int = 0
 
 
 class EpochChanged(msgspec.Struct, tag=True):
@@ -292,7 +298,11 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 
 class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     """One step for every worker. The batch order is `scheduled`; a request samples a token
-    when its scheduled tokens reach the end of the tokens the worker knows for it."""
+    when its scheduled tokens reach the end of the tokens the worker knows for it.
+
+    Speculative decoding: `spec_token_ids[i]` (when given) are draft tokens of scheduled request
+    i that follow the tokens the worker knows; they count in num_scheduled_tokens, and the step
+    verifies them (the request samples at each of its last 1 + len(drafts) positions)."""
 
     step_id: int
     new_requests: list[NewRequestData] = []
@@ -300,13 +310,17 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     scheduled: list[int] = []  # handles
     num_scheduled_tokens: list[int] = []
     finished: list[int] = []  # handles to drop from the persistent batch before this step
+    spec_token_ids: list[list[int]] = []  # per scheduled request (empty: no speculation)
+    propose: bool = False  # the workers propose drafts for the next step (speculative decoding)
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True):
     step_id: int
     handles: list[int]  # the requests that sampled a token this step, batch order
-    sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None  # per request, None if not asked
+    sampled_token_ids: list[int]  # their tokens: num_sampled[i] each (one each when empty)
+    logprobs: list[TokenLogprobs | None] | None = None  # per sampled token, None if not asked
+    num_sampled: list[int] = []  # speculative decoding: tokens each request emitted this step
+    draft_token_ids: list[list[int]] = []  # proposals for each request's next step
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -26,6 +26,7 @@ class BenchResult:
     elapsed_s: float
     prompt_tokens: int
     output_tokens: int
+    spec_decode: dict[str, float] | None = None  # speculative decoding's counts and rates
 
     @property
     def output_tok_s(self) -> float:
@@ -66,13 +67,29 @@ def run_pagedserve(workload: Workload, engine_args: dict[str, Any]) -> BenchResu
         params = [
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload
         ]
+        before = llm.get_stats()
         start = time.perf_counter()
         outputs = llm.generate([p for p, _ in workload], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        after = llm.get_stats()
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    spec = spec_decode_summary(before, after) if "speculative_config" in engine_args else None
     return BenchResult(
-        "pagedserve", len(workload), elapsed, sum(len(p) for p, _ in workload), produced
+        "pagedserve", len(workload), elapsed, sum(len(p) for p, _ in workload), produced, spec
     )
+
+
+def spec_decode_summary(before: Any, after: Any) -> dict[str, float]:
+    """Speculative decoding over a run (two SchedulerStats): drafts, proposed / accepted /
+    emitted tokens, the acceptance rate and the mean accepted length (tokens per verify)."""
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")
+    counts = {k: getattr(after, f"spec_{k}") - getattr(before, f"spec_{k}") for k in keys}
+    drafts, proposed = max(counts["num_drafts"], 1), max(counts["num_draft_tokens"], 1)
+    return {
+        **counts,
+        "acceptance_rate": round(counts["num_accepted_tokens"] / proposed, 4),
+        "mean_accepted_length": round(counts["num_emitted_tokens"] / drafts, 3),
+    }
 
 
 def load_hf_model(model: str, load_format: str, dtype: str, device: str, attn: str | None = None):

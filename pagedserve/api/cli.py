@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -24,6 +25,11 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "device": (str, "auto, cpu or cuda"),
     "attention_backend": (str, "auto, torch, triton or cuda"),
     "seed": (int, "engine seed (dummy weights, unseeded sampling)"),
+    "speculative_config": (
+        json.loads,
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        'or \'{"model": PATH, "num_speculative_tokens": 4}\'',
+    ),
 }
 
 

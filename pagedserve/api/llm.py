@@ -69,12 +69,15 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(items))
-        results, owners = self._submit(items, params)
+        results, jobs = self._plan(items, params)
+        owners: dict[int, tuple[int, int]] = {}  # engine request (seq) -> its place
         bar = tqdm(total=len(results), desc="generate", disable=not use_tqdm or len(items) < 16)
         try:
-            remaining = len(owners)
-            while remaining:
-                remaining -= self._apply(self._next_message(), results, owners, bar)
+            while jobs or owners:
+                while jobs and len(owners) < self._window:  # within the engine's queue limit
+                    prompt, sampling, label, place = jobs.pop()
+                    owners[self.client.submit(prompt, sampling, label=label)] = place
+                self._apply(self._next_message(), results, owners, bar)
         except BaseException:
             self.client.abort_seqs(list(owners))
             raise
@@ -82,21 +85,27 @@ class LLM:
             bar.close()
         return results
 
-    def _submit(
+    @property
+    def _window(self) -> int:
+        """Engine requests in flight at once: the running set and as many waiting, within the
+        engine's admission limit (offline generation never meets a 503)."""
+        config = self.supervisor.sized_config
+        window = 2 * config.max_num_seqs
+        return min(window, config.max_waiting_requests or window)
+
+    def _plan(
         self, items: list[tuple[str | None, Prompt]], params: list[SamplingParams]
-    ) -> tuple[list[RequestOutput], dict[int, tuple[int, int]]]:
-        """Send every request; the results to fill and, per engine request (seq), its place."""
+    ) -> tuple[list[RequestOutput], list[tuple[Prompt, SamplingParams, str, tuple[int, int]]]]:
+        """The results to fill, and the engine requests to send (last first): n > 1 fans out."""
         results: list[RequestOutput] = []
-        owners: dict[int, tuple[int, int]] = {}
+        jobs = []
         for index, ((text, prompt), sampling) in enumerate(zip(items, params)):
             request_id = str(next(self._request_counter))
             children = fan_out(sampling)
             outputs = [CompletionOutput(index=i) for i in range(len(children))]
             results.append(RequestOutput(request_id, text, [], outputs))
-            for child_index, child in enumerate(children):
-                seq = self.client.submit(prompt, child, label=request_id)
-                owners[seq] = (index, child_index)
-        return results, owners
+            jobs += [(prompt, child, request_id, (index, i)) for i, child in enumerate(children)]
+        return results, jobs[::-1]
 
     def _next_message(self) -> RequestDelta | RequestError:
         while True:

@@ -39,8 +39,14 @@ class Metrics:
             "pagedserve:e2e_request_latency_seconds", "E2E", buckets=LATENCY_BUCKETS, registry=r
         )
 
+        self.spec = {
+            name: Gauge(f"pagedserve:spec_decode_{name}", help_text, registry=r)
+            for name, help_text in SPEC_DECODE_GAUGES.items()
+        }
+
     def render(self, stats: SchedulerStats | None) -> bytes:
         if stats is not None:
+            self._set_spec_decode(stats)
             self.running.set(stats.num_running)
             self.waiting.set(stats.num_waiting)
             total = max(stats.num_total_blocks, 1)
@@ -48,6 +54,30 @@ class Metrics:
             self.free_blocks.set(stats.num_free_blocks)
             self.total_blocks.set(stats.num_total_blocks)
         return generate_latest(self.registry)
+
+    def _set_spec_decode(self, stats: SchedulerStats) -> None:
+        proposed = stats.spec_num_draft_tokens
+        values = {
+            "num_drafts": stats.spec_num_drafts,
+            "num_draft_tokens": proposed,
+            "num_accepted_tokens": stats.spec_num_accepted_tokens,
+            "num_emitted_tokens": stats.spec_num_emitted_tokens,
+            "acceptance_rate": stats.spec_num_accepted_tokens / proposed if proposed else 0.0,
+            "mean_accepted_length": stats.spec_num_emitted_tokens / max(stats.spec_num_drafts, 1),
+        }
+        for name, value in values.items():
+            self.spec[name].set(value)
+
+
+# vLLM's spec_decode metrics (totals since start), with the two rates they derive
+SPEC_DECODE_GAUGES = {
+    "num_drafts": "Steps that verified drafts",
+    "num_draft_tokens": "Draft tokens proposed and verified",
+    "num_accepted_tokens": "Draft tokens accepted",
+    "num_emitted_tokens": "Tokens emitted by steps that verified drafts",
+    "acceptance_rate": "Accepted / proposed draft tokens",
+    "mean_accepted_length": "Tokens emitted per verify step",
+}
 
 
 class RequestTimer:

@@ -39,6 +39,10 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache; -1: never scheduled
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
+    # speculative decoding: the workers' proposals for the next step, and the drafts the
+    # step in flight verifies (num_computed_tokens counts them until the result says)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_drafts_in_flight: int = 0
 
     @classmethod
     def from_add(cls, msg: AddRequest, handle: int, seed: int) -> Request:

@@ -61,6 +61,9 @@ class Scheduler:
         self._seeds = random.Random(config.seed + (epoch << 32))  # RNG keys of unseeded requests
         self.next_step_id = epoch << EPOCH_SHIFT
         self.counters = SchedulerStats(num_total_blocks=num_kv_blocks)
+        self.spec = config.speculative_config
+        # KV slots a step's proposer writes past the step's tokens (a draft model's decodes)
+        self.lookahead = 0 if self.spec is None else self.spec.lookahead_slots
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -138,8 +141,13 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> StepPlan | None:
-        plan = StepPlan(step_id=self.next_step_id, cached_requests=CachedRequestData([], [], []))
-        budget, preempted = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        speculate = self._speculating()
+        plan = StepPlan(
+            step_id=self.next_step_id, cached_requests=CachedRequestData([], [], []),
+            propose=speculate,
+        )  # fmt: skip
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(plan, budget, speculate)
         if not preempted:  # a step that preempts admits nobody
             self._schedule_waiting(plan, budget)
         if not plan.scheduled:
@@ -152,22 +160,34 @@ class Scheduler:
         self.counters.num_steps += 1
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> tuple[int, bool]:
+    def _speculating(self) -> bool:
+        """Whether this step verifies drafts and asks for new ones."""
+        if self.spec is None:
+            return False
+        limit = self.spec.disable_by_batch_size
+        return limit is None or len(self.running) <= limit
+
+    def _schedule_running(self, plan: StepPlan, budget: int, speculate: bool) -> tuple[int, bool]:
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            i += 1
+            if speculate and req.inflight_steps:
+                continue  # its next drafts come with its result
             n = self._num_to_schedule(req, budget)
-            while n and not self.block_manager.can_append(req, n):
+            drafts = self._drafts(req, n, budget) if speculate else []
+            slots = self._slots(req.num_computed_tokens, n + len(drafts))
+            while n and not self.block_manager.can_append(req, slots):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     return budget, preempted
             if n:
-                self._add_to_plan(plan, req, n, self.block_manager.append_slots(req, n))
-                budget -= n
-            i += 1
+                new_blocks = self.block_manager.append_slots(req, slots)
+                self._add_to_plan(plan, req, n + len(drafts), new_blocks, drafts)
+                budget -= n + len(drafts)
         return budget, preempted
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
@@ -179,16 +199,24 @@ class Scheduler:
             cached = self.block_manager.find_cached_prefix(req)
             num_hit = len(cached) * self.block_size
             n = min(req.num_tokens - num_hit, budget)
-            if not self.block_manager.can_allocate(cached, num_hit + n):
+            slots = num_hit + self._slots(num_hit, n)
+            if not self.block_manager.can_allocate(cached, slots):
                 return
-            self.block_manager.allocate(req, cached, num_hit + n)
+            self.block_manager.allocate(req, cached, slots)
             req.num_computed_tokens = num_hit
             self._count_admission(req, num_hit)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._add_to_plan(plan, req, n, [])
+            self._add_to_plan(plan, req, n, [], [])
             budget -= n
+
+    def _slots(self, num_computed: int, n: int) -> int:
+        """KV slots past `num_computed` to hold for `n` more tokens: with the proposer's
+        lookahead, within the most a request may hold."""
+        if not self.lookahead:
+            return n
+        return max(n, min(n + self.lookahead, self.max_len - num_computed))
 
     def _num_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens to compute for `req` now, or 0 where the chunk would sample a token that
@@ -206,7 +234,20 @@ class Scheduler:
             return False
         return num_tokens < self.max_len
 
-    def _add_to_plan(self, plan: StepPlan, req: Request, n: int, new_blocks: list[int]) -> None:
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafts a decode of `req` verifies: its proposals, as many as the budget and the
+        tokens it may still emit (after the one the step samples anyway) allow."""
+        if n != 1 or not req.draft_token_ids:
+            return []
+        room = min(budget, self.max_len - req.num_tokens) - 1
+        max_tokens = req.sampling.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        return req.draft_token_ids[: max(room, 0)]
+
+    def _add_to_plan(
+        self, plan: StepPlan, req: Request, n: int, new_blocks: list[int], drafts: list[int]
+    ) -> None:
         if req.in_worker:
             cached = plan.cached_requests
             cached.handles.append(req.handle)
@@ -227,7 +268,10 @@ class Scheduler:
             req.in_worker = True
         plan.scheduled.append(req.handle)
         plan.num_scheduled_tokens.append(n)
-        if req.num_computed_tokens + n == req.num_tokens_with_inflight:
+        if self.spec is not None:
+            plan.spec_token_ids.append(drafts)
+            req.draft_token_ids, req.num_drafts_in_flight = [], len(drafts)
+        if req.num_computed_tokens + n == req.num_tokens_with_inflight + len(drafts):
             req.inflight_steps.append(plan.step_id)  # this chunk ends in a sampled token
         req.num_computed_tokens += n
 
@@ -243,6 +287,7 @@ class Scheduler:
         """Recompute later: free the blocks, forget the KV, queue at the front."""
         self.block_manager.deallocate(req)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self._drop_from_worker(req)
@@ -252,22 +297,53 @@ class Scheduler:
 
     def update_from_result(self, result: StepResult) -> list[RequestOutput]:
         outputs = []
-        logprobs = result.logprobs or [None] * len(result.handles)
-        for handle, token, lp in zip(result.handles, result.sampled_token_ids, logprobs):
+        counts = result.num_sampled or [1] * len(result.handles)
+        logprobs = result.logprobs or [None] * len(result.sampled_token_ids)
+        start = 0
+        for i, (handle, count) in enumerate(zip(result.handles, counts)):
+            tokens = result.sampled_token_ids[start : start + count]
+            token_logprobs = logprobs[start : start + count]
+            start += count
             req = self.requests.get(handle)
             if req is None or not req.inflight_steps or req.inflight_steps[0] != result.step_id:
-                continue  # finished or aborted meanwhile (or a stale id)
+                continue  # finished or aborted meanwhile (or a stale handle)
             req.inflight_steps.popleft()
+            outputs.append(self._append_tokens(req, tokens, token_logprobs))
+            if result.draft_token_ids and req.status is RequestStatus.RUNNING:
+                req.draft_token_ids = result.draft_token_ids[i]
+        return outputs
+
+    def _append_tokens(
+        self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> RequestOutput:
+        """A step's tokens for `req` (one, or with speculation the accepted drafts and one
+        more), up to the first that finishes it."""
+        if req.num_drafts_in_flight:
+            self._settle_drafts(req, len(tokens) - 1)
+        kept: list[int] = []
+        for token in tokens:
             req.token_ids.append(token)
+            kept.append(token)
             self.counters.num_generation_tokens += 1
             reason = self._check_stop(req, token)
             if reason is not None:
                 self._finish(req, reason)
-            elif req.status is RequestStatus.RUNNING:
-                self.block_manager.cache_full_blocks(req)  # the token may complete a block
-            use_lp = lp is not None and req.sampling.logprobs is not None
-            outputs.append(self._output(req, [token], [lp] if use_lp else None))
-        return outputs
+                break
+        if req.status is RequestStatus.RUNNING:
+            self.block_manager.cache_full_blocks(req)  # the tokens may complete a block
+        use_lp = req.sampling.logprobs is not None and all(lp is not None for lp in logprobs)
+        return self._output(req, kept, logprobs[: len(kept)] if use_lp else None)  # type: ignore[arg-type]
+
+    def _settle_drafts(self, req: Request, accepted: int) -> None:
+        """Count the verified drafts, and roll the KV of the rejected ones back."""
+        drafts, req.num_drafts_in_flight = req.num_drafts_in_flight, 0
+        counters = self.counters
+        counters.spec_num_drafts += 1
+        counters.spec_num_draft_tokens += drafts
+        counters.spec_num_accepted_tokens += accepted
+        counters.spec_num_emitted_tokens += accepted + 1
+        if req.status is RequestStatus.RUNNING:
+            req.num_computed_tokens -= drafts - accepted
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         sampling = req.sampling

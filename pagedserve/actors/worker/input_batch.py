@@ -129,6 +129,20 @@ class InputBatch:
         self.token_ids[rows[fits], positions[fits]] = token_ids[fits]
         self.num_tokens[rows[fits]] += 1
 
+    def write_drafts(self, row: int, draft_ids: list[int]) -> None:
+        """Speculative decoding: drafts to verify, written after the row's known tokens (the
+        step reads its inputs there) but not counted in them."""
+        start = int(self.num_tokens[row])
+        stop = min(start + len(draft_ids), self.token_capacity)
+        self.token_ids[row, start:stop] = draft_ids[: stop - start]
+
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Append a step's tokens to one row (speculative decoding emits several)."""
+        start = int(self.num_tokens[row])
+        stop = min(start + len(token_ids), self.token_capacity)
+        self.token_ids[row, start:stop] = token_ids[: stop - start]
+        self.num_tokens[row] = stop
+
     def all_plain_greedy(self, rows: np.ndarray) -> bool:
         """Whether these rows' tokens are just the argmax of their logits."""
         return bool(self.sampling.plain_greedy[rows].all())
@@ -137,7 +151,8 @@ class InputBatch:
         self, rows: np.ndarray, positions: np.ndarray, vocab_size: int
     ) -> SamplingMetadata:
         """Settings of the given rows, in order, as device tensors; `positions` are the indices
-        of the tokens they sample (their draws' counters)."""
+        of the tokens they sample: their draws' counters, and the length of the history their
+        penalties read (a verify row of speculative decoding reads the drafts before it)."""
         cols = self.sampling
         temperature = cols.temperature[rows]
         greedy = temperature < GREEDY_TEMPERATURE
@@ -148,7 +163,7 @@ class InputBatch:
             greedy=None if all_greedy else self._to_device(greedy),
             all_greedy=all_greedy,
             all_random=not bool(greedy.any()),
-            penalties=self._penalties(rows, vocab_size),
+            penalties=self._penalties(rows, positions, vocab_size),
             num_logprobs=[None if n < 0 else n for n in num_logprobs],
         )
         if not metadata.all_greedy:
@@ -171,13 +186,15 @@ class InputBatch:
         if (min_p > 0.0).any():
             metadata.min_p = self._to_device(min_p)
 
-    def _penalties(self, rows: np.ndarray, vocab_size: int) -> PenaltyState | None:
+    def _penalties(
+        self, rows: np.ndarray, lengths: np.ndarray, vocab_size: int
+    ) -> PenaltyState | None:
         if not self.needs_token_history(rows):
             return None
         cols = self.sampling
         presence, frequency = cols.presence[rows], cols.frequency[rows]
         repetition = cols.repetition[rows]
-        output_counts, prompt_mask = self._token_histograms(rows, vocab_size)
+        output_counts, prompt_mask = self._token_histograms(rows, lengths, vocab_size)
         return PenaltyState(
             presence=self._to_device(presence),
             frequency=self._to_device(frequency),
@@ -187,10 +204,11 @@ class InputBatch:
         )
 
     def _token_histograms(
-        self, rows: np.ndarray, vocab_size: int
+        self, rows: np.ndarray, lengths: np.ndarray, vocab_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, vocab] output-token counts (float32) and prompt-token presence (bool)."""
-        num_tokens = self.num_tokens[rows]
+        """[B, vocab] counts of each row's output tokens (float32) and its prompt tokens'
+        presence (bool), over its first `lengths` tokens."""
+        num_tokens = np.minimum(lengths, self.token_capacity)
         width = int(num_tokens.max())
         tokens = self._to_device(self.token_ids[rows, :width]).long()
         columns = torch.arange(width, device=self.device).unsqueeze(0)

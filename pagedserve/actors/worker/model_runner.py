@@ -26,6 +26,7 @@ from pagedserve.actors.worker.cpu_tuning import tune_cpu_malloc
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
+from pagedserve.actors.worker.speculative import Proposer, make_proposer, num_accepted
 from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs, check_plan_fits
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.config import EngineConfig
@@ -42,13 +43,15 @@ from pagedserve.models.loader import load_model
 @dataclass
 class PendingStep:
     """A launched step whose sampled tokens are still on their way to the host (they are in
-    the runner's `sampled` buffer on the device, batch order, until the next step samples)."""
+    the runner's `sampled` buffer on the device, batch order, until the next step samples);
+    or a step run to completion (speculative decoding), its `result` ready."""
 
     step_id: int
     handles: list[int]  # the requests that sample a token, batch order
     host_token_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     done: torch.cuda.Event | None = None  # recorded after the device-to-host copy
     logprobs: LogprobTensors | None = None
+    result: StepResult | None = None  # a step already finished: its tokens are on the host
 
 
 def select_device(name: str, rank: int) -> torch.device:
@@ -74,6 +77,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(use_triton=self.device.type == "cuda")
         self.model: nn.Module | None = None
+        self.proposer: Proposer | None = None  # speculative decoding's drafts (load_model)
         self.attention_layers: list[Attention] = []
         self.kv_cache: torch.Tensor | None = None
         self.decode_step: DecodeStep | None = None  # decode steps' static path (startup.py)
@@ -107,6 +111,7 @@ class ModelRunner:
         self.vocab_size = int(self.model.config.vocab_size)
         self.dtype = next(self.model.parameters()).dtype
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.proposer = make_proposer(self.config, self.device, self.attention_backend)
         if self.device.type == "cpu":
             load_cpu_kernels()  # C++ decode + per-token kernels, built on first use per machine
         self.timed("load_model", start)
@@ -123,7 +128,11 @@ class ModelRunner:
         return (num_layers, 2, *per_layer)
 
     def bytes_per_block(self) -> int:
-        return int(np.prod(self.kv_cache_shape(1))) * self.dtype.itemsize
+        """KV bytes of one block: the target's, and a draft model's own cache."""
+        shapes = [self.kv_cache_shape(1)]
+        if hasattr(self.proposer, "kv_cache_shape"):
+            shapes.append(self.proposer.kv_cache_shape(1))  # type: ignore[union-attr]
+        return sum(int(np.prod(shape)) for shape in shapes) * self.dtype.itemsize
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for layer_index, layer in enumerate(self.attention_layers):
@@ -157,10 +166,11 @@ class ModelRunner:
         A step whose sampling reads past tokens on the host (penalties) finishes the previous
         step first."""
         self._apply_plan(plan)
+        speculative = self.proposer is not None and (plan.propose or any(plan.spec_token_ids))
         previous = None
-        if self.pending is not None and self._needs_host_tokens(plan):
+        if self.pending is not None and (speculative or self._needs_host_tokens(plan)):
             previous = self.finish()
-        launched = self._launch_step(plan)
+        launched = self._speculative_step(plan) if speculative else self._launch_step(plan)
         if self.pending is not None:
             previous = self.finish()
         self.pending = launched
@@ -171,8 +181,8 @@ class ModelRunner:
         """Wait for the step in flight, append its sampled tokens to the persistent batch and
         return its result (None when no step is in flight)."""
         step, self.pending = self.pending, None
-        if step is None:
-            return None
+        if step is None or step.result is not None:
+            return None if step is None else step.result
         result = StepResult(step_id=step.step_id, handles=step.handles, sampled_token_ids=[])
         if step.handles:
             if step.done is not None:
@@ -203,6 +213,9 @@ class ModelRunner:
             if block_ids:
                 batch.append_block_ids(row, block_ids)
             batch.num_computed_tokens[row] = num_computed
+        for handle, drafts in zip(plan.scheduled, plan.spec_token_ids):
+            if drafts:
+                batch.write_drafts(batch.row_of[handle], drafts)
 
     def _needs_host_tokens(self, plan: StepPlan) -> bool:
         if not self.input_batch.penalty_rows:  # the usual case: no lookups per step
@@ -223,7 +236,10 @@ class ModelRunner:
             step.handles = plan.scheduled
             token_ids, step.logprobs = self._run_decode(rows, pending_index)
         else:
-            inputs = self.inputs.build(handles, plan.num_scheduled_tokens, rows, pending_index)
+            no_drafts = np.zeros(len(rows), np.int64)
+            inputs = self.inputs.build(
+                handles, plan.num_scheduled_tokens, rows, pending_index, no_drafts
+            )
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
             if not inputs.sampling_handles:
                 return step
@@ -291,7 +307,7 @@ class ModelRunner:
         index = self._pending_index_buffer
         index.fill(-1)
         step = self.pending
-        if step is not None:
+        if step is not None and step.result is None:
             row_of = self.input_batch.row_of
             for i, handle in enumerate(step.handles):
                 row = row_of.get(handle)
@@ -308,3 +324,63 @@ class ModelRunner:
             inputs.sampling_rows, inputs.sampling_positions, self.vocab_size
         )
         return self.sampler(logits, metadata)
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _speculative_step(self, plan: StepPlan) -> PendingStep:
+        """Run a step that verifies drafts (or whose requests need new ones) to completion:
+        the target samples after every draft, each request keeps the drafts equal to those
+        samples plus the sample after them, and the proposer drafts its next step."""
+        assert self.model is not None and self.proposer is not None
+        batch, handles = self.input_batch, plan.scheduled
+        step = PendingStep(plan.step_id, [])
+        if not handles:
+            return step
+        rows = np.fromiter((batch.row_of[h] for h in handles), np.int64, len(handles))
+        drafts = dict(zip(handles, plan.spec_token_ids or [[] for _ in handles]))
+        num_drafts = np.array([len(drafts[h]) for h in handles], np.int64)
+        no_pending = np.full(len(rows), -1, np.int64)
+        inputs = self.inputs.build(handles, plan.num_scheduled_tokens, rows, no_pending, num_drafts)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        self.proposer.observe(inputs)
+        if inputs.sampling_handles:
+            output = self._sample(hidden, inputs)
+            step.result = self._accept(plan, inputs, output, drafts)
+        else:
+            step.result = StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
+        return step
+
+    def _accept(
+        self,
+        plan: StepPlan,
+        inputs: StepInputs,
+        output: SamplerOutput,
+        drafts: dict[int, list[int]],
+    ) -> StepResult:
+        """Each sampling request's tokens (accepted drafts, then the target's own), appended to
+        the persistent batch; their logprobs; the next drafts."""
+        batch = self.input_batch
+        sampled, logprobs = output.token_ids.tolist(), output.logprobs
+        tokens: list[int] = []
+        kept_logprobs: list = []
+        counts: list[int] = []
+        start = 0
+        for handle, count in zip(inputs.sampling_handles, inputs.sampling_counts.tolist()):
+            own = sampled[start : start + count]
+            accepted = num_accepted(drafts[handle], own)
+            row = batch.row_of[handle]
+            batch.append_tokens(row, own[: accepted + 1])
+            batch.num_computed_tokens[row] -= len(drafts[handle]) - accepted
+            tokens += own[: accepted + 1]
+            counts.append(accepted + 1)
+            if logprobs is not None:
+                kept_logprobs += logprobs[start : start + accepted + 1]
+            start += count
+        result = StepResult(
+            step_id=plan.step_id, handles=inputs.sampling_handles, sampled_token_ids=tokens,
+            logprobs=kept_logprobs if logprobs is not None else None, num_sampled=counts,
+        )  # fmt: skip
+        if plan.propose:
+            rows = np.fromiter((batch.row_of[h] for h in result.handles), np.int64)
+            result.draft_token_ids = self.proposer.propose(batch, rows)  # type: ignore[union-attr]
+        return result

@@ -26,6 +26,7 @@ import torch
 from pagedserve.actors.messages import NewRequestData, SamplingParams, StepPlan
 from pagedserve.actors.worker.cpu_tuning import advise_huge_pages
 from pagedserve.actors.worker.model_runner import ModelRunner
+from pagedserve.actors.worker.speculative import DraftModelProposer
 from pagedserve.kernels import compile_ahead
 from pagedserve.kernels.attention import cdiv
 
@@ -68,6 +69,10 @@ def init_kv_cache(runner: ModelRunner, blocks: int) -> None:
         advise_huge_pages(kv_cache)  # before the first touch
     runner.kv_cache = kv_cache.zero_()
     runner.bind_kv_cache(runner.kv_cache)
+    draft = runner.proposer
+    if isinstance(draft, DraftModelProposer):  # the draft model's own cache, same blocks
+        draft_shape = draft.kv_cache_shape(blocks)
+        draft.bind_kv_cache(torch.zeros(draft_shape, dtype=draft.dtype, device=runner.device))
     runner.timed("kv_cache", start)
     if runner.device.type == "cuda":
         start = time.perf_counter()
@@ -160,12 +165,16 @@ def _build_decode_step(runner: ModelRunner) -> None:
     )
     if runner.device.type != "cuda" or not graphs_apply:
         return
-    try:
-        with torch.inference_mode():
-            step.capture()
-    except Exception:
-        logger.exception("CUDA graph capture failed; decode steps run eagerly")
-        step.graphs.clear()
+    steps = [step]
+    if isinstance(runner.proposer, DraftModelProposer):
+        steps.append(runner.proposer.step)
+    for decode_step in steps:
+        try:
+            with torch.inference_mode():
+                decode_step.capture()
+        except Exception:
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            decode_step.graphs.clear()
 
 
 def _warm_up_plans(runner: ModelRunner, capacity: int) -> list[tuple[StepPlan, int]]:

@@ -4,9 +4,11 @@ For each scheduled request the step computes `num_scheduled_tokens` tokens from 
 `num_computed_tokens` on: their token ids (a token the step in flight samples is not known on
 the host yet: it is copied on the device from that step's output), positions, KV slots, the
 attention metadata, and the rows whose logits are needed: the last token of every request whose
-scheduled tokens reach the end of the tokens the worker knows for it (it samples). In a step
-with prefill tokens the model's last layer, past caching every token's k/v, runs only those
-sampling rows (AttentionMetadata.output_rows). Every array goes to the device in one upload.
+scheduled tokens reach the end of the tokens the worker knows for it (it samples), and with
+speculative decoding the rows of its drafts too (it samples after each of its last 1 + drafts
+tokens). In a step with prefill tokens the model's last layer, past caching every token's k/v,
+runs only those sampling rows (AttentionMetadata.output_rows). Every array goes to the device
+in one upload.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64, device
     positions: torch.Tensor  # [num_tokens] int64, device
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling] token rows whose logits are needed
-    sampling_rows: np.ndarray  # [num_sampling] persistent-batch rows of the sampling requests
-    sampling_positions: np.ndarray  # [num_sampling] position of the token each one samples
-    sampling_handles: list[int]
+    logits_indices: torch.Tensor  # [num_logits] token rows whose logits are needed
+    sampling_rows: np.ndarray  # [num_logits] persistent-batch row of each logits row
+    sampling_positions: np.ndarray  # [num_logits] position of the token each one samples
+    sampling_handles: list[int]  # the requests that sample
+    sampling_counts: np.ndarray  # logits rows of each (1 + its drafts)
 
 
 def _metadata_host(
@@ -72,14 +75,16 @@ class StepInputBuilder:
         num_scheduled: list[int],
         rows: np.ndarray,
         pending_index: np.ndarray,
+        num_drafts: np.ndarray,
     ) -> StepInputs:
         """The step's inputs; advances the rows' num_computed_tokens. pending_index[i] is the
-        index of row i's token in the step in flight (-1: none)."""
+        index of row i's token in the step in flight (-1: none); num_drafts[i] the drafts it
+        verifies (written after its known tokens)."""
         batch, block_size = self.batch, self.block_size
         query_lens = np.asarray(num_scheduled, dtype=np.int64)
         if len(query_lens) != len(rows) or (query_lens < 1).any():
             raise ValueError("a step needs >= 1 token per scheduled request")
-        known = batch.num_tokens[rows] + (pending_index >= 0)
+        known = batch.num_tokens[rows] + (pending_index >= 0) + num_drafts
         computed = batch.num_computed_tokens[rows]
         seq_lens = computed + query_lens
         check_plan_fits(batch, rows, seq_lens, known, block_size)
@@ -90,14 +95,19 @@ class StepInputBuilder:
         token_rows = rows[request_of_token]
         input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
         # tokens sampled by the step in flight: copied on the device from its output
-        targets = np.flatnonzero(positions == batch.num_tokens[token_rows])
+        in_flight = pending_index[request_of_token] >= 0
+        targets = np.flatnonzero((positions == batch.num_tokens[token_rows]) & in_flight)
         sources = pending_index[request_of_token[targets]]
         blocks = batch.block_table_np[token_rows, positions // block_size].astype(np.int64)
         slot_mapping = blocks * block_size + positions % block_size
         block_tables = batch.block_table_np[rows, : cdiv(int(seq_lens.max()), block_size)]
         batch.num_computed_tokens[rows] = seq_lens
         samples = seq_lens >= known
-        logits_indices = (query_starts + query_lens - 1)[samples]
+        counts = num_drafts[samples] + 1
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        first = (query_starts + query_lens)[samples] - counts  # each one's first logits row
+        logits_indices = np.repeat(first, counts) + within
+        sampling_positions = np.repeat(seq_lens[samples] - counts + 1, counts) + within
         host = _metadata_host(query_lens, seq_lens, block_tables, slot_mapping)
         arrays = [input_ids, positions, targets, sources, logits_indices]
         arrays += [t.numpy() for t in metadata_inputs(*host)]
@@ -105,8 +115,8 @@ class StepInputBuilder:
         rows_host = None
         if 0 < len(logits_indices) < len(slot_mapping):
             rows_host = _metadata_host(
-                np.ones(len(logits_indices), np.int64), seq_lens[samples],
-                block_tables[samples], slot_mapping[logits_indices],
+                np.ones(len(logits_indices), np.int64), sampling_positions,
+                np.repeat(block_tables[samples], counts, axis=0), slot_mapping[logits_indices],
             )  # fmt: skip
             arrays += [t.numpy() for t in metadata_inputs(*rows_host)]
         device_ids, device_positions, device_targets, device_sources, device_logits, *rest = (
@@ -123,9 +133,10 @@ class StepInputBuilder:
             positions=device_positions,
             attn_metadata=metadata,
             logits_indices=device_logits,
-            sampling_rows=rows[samples],
-            sampling_positions=seq_lens[samples],
+            sampling_rows=np.repeat(rows[samples], counts),
+            sampling_positions=sampling_positions,
             sampling_handles=[h for h, s in zip(handles, samples.tolist()) if s],
+            sampling_counts=counts,
         )
 
     def _assemble(self, device_inputs: list[torch.Tensor], host: HostMetadata) -> AttentionMetadata:
