@@ -30,7 +30,7 @@ import torch
 from torch.utils import cpp_extension
 
 import pagedserve.kernels
-from pagedserve.kernels import attention
+from pagedserve.kernels.attention_backends import resolve_attention_backend
 
 MODULE = "pagedserve.kernels.cuda_attention"
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -52,8 +52,9 @@ def test_import_fails_cleanly_without_cuda() -> None:
 @needs_no_cuda
 def test_engine_falls_back_without_cuda(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        assert attention.resolve_attention_backend("cuda") == "torch"
-    assert "cuda" not in attention.ATTENTION_BACKENDS
+        backend = resolve_attention_backend("cuda")
+    assert backend.name == "torch" and backend.head_major
+    assert "attention backend 'cuda' failed to load" in caplog.text
 
 
 # ------------------------------------------------------------------ fakes of torch's build side

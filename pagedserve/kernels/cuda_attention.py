@@ -2,7 +2,7 @@
 for the device's architecture, sm_90 on an H100/H200, on first use), Triton for prefill and the
 KV write.
 
-Decode math and layout are those of `pagedserve.kernels.attention` (the reference): a
+Decode math and layout are those of `pagedserve.kernels.attention_ref` (the reference): a
 flash-decoding kernel (one CTA per kv head x request x context split, the G query heads of a kv
 head together, an online softmax in one pass, a reduce kernel over the splits; see the comment at
 the top of csrc/paged_attention_decode.cuh). The build: the binding paged_attention_decode.cpp
@@ -11,7 +11,7 @@ paged_attention_decode_<dtype>_hd<head_dim>.cu, instantiating the kernels of the
 GQA group; torch's ninja build compiles them in parallel. A build already in torch's extension
 cache is imported directly, without torch's `load` (no ninja run, no compiler checks).
 Importing this module builds (or loads) the kernel; on a machine without CUDA or nvcc the import
-raises ImportError and the engine falls back (see `attention.resolve_attention_backend`).
+raises ImportError and the engine falls back (see `attention_backends.resolve_attention_backend`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from types import ModuleType
 
 import torch
 
-from pagedserve.kernels.attention import AttentionMetadata
-from pagedserve.kernels.attention import paged_attention as reference_paged_attention
+from pagedserve.kernels.attention_metadata import AttentionMetadata
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 BINDING = "paged_attention_decode.cpp"  # the unit defining the Python module
@@ -43,7 +42,6 @@ __all__ = [
     "paged_attention_backend",
     "planned_num_splits",
     "write_kv_cache",
-    "reference_paged_attention",
 ]
 
 # What the kernel is instantiated for: a unit per (dtype, head_dim), named by DTYPE_TAGS, each

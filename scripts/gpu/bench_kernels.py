@@ -63,10 +63,17 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pagedserve.kernels.attention import AttentionMetadata
+    from pagedserve.kernels.attention_metadata import AttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
+
+
+def build_attention_metadata(*args: object) -> AttentionMetadata:
+    """attention_metadata.build_attention_metadata (imported once import_package ran)."""
+    from pagedserve.kernels.attention_metadata import build_attention_metadata as build
+
+    return build(*args)  # type: ignore[arg-type]
 
 
 def import_package() -> None:
@@ -86,9 +93,9 @@ def import_package() -> None:
 
 
 def import_kernels() -> tuple[types.ModuleType, ...]:
-    """pagedserve.kernels.{attention, triton_attention, triton_ops, triton_sampling}."""
+    """pagedserve.kernels.{attention_ref, triton_attention, triton_ops, triton_sampling}."""
     import_package()
-    names = ("attention", "triton_attention", "triton_ops", "triton_sampling")
+    names = ("attention_ref", "triton_attention", "triton_ops", "triton_sampling")
     return tuple(importlib.import_module(f"pagedserve.kernels.{n}") for n in names)
 
 
@@ -430,7 +437,7 @@ def bench_attention(
     v_cache = torch.randn(shape, device=device, dtype=dtype)
     num_tokens = int(meta["query_lens"].sum())
     q = torch.randn(num_tokens, model.num_heads, model.head_dim, device=device, dtype=dtype)
-    md = attention.build_attention_metadata(
+    md = build_attention_metadata(
         meta["query_lens"],
         meta["seq_lens"],
         meta["block_tables"],
@@ -865,7 +872,7 @@ def sweep(kernels: tuple, device: torch.device) -> list[Row]:
         v_cache = torch.randn(shape, device=device).to(dtype)
         num_tokens = sum(n for _, n in requests)
         q = torch.randn(num_tokens, heads, dim, device=device).to(dtype)
-        md = attention.build_attention_metadata(
+        md = build_attention_metadata(
             torch.tensor([n for _, n in requests]),
             torch.tensor([c + n for c, n in requests]),
             table,

@@ -11,7 +11,7 @@ model's last layer, past caching every token's k/v, runs only those sampling row
 The worker pipelines steps with `launch(plan)` / `finish()`: step N+1 is queued on the device
 before step N's sampled tokens reach the host (they feed N+1 on the device), and `execute` is
 the two in a row. On CPU the runner tunes malloc and huge pages (cpu_tuning.py) and loads the
-C++ CPU kernels (kernels.attention.load_cpu_kernels).
+C++ CPU kernels (kernels.cpu_kernels, through the model loader).
 """
 
 from __future__ import annotations
@@ -34,17 +34,14 @@ from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOut
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.config import EngineConfig
 from pagedserve.kernels import compile_ahead
-from pagedserve.kernels.attention import (
+from pagedserve.kernels.attention_metadata import (
     AttentionMetadata,
     OutputRows,
     assemble_attention_metadata,
     cdiv,
-    kv_cache_layer_shape,
-    load_cpu_kernels,
     metadata_inputs,
-    resolve_attention_backend,
 )
-from pagedserve.models.layers import Attention, enable_small_batch_gemm
+from pagedserve.models.layers import Attention
 from pagedserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -114,7 +111,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_cpu_malloc()
         self.block_size = config.block_size
-        self.attention_backend = resolve_attention_backend(config.attention_backend)
         self.input_batch = InputBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, self.device
         )
@@ -144,23 +140,21 @@ class ModelRunner:
 
     def load_model(self) -> None:
         start = time.perf_counter()
-        enable_small_batch_gemm(self.config.small_batch_gemm)
         self.model = load_model(self.config, self.device)
+        self.attention_backend = self.model.layer_config.attention
         self.vocab_size = int(self.model.config.vocab_size)
         self.dtype = next(self.model.parameters()).dtype
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        if self.device.type == "cpu":
-            load_cpu_kernels()  # C++ decode + per-token kernels, built on first use per machine
         self._timed("load_model", start)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[layers, 2 (k, v), *one layer's cache]: [num_blocks, block_size, kv_heads_per_rank,
         head_dim], or [kv_heads_per_rank, num_blocks, block_size, head_dim] for a backend with
-        the head-major layout (the CPU "torch" backend); see kernels.attention.KV_CACHE_LAYOUTS."""
+        the head-major layout (the CPU "torch" backend); see kernels.attention_backends."""
         layer = self.attention_layers[0]
         num_layers = len(self.attention_layers)
-        per_layer = kv_cache_layer_shape(
-            self.attention_backend, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
+        per_layer = self.attention_backend.kv_cache_layer_shape(
+            num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
         )
         return (num_layers, 2, *per_layer)
 
@@ -264,8 +258,7 @@ class ModelRunner:
         config = self.config
         assert self.model is not None and config.max_model_len is not None
         return DecodeStep(
-            self.model, self.sampled, config.max_num_seqs, config.max_model_len,
-            self.block_size, self.attention_backend,
+            self.model, self.sampled, config.max_num_seqs, config.max_model_len, self.block_size,
         )  # type: ignore[arg-type]  # fmt: skip
 
     def _reset_after_synthetic_steps(self) -> None:
@@ -281,7 +274,7 @@ class ModelRunner:
         decode steps run the same path eagerly."""
         config = self.config
         step = self.decode_step = self._new_decode_step()
-        graphs_apply = self.attention_backend in ("triton", "cuda") and not config.enforce_eager
+        graphs_apply = self.attention_backend.graph_safe and not config.enforce_eager
         if self.device.type != "cuda" or not graphs_apply:
             return
         try:
@@ -521,9 +514,8 @@ class ModelRunner:
     def _assemble(self, device_inputs: list[torch.Tensor], host: HostMetadata) -> AttentionMetadata:
         query_lens, seq_lens, block_tables, _ = host
         return assemble_attention_metadata(
-            device_inputs, query_lens, seq_lens, block_tables, self.block_size,
-            self.attention_backend,
-        )  # fmt: skip
+            device_inputs, query_lens, seq_lens, block_tables, self.block_size
+        )
 
     def _check_plan(
         self, plan: StepPlan, rows: np.ndarray, seq_lens: np.ndarray, known: np.ndarray
