@@ -17,7 +17,6 @@ rotary kernel can write its cache in the same launch, and whether CUDA graphs ca
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,21 +74,33 @@ def cpu_backend(use_kernels: bool) -> AttentionBackend:
     )
 
 
-# backends living in their own module, which exposes paged_attention_backend + write_kv_cache
-_BACKEND_MODULES = {
-    "triton": "pagedserve.kernels.triton_attention",
-    "cuda": "pagedserve.kernels.cuda_attention",  # builds csrc/ with nvcc on import
-}
+def triton_backend() -> AttentionBackend:
+    from pagedserve.kernels import triton_attention
+
+    return AttentionBackend(
+        "triton",
+        triton_attention.paged_attention_backend,
+        triton_attention.write_kv_cache,
+        fuses_kv_write=True,
+        graph_safe=True,
+    )
 
 
-def _module_backend(name: str) -> AttentionBackend | None:
-    try:
-        module = importlib.import_module(_BACKEND_MODULES[name])
-        attend, write = module.paged_attention_backend, module.write_kv_cache
-    except (ImportError, AttributeError) as exc:
-        logger.warning("attention backend %r failed to load: %s", name, exc)
-        return None
-    return AttentionBackend(name, attend, write, fuses_kv_write=True, graph_safe=True)
+def cuda_backend() -> AttentionBackend:
+    """The CUDA decode kernel as built at install (ImportError when it cannot load here)."""
+    from pagedserve.kernels import cuda_attention
+
+    cuda_attention.load_extension()
+    return AttentionBackend(
+        "cuda",
+        cuda_attention.paged_attention_backend,
+        cuda_attention.write_kv_cache,
+        fuses_kv_write=True,
+        graph_safe=True,
+    )
+
+
+_LOADED_BACKENDS = {"triton": triton_backend, "cuda": cuda_backend}
 
 
 def resolve_attention_backend(name: str, use_cpu_kernels: bool = False) -> AttentionBackend:
@@ -98,13 +109,15 @@ def resolve_attention_backend(name: str, use_cpu_kernels: bool = False) -> Atten
     backend's C++ kernels are loaded and on."""
     if name == "torch_ref":
         return torch_ref_backend()
-    if name in _BACKEND_MODULES:
-        backend = _module_backend(name)
-        if backend is not None:
-            return backend
-        if name == "cuda" and torch.cuda.is_available():  # no nvcc, say: Triton's kernels
-            logger.warning("attention backend 'cuda' unavailable; using triton")
+    if name in _LOADED_BACKENDS:
+        try:
+            return _LOADED_BACKENDS[name]()
+        except ImportError as exc:
+            reason = str(exc)
+        fallback = "triton" if name == "cuda" and torch.cuda.is_available() else "torch"
+        logger.warning("attention backend %r unavailable (%s); using %s", name, reason, fallback)
+        if fallback == "triton":
             return resolve_attention_backend("triton", use_cpu_kernels)
-    if name != "torch":
-        logger.warning("attention backend %r unavailable; using torch", name)
+    elif name != "torch":
+        logger.warning("unknown attention backend %r; using torch", name)
     return cpu_backend(use_cpu_kernels)

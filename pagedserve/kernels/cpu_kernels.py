@@ -1,8 +1,7 @@
-"""The C++ CPU kernels (float32, AVX-512), built with torch.utils.cpp_extension on first use and
-cached under TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions): ~25 s the first time on a
-machine, ~1 s to load after. Off when EngineConfig.cpu_kernels is off, when the CPU lacks
-AVX-512 or when the build fails (no compiler, no ninja): the pure-torch paths then run, same
-math.
+"""The C++ CPU kernels of csrc/cpu_kernels.cpp (float32, AVX-512): built at install
+(kernels.build), loaded here as torch ops (`torch.ops.pagedserve_cpu.*`). Off when
+EngineConfig.cpu_kernels is off, when the CPU lacks AVX-512 or when they are not built for
+these sources: the pure-torch paths then run, same math.
 
 paged_decode: per (kv head h, request b), its G = num_heads / num_kv_heads query heads at
 once, block by block through the block table, reading each K/V row once and in place:
@@ -23,38 +22,58 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.kernels import extensions
+from pagedserve.kernels.extensions import CSRC_DIR, ExtensionSpec, built_library
+
 logger = logging.getLogger(__name__)
 
-CPU_KERNELS_CPP = Path(__file__).resolve().parents[2] / "csrc" / "cpu_kernels.cpp"
+_AVX512_FLAGS = ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma")
+_loaded: bool | None = None  # this process's load_cpu_kernels() result (torch ops are global)
 
-_cpu_kernel_state: bool | None = None  # None: not tried yet
+
+def cpu_kernels_spec() -> ExtensionSpec:
+    return ExtensionSpec(
+        base_name="pagedserve_cpu_kernels",
+        sources=(CSRC_DIR / "cpu_kernels.cpp",),
+        cflags=("-O3", "-ffp-contract=off", *_AVX512_FLAGS, "-fopenmp"),
+        ldflags=("-fopenmp",),
+    )
+
+
+def cpu_can_run_kernels() -> bool:
+    """Whether this CPU runs the kernels (AVX-512, as torch detects it)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def find_cpu_kernels(directory: Path | None = None) -> Path | None:
+    """The library built for these sources in `directory` (None: extensions.BUILT_DIR), if
+    this CPU can run it; None with one log line saying why not (a warning when only the build
+    is missing). Never builds, never waits."""
+    directory = extensions.BUILT_DIR if directory is None else directory
+    if not cpu_can_run_kernels():
+        logger.info("the C++ CPU kernels need AVX-512; using the pure-torch paths")
+        return None
+    library = built_library(cpu_kernels_spec(), directory)
+    if library is None:
+        logger.warning(
+            "the C++ CPU kernels are not built for these sources (in %s); using the pure-torch "
+            "paths. `python -m pagedserve.kernels.build` (or `make install`) builds them.",
+            directory,
+        )
+    return library
 
 
 def load_cpu_kernels() -> bool:
-    """Build (first time on a machine) and load the C++ CPU kernels; False when they cannot be
-    used here (then the torch paths run). Safe to call repeatedly and from several processes
-    (torch's build lock serialises concurrent builds)."""
-    global _cpu_kernel_state
-    if _cpu_kernel_state is not None:
-        return _cpu_kernel_state
-    _cpu_kernel_state = False
-    try:
-        if torch.backends.cpu.get_cpu_capability() != "AVX512":
-            return False
-        if not hasattr(torch.ops.pagedserve_cpu, "paged_decode"):
-            from torch.utils.cpp_extension import load_inline
-
-            logger.info("loading the C++ CPU kernels (built on first use, ~30 s)")
-            flags = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512dq", "-mavx512bw"]
-            flags += ["-mavx512vl", "-mfma"]
-            load_inline(
-                name="pagedserve_cpu_kernels",
-                cpp_sources=[CPU_KERNELS_CPP.read_text()],
-                extra_cflags=[*flags, "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-            )
-        _cpu_kernel_state = hasattr(torch.ops.pagedserve_cpu, "paged_decode")
-    except Exception as exc:  # no compiler, build error, ...: the torch path runs
-        logger.warning("C++ CPU kernels unavailable (%s); using the torch paths", exc)
-    return _cpu_kernel_state
+    """Load the built kernels into this process (once); False when they cannot be used here
+    (then the torch paths run)."""
+    global _loaded
+    if _loaded is None:
+        library = find_cpu_kernels()
+        _loaded = False
+        if library is not None:
+            try:
+                torch.ops.load_library(str(library))
+                _loaded = hasattr(torch.ops.pagedserve_cpu, "paged_decode")
+            except (OSError, RuntimeError) as exc:  # a broken or foreign library
+                logger.warning("loading %s failed (%s); using the pure-torch paths", library, exc)
+    return _loaded

@@ -100,17 +100,18 @@ def import_kernels() -> tuple[types.ModuleType, ...]:
 
 
 def load_cuda_attention() -> tuple[types.ModuleType | None, str]:
-    """pagedserve.kernels.cuda_attention (its import builds csrc/paged_attention_decode*.cu with
-    nvcc, cached by torch after the first time), or None and why it cannot be used."""
+    """pagedserve.kernels.cuda_attention with its kernel loaded (built by `python -m
+    pagedserve.kernels.build`, run.sh's install step), or None and why it cannot be used."""
     import_package()
     start = time.perf_counter()
     try:
         module = importlib.import_module("pagedserve.kernels.cuda_attention")
-    except Exception as exc:  # noqa: BLE001 - ImportError (no CUDA/nvcc, build error) or other
+        module.load_extension()
+    except Exception as exc:  # noqa: BLE001 - ImportError (no CUDA, not built) or other
         reason = f"{type(exc).__name__}: {exc}"
         print(f"CUDA decode kernel unavailable: {reason[:4000]}")
         return None, " ".join(reason.split())[:100]
-    print(f"CUDA decode kernel built / loaded in {time.perf_counter() - start:.1f}s")
+    print(f"CUDA decode kernel loaded in {time.perf_counter() - start:.1f}s")
     return module, ""
 
 
