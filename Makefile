@@ -7,14 +7,21 @@ PROMPT ?= ROMEO:
 
 .PHONY: install run serve test lint bench-cpu clean
 
-$(VENV)/.installed: pyproject.toml
+# torch, ninja and setuptools first: the package's install builds the compiled kernels of csrc/
+# against that torch (setup.py; --no-build-isolation so the build sees it)
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q torch==2.13.0 ninja "setuptools>=77"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	touch $@
 
-install: $(VENV)/.installed
+# the kernels again after csrc/ changes (prints what it built or skipped, and why)
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard csrc/*)
+	-$(PY) -m pagedserve.kernels.build
+	touch $@
+
+install: $(VENV)/.kernels
 
 run: install
 	$(VENV)/bin/pagedserve generate "$(PROMPT)"
@@ -34,4 +41,4 @@ bench-cpu: install
 	$(PY) scripts/bench_cpu_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache pagedserve/kernels/_built

@@ -101,6 +101,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # CUDA bf16/fp16: x W^T for batches of <= 16 rows (decode) by the Triton weight-streaming
     # GEMM (kernels/triton_gemv.py) instead of cuBLAS
     small_batch_gemm: bool = True
+    # CPU: the C++ kernels of csrc/cpu_kernels.cpp (AVX-512 machines) where they load; off:
+    # the pure-torch paths (the same math)
+    cpu_kernels: bool = True
     # CUDA: compile the start-up's Triton kernels in parallel threads, by a compile-only dry run
     # of its steps, before running them (kernels/compile_ahead.py)
     compile_kernels_ahead: bool = True

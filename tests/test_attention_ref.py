@@ -4,20 +4,20 @@ against the torch references of kernels.ops."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from pagedserve.kernels import attention, ops
-from pagedserve.kernels.attention import (
-    build_attention_metadata,
-    cdiv,
+from pagedserve.kernels import cpu_attention, ops
+from pagedserve.kernels.attention_metadata import build_attention_metadata, cdiv
+from pagedserve.kernels.attention_ref import paged_attention, torch_groups, write_kv_cache
+from pagedserve.kernels.cpu_attention import (
     cpu_decode_kernel_applies,
-    load_cpu_kernels,
-    paged_attention,
     paged_attention_head_major,
-    write_kv_cache,
     write_kv_cache_head_major,
 )
+from pagedserve.kernels.cpu_kernels import load_cpu_kernels
 
 # reference: token-major cache, paged_attention. head_major_torch / head_major_kernel: the CPU
 # backend's head-major cache with its pure-torch decode path or its C++ decode kernel.
@@ -70,10 +70,13 @@ def run_case(
     def slots(r: int, positions: range) -> list[int]:
         return [tables[r][p // block_size] * block_size + p % block_size for p in positions]
 
+    use_kernel = backend == "head_major_kernel"
+    if use_kernel and not load_cpu_kernels():
+        pytest.skip("the C++ CPU kernels are not available here")
     write = write_kv_cache
     if backend != "reference":  # the same random contents, head-major
         k_cache, v_cache = (c.permute(2, 0, 1, 3).contiguous() for c in (k_cache, v_cache))
-        write = write_kv_cache_head_major
+        write = functools.partial(write_kv_cache_head_major, use_kernel=use_kernel)
     for r, (ctx, _) in enumerate(cases):  # earlier steps filled the context
         old = torch.tensor(slots(r, range(ctx)), dtype=torch.long)
         write(keys[r][:ctx], values[r][:ctx], k_cache, v_cache, old)
@@ -96,9 +99,8 @@ def run_case(
     if backend == "reference":
         out = paged_attention(q, k_cache, v_cache, metadata, scale)
     else:
-        use_kernel = backend == "head_major_kernel"
         if use_kernel and not cpu_decode_kernel_applies(q, num_kv_heads):
-            pytest.skip("the C++ decode kernel does not take this shape (or is not built)")
+            pytest.skip("the C++ decode kernel does not take this shape")
         out = paged_attention_head_major(
             q, k_cache, v_cache, metadata, scale, use_kernel=use_kernel
         )
@@ -133,7 +135,7 @@ def test_decode_buckets_and_long_contexts(backend: str, cpu_kernels: bool) -> No
     in the kernel; 8 query heads per kv head."""
     cases = [(c, 1) for c in (700, 3, 250, 31, 32, 33, 499, 120, 0, 64)]
     run_case(cases, 16, 8, 1, seed=5, backend=backend)
-    assert attention._split_decodes([40, 40, 30, 5, 5, 4], 20) == [0, 2, 3, 6]
+    assert cpu_attention._split_decodes([40, 40, 30, 5, 5, 4], 20) == [0, 2, 3, 6]
 
 
 @pytest.mark.parametrize(
@@ -166,7 +168,7 @@ def test_prefill_buckets_bound_padding() -> None:
         16,
         torch.device("cpu"),
     )
-    groups = metadata.torch_groups()
+    groups = torch_groups(metadata)
     assert [tuple(g.query_index.shape) for g in groups] == [(1, 1), (1, 300), (1, 7), (6, 5)]
     assert groups[1].causal_len == 300 and groups[2].causal_len is None
 
@@ -182,7 +184,7 @@ def test_metadata_fields() -> None:
     )
     assert metadata.query_start_loc.tolist() == [0, 3, 4]
     assert (metadata.max_query_len, metadata.max_seq_len, metadata.num_tokens) == (3, 10, 4)
-    decode, prefill = metadata.torch_groups()
+    decode, prefill = torch_groups(metadata)
     assert decode.query_index.tolist() == [[3]] and decode.block_ids.tolist() == [2]
     assert prefill.query_index.tolist() == [[0, 1, 2]]
     assert prefill.key_mask[0, :, :3].tolist() == [

@@ -1,25 +1,25 @@
 """The `cuda` attention backend (csrc/paged_attention_decode*) on a machine without a GPU.
 
-Without CUDA its module must fail to import with ImportError (it builds the kernel on import), so
-that the engine falls back to another backend. With torch's CUDA queries, extension cache, `load`
-and extension loader replaced by fakes, the module's build logic is checked here too: the direct
-import of a cached build, the build otherwise, its cache key and its sources. The kernel itself is
-checked on a GPU by scripts/gpu/bench_kernels.py (rows impl=cuda, against the torch reference).
+Without CUDA, or without a library built for these sources, `load_extension` raises ImportError
+(it never compiles), so that the engine falls back to another backend. With torch's CUDA
+queries, `load` and the extension loader replaced by fakes, the build and load logic is checked
+here too: the import of a built library, the build (kernels.extensions.build) of the kernel's
+spec, its cache key and its sources. The kernel itself is checked on a GPU by
+scripts/gpu/bench_kernels.py (rows impl=cuda, against the torch reference).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.abc
 import importlib.machinery
 import inspect
+import json
 import logging
 import os
 import re
 import shutil
 import subprocess
-import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,76 +27,62 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils import cpp_extension
 
-import pagedserve.kernels
-from pagedserve.kernels import attention
+from pagedserve.kernels import cuda_attention, extensions
+from pagedserve.kernels.attention_backends import resolve_attention_backend
 
-MODULE = "pagedserve.kernels.cuda_attention"
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 C_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp32": "float"}
 
 needs_no_cuda = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="a CUDA machine builds the kernel on import"
+    torch.cuda.is_available(), reason="a CUDA machine may have the kernel built"
 )
 
 
 @needs_no_cuda
-def test_import_fails_cleanly_without_cuda() -> None:
-    sys.modules.pop(MODULE, None)
-    with pytest.raises(ImportError, match="CUDA"):
-        importlib.import_module(MODULE)
-    assert MODULE not in sys.modules
-
-
-@needs_no_cuda
-def test_engine_falls_back_without_cuda(caplog: pytest.LogCaptureFixture) -> None:
+def test_load_fails_cleanly_without_cuda(caplog: pytest.LogCaptureFixture) -> None:
+    cuda_attention.load_extension.cache_clear()
+    with pytest.raises(ImportError, match="CUDA device"):
+        cuda_attention.load_extension()
     with caplog.at_level(logging.WARNING):
-        assert attention.resolve_attention_backend("cuda") == "torch"
-    assert "cuda" not in attention.ATTENTION_BACKENDS
+        backend = resolve_attention_backend("cuda")
+    assert backend.name == "torch" and backend.head_major
+    [record] = caplog.records  # one warning, saying why
+    assert "attention backend 'cuda' unavailable" in record.getMessage()
+    assert "CUDA device" in record.getMessage()
 
 
 # ------------------------------------------------------------------ fakes of torch's build side
 
 
 @dataclasses.dataclass
-class FakeTorchBuild:
-    """Stand-ins for torch's extension cache directory, `load` and extension loader, recording
-    what the module asks of them."""
+class FakeCuda:
+    """An sm_90 machine as far as the code can tell: the compile (torch's `load` in a child
+    process, which writes the library into its build directory) and the extension loader
+    replaced, recording what they are asked."""
 
-    root: Path
-    built: bool = True  # the cache holds the .so asked for
-    locked: bool = False  # a build in another process holds torch's lock file
-    loader_fails: bool = False  # importing the cached .so fails (a broken file, say)
+    built_dir: Path
+    loader_fails: bool = False  # importing the built library fails (a broken file, say)
     loads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    max_jobs_in_load: list[str | None] = dataclasses.field(default_factory=list)
+    env_in_load: list[dict[str, str | None]] = dataclasses.field(default_factory=list)
     imported: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     decode_calls: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
     plan_calls: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
 
-    def build_directory(self, name: str, verbose: bool) -> str:
-        """torch's _get_build_directory: the directory, with a .so / lock file as configured."""
-        directory = self.root / name
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.built:
-            (directory / f"{name}.so").write_bytes(b"\x7fELF")
-        if self.locked:
-            (directory / "lock").write_bytes(b"")
-        return str(directory)
-
-    def extension(self, name: str, origin: str) -> types.ModuleType:
+    def extension(self, name: str) -> types.ModuleType:
         """A stand-in for the built extension module, recording its calls."""
         module = types.ModuleType(name)
-        module.origin = origin
         module.paged_attention_decode = lambda *args: self.decode_calls.append(args)
         module.planned_num_splits = lambda *args: self.plan_calls.append(args) or 7
         return module
 
-    def load(self, **kwargs: Any) -> types.ModuleType:
-        """torch's cpp_extension.load."""
+    def run_compile(self, command: list[str], env: dict[str, str], timeout_s: float) -> None:
+        """extensions.run_compile: 'compiles' what the child's torch load is asked for."""
+        kwargs = json.loads(command[-1])
         self.loads.append(kwargs)
-        self.max_jobs_in_load.append(os.environ.get("MAX_JOBS"))
-        return self.extension(kwargs["name"], "load")
+        self.env_in_load.append({n: env.get(n) for n in ("MAX_JOBS", "TORCH_CUDA_ARCH_LIST")})
+        assert not (Path(kwargs["build_directory"]) / "lock").exists()  # no stale baton
+        (Path(kwargs["build_directory"]) / f"{kwargs['name']}.so").write_bytes(b"\x7fELF")
 
     def loader_class(self) -> type:
         """A replacement for importlib.machinery.ExtensionFileLoader."""
@@ -110,141 +96,146 @@ class FakeTorchBuild:
                 if fake.loader_fails:
                     raise ImportError(f"{self.path}: undefined symbol: _ZN3c104cuda6broken")
                 fake.imported.append((self.name, self.path))
-                return fake.extension(self.name, "cache")
+                return fake.extension(self.name)
 
             def exec_module(self, module: types.ModuleType) -> None:
                 pass
 
         return Loader
 
-    def import_module(self) -> types.ModuleType:
-        """Import the backend's module afresh (which loads the extension)."""
-        sys.modules.pop(MODULE, None)
-        return importlib.import_module(MODULE)
+    def build(self) -> Path:
+        return extensions.build(cuda_attention.cuda_kernel_spec("90"), self.built_dir)
 
 
 @pytest.fixture
-def fake_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeTorchBuild]:
-    """A CUDA machine (sm_90) as far as the module can tell, with torch's build side faked."""
-    fake = FakeTorchBuild(tmp_path / "torch_extensions")
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeCuda]:
+    fake = FakeCuda(tmp_path / "built")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", fake.build_directory)
-    monkeypatch.setattr(cpp_extension, "load", fake.load)
+    monkeypatch.setattr(extensions, "BUILT_DIR", fake.built_dir)
+    monkeypatch.setattr(extensions, "run_compile", fake.run_compile)
     monkeypatch.setattr(importlib.machinery, "ExtensionFileLoader", fake.loader_class())
     monkeypatch.delenv("MAX_JOBS", raising=False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    cuda_attention.load_extension.cache_clear()
     yield fake
-    sys.modules.pop(MODULE, None)
-    if hasattr(pagedserve.kernels, "cuda_attention"):
-        delattr(pagedserve.kernels, "cuda_attention")
+    cuda_attention.load_extension.cache_clear()
 
 
 @pytest.fixture
-def cuda_attention(fake_build: FakeTorchBuild) -> types.ModuleType:
-    """The backend's module, imported with a cached build."""
-    return fake_build.import_module()
+def loaded(fake_cuda: FakeCuda) -> types.ModuleType:
+    """The backend's module with its (fake) kernel built and loaded."""
+    fake_cuda.build()
+    cuda_attention.load_extension()
+    return cuda_attention
 
 
-# ------------------------------------------------------------------ loading the extension
+# ------------------------------------------------------------------ building and loading
 
 
-def test_cached_build_is_imported_without_torch_load(
-    fake_build: FakeTorchBuild, caplog: pytest.LogCaptureFixture
+def test_a_built_kernel_is_imported_and_nothing_compiles_at_run_time(fake_cuda: FakeCuda) -> None:
+    library = fake_cuda.build()
+    assert len(fake_cuda.loads) == 1
+    name = cuda_attention.cuda_kernel_spec("90").name
+    assert library == fake_cuda.built_dir / f"{name}.so"
+    cuda_attention.load_extension()
+    assert fake_cuda.imported == [(name, str(library))]
+    assert len(fake_cuda.loads) == 1  # loading never builds
+    backend = resolve_attention_backend("cuda")
+    assert backend.name == "cuda" and backend.graph_safe and backend.fuses_kv_write
+
+
+def test_no_built_kernel_falls_back_to_triton_with_one_warning(
+    fake_cuda: FakeCuda, caplog: pytest.LogCaptureFixture
 ) -> None:
+    with pytest.raises(ImportError, match="python -m pagedserve.kernels.build"):
+        cuda_attention.load_extension()
     with caplog.at_level(logging.WARNING):
-        module = fake_build.import_module()
-    name = module.extension_name("90")
-    assert fake_build.imported == [(name, str(fake_build.root / name / f"{name}.so"))]
-    assert fake_build.loads == []
-    assert module.load_extension().origin == "cache"
-    assert caplog.records == []
+        backend = resolve_attention_backend("cuda")
+    assert backend.name == "triton"
+    [record] = caplog.records
+    assert "not built for sm_90" in record.getMessage() and "using triton" in record.getMessage()
+    assert fake_cuda.loads == []  # nothing compiled
 
 
-def test_uncached_build_warns_and_compiles_every_unit(
-    fake_build: FakeTorchBuild, caplog: pytest.LogCaptureFixture
-) -> None:
-    fake_build.built = False
-    with caplog.at_level(logging.WARNING):
-        module = fake_build.import_module()
-    assert "building the CUDA decode kernel" in caplog.text
-    assert fake_build.imported == []
-    [kwargs] = fake_build.loads
-    assert kwargs["name"] == module.extension_name("90")
+def test_a_broken_library_falls_back(fake_cuda: FakeCuda) -> None:
+    fake_cuda.build()
+    fake_cuda.loader_fails = True
+    with pytest.raises(ImportError, match="undefined symbol"):
+        cuda_attention.load_extension()
+    assert resolve_attention_backend("cuda").name == "triton"
+
+
+def test_build_compiles_every_unit_for_the_arch(fake_cuda: FakeCuda) -> None:
+    """All units in one torch build, nvcc flags for sm_90, MAX_JOBS (the usable CPUs) and
+    TORCH_CUDA_ARCH_LIST set only while building, in a private build directory whose leftover
+    lock (torch's baton from an interrupted build) is removed; a second build is a no-op."""
+    spec = cuda_attention.cuda_kernel_spec("90")
+    work = fake_cuda.built_dir / ".build" / spec.name
+    work.mkdir(parents=True)
+    (work / "lock").write_bytes(b"")
+    fake_cuda.build()
+    [kwargs] = fake_cuda.loads
+    assert kwargs["name"] == spec.name and kwargs["is_python_module"]
     units = sorted(p.name for p in CSRC.glob("paged_attention_decode*.c*") if p.suffix != ".cuh")
     assert sorted(Path(s).name for s in kwargs["sources"]) == units
-    assert len(units) == 1 + len(module.DTYPES) * len(module.HEAD_DIMS)
+    assert len(units) == 1 + len(cuda_attention.DTYPES) * len(cuda_attention.HEAD_DIMS)
     assert "-gencode=arch=compute_90,code=sm_90" in kwargs["extra_cuda_cflags"]
-    assert module.load_extension().origin == "load"
-
-
-def test_build_sets_max_jobs_only_while_building(fake_build: FakeTorchBuild) -> None:
-    fake_build.built = False
-    module = fake_build.import_module()
-    assert fake_build.max_jobs_in_load == [str(module._usable_cpus())]
-    assert "MAX_JOBS" not in os.environ
+    jobs = str(extensions.usable_cpus())
+    assert fake_cuda.env_in_load == [{"MAX_JOBS": jobs, "TORCH_CUDA_ARCH_LIST": "9.0"}]
+    assert "MAX_JOBS" not in os.environ and "TORCH_CUDA_ARCH_LIST" not in os.environ
+    assert not work.exists() and not (fake_cuda.built_dir / ".build.lock").exists()
+    fake_cuda.build()
+    assert len(fake_cuda.loads) == 1
 
 
 def test_build_keeps_a_max_jobs_the_environment_sets(
-    fake_build: FakeTorchBuild, monkeypatch: pytest.MonkeyPatch
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MAX_JOBS", "3")
-    fake_build.built = False
-    fake_build.import_module()
-    assert fake_build.max_jobs_in_load == ["3"]
+    fake_cuda.build()
+    assert fake_cuda.env_in_load[0]["MAX_JOBS"] == "3"
     assert os.environ["MAX_JOBS"] == "3"
 
 
-def test_broken_cached_build_falls_back_to_torch_load(
-    fake_build: FakeTorchBuild, caplog: pytest.LogCaptureFixture
+def test_a_new_build_replaces_the_older_library(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake_build.loader_fails = True
-    with caplog.at_level(logging.WARNING):
-        module = fake_build.import_module()
-    assert len(fake_build.loads) == 1
-    assert module.load_extension().origin == "load"
-    assert "undefined symbol" in caplog.text
-    assert "building the CUDA decode kernel" not in caplog.text
-
-
-def test_build_in_progress_elsewhere_goes_through_torch_load(
-    fake_build: FakeTorchBuild, caplog: pytest.LogCaptureFixture
-) -> None:
-    """torch's lock file: another process may still be writing the .so; torch's load waits."""
-    fake_build.locked = True
-    with caplog.at_level(logging.WARNING):
-        fake_build.import_module()
-    assert fake_build.imported == []
-    assert len(fake_build.loads) == 1
-    assert caplog.records == []
+    old = fake_cuda.build()
+    monkeypatch.setattr(cuda_attention, "CXX_FLAGS", ("-O2",))
+    new = fake_cuda.build()
+    assert new != old and new.is_file() and not old.exists()
 
 
 # ------------------------------------------------------------------ the cache key and the sources
 
 
-def test_build_inputs_are_all_the_kernel_files_of_csrc(cuda_attention: types.ModuleType) -> None:
+def test_build_inputs_are_all_the_kernel_files_of_csrc() -> None:
     inputs = {path.name for path in cuda_attention.build_inputs()}
     assert inputs == {path.name for path in CSRC.glob("paged_attention_decode*")}
     assert {"paged_attention_decode.h", "paged_attention_decode.cuh"} <= inputs
 
 
-def test_digest_changes_with_every_build_input(
-    cuda_attention: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _name() -> str:
+    return cuda_attention.cuda_kernel_spec("90").name
+
+
+def test_name_changes_with_every_build_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     csrc = tmp_path / "csrc"
     shutil.copytree(CSRC, csrc)
     monkeypatch.setattr(cuda_attention, "CSRC_DIR", csrc)
-    base = cuda_attention._sources_digest()
+    base = _name()
     for path in cuda_attention.build_inputs():
         text = path.read_text()
         path.write_text(text + "\n// edited\n")
-        assert cuda_attention._sources_digest() != base, path.name
+        assert _name() != base, path.name
         path.write_text(text)
-    assert cuda_attention._sources_digest() == base
+    assert _name() == base
 
 
-def test_digest_follows_new_includes(
-    cuda_attention: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_name_follows_new_includes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     csrc = tmp_path / "csrc"
     shutil.copytree(CSRC, csrc)
     monkeypatch.setattr(cuda_attention, "CSRC_DIR", csrc)
@@ -252,27 +243,26 @@ def test_digest_follows_new_includes(
     header.write_text(header.read_text().replace("#pragma once", '#pragma once\n#include "x.h"'))
     (csrc / "x.h").write_text("#pragma once\n")
     assert csrc / "x.h" in cuda_attention.build_inputs()
-    before = cuda_attention._sources_digest()
+    before = _name()
     (csrc / "x.h").write_text("#pragma once\nconstexpr int X = 1;\n")
-    assert cuda_attention._sources_digest() != before
+    assert _name() != before
 
 
-def test_extension_name_changes_with_flags_arch_and_torch(
-    cuda_attention: types.ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    name = cuda_attention.extension_name("90")
+def test_name_changes_with_flags_arch_and_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = _name()
     assert name.startswith("pagedserve_paged_attention_sm90_")
-    assert cuda_attention.extension_name("100") != name.replace("sm90", "sm100")
+    other_arch = cuda_attention.cuda_kernel_spec("100").name
+    assert other_arch != name.replace("sm90", "sm100")
     with monkeypatch.context() as patch:
         patch.setattr(cuda_attention, "CXX_FLAGS", ("-O2",))
-        assert cuda_attention.extension_name("90") != name
+        assert _name() != name
     with monkeypatch.context() as patch:
         patch.setattr(torch, "__version__", "0.0.0")
-        assert cuda_attention.extension_name("90") != name
-    assert cuda_attention.extension_name("90") == name
+        assert _name() != name
+    assert _name() == name
 
 
-def test_units_instantiate_what_python_dispatches_to(cuda_attention: types.ModuleType) -> None:
+def test_units_instantiate_what_python_dispatches_to() -> None:
     """One unit per (dtype, head_dim); the groups, head dims and dtypes of the C++ side are those
     `supported` accepts."""
     for dtype in cuda_attention.DTYPES:
@@ -292,9 +282,7 @@ def test_units_instantiate_what_python_dispatches_to(cuda_attention: types.Modul
     assert set(re.findall(r"dispatch_head_dim<(\w+)>\(head_dim", binding)) == set(C_TYPES.values())
 
 
-def test_only_the_binding_reads_torch_and_defines_the_module(
-    cuda_attention: types.ModuleType,
-) -> None:
+def test_only_the_binding_reads_torch_and_defines_the_module() -> None:
     """The instantiation units stay free of torch's headers (they compile in seconds) and the
     binding of device code (a host C++ unit)."""
     binding = CSRC / cuda_attention.BINDING
@@ -319,26 +307,26 @@ def _decode_inputs() -> tuple[torch.Tensor, ...]:
 
 
 def test_decode_passes_num_splits_to_the_kernel(
-    cuda_attention: types.ModuleType, fake_build: FakeTorchBuild
+    loaded: types.ModuleType, fake_cuda: FakeCuda
 ) -> None:
-    assert inspect.signature(cuda_attention.decode).parameters["num_splits"].default is None
+    assert inspect.signature(loaded.decode).parameters["num_splits"].default is None
     inputs = _decode_inputs()
-    out = cuda_attention.decode(*inputs, 0.125, 64)
-    cuda_attention.decode(*inputs, 0.125, 64, num_splits=5)
-    planned, forced = fake_build.decode_calls
+    out = loaded.decode(*inputs, 0.125, 64)
+    loaded.decode(*inputs, 0.125, 64, num_splits=5)
+    planned, forced = fake_cuda.decode_calls
     assert planned[0] is out and all(a is b for a, b in zip(planned[1:6], inputs))
     assert planned[6:] == (0.125, 64, 0)  # 0: the planned count
     assert forced[6:] == (0.125, 64, 5)
     with pytest.raises(ValueError, match="num_splits"):
-        cuda_attention.decode(*inputs, 0.125, 64, num_splits=0)
-    assert len(fake_build.decode_calls) == 2
+        loaded.decode(*inputs, 0.125, 64, num_splits=0)
+    assert len(fake_cuda.decode_calls) == 2
 
 
 def test_planned_num_splits_asks_the_extension(
-    cuda_attention: types.ModuleType, fake_build: FakeTorchBuild
+    loaded: types.ModuleType, fake_cuda: FakeCuda
 ) -> None:
-    assert cuda_attention.planned_num_splits(4, 8, 4096, 128, 4, torch.bfloat16) == 7
-    assert fake_build.plan_calls == [(4, 8, 4096, 128, 4, torch.bfloat16)]
+    assert loaded.planned_num_splits(4, 8, 4096, 128, 4, torch.bfloat16) == 7
+    assert fake_cuda.plan_calls == [(4, 8, 4096, 128, 4, torch.bfloat16)]
 
 
 def _nvcc() -> str | None:

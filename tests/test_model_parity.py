@@ -21,8 +21,10 @@ from pagedserve.actors.messages import (
 from pagedserve.actors.worker import startup
 from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.config import EngineConfig
-from pagedserve.kernels import attention
-from pagedserve.kernels.attention import cdiv
+from pagedserve.kernels.attention_backends import torch_ref_backend
+from pagedserve.kernels.attention_metadata import cdiv
+from pagedserve.models.layer_config import LayerConfig, TensorParallel
+from pagedserve.models.linear import QKVParallelLinear, VocabEmbedding
 from pagedserve.models.llama import model_head_dim, rope_settings
 from pagedserve.models.loader import load_model
 from pagedserve.models.model_config import ModelConfig, load_model_config
@@ -164,14 +166,12 @@ def random_prompts(seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("cpu_path", ["kernels", "torch", "torch_ref"])
 @pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
-def test_greedy_parity_with_transformers(
-    arch: str, cpu_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_greedy_parity_with_transformers(arch: str, cpu_path: str, tmp_path: Path) -> None:
     """cpu_path: the CPU backend with its C++ kernels (when they build here), the same backend
     in pure torch, or the token-major torch reference backend."""
     overrides: dict[str, object] = {}
     if cpu_path == "torch":
-        monkeypatch.setattr(attention, "_cpu_kernel_state", False)
+        overrides["cpu_kernels"] = False
     elif cpu_path == "torch_ref":
         overrides["attention_backend"] = "torch_ref"
     hf_model = save_hf_model(arch, tmp_path)
@@ -366,12 +366,12 @@ def test_tensor_parallel_two_ranks_match_one(tmp_path: Path) -> None:
         )
 
 
-def test_qkv_shard_replicates_kv_heads_beyond_their_count(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_qkv_shard_replicates_kv_heads_beyond_their_count() -> None:
     """tp_size 4 with 2 kv heads: rank 3 holds q heads 6-7 and kv head 1 (shared with rank 2)."""
-    from pagedserve.models import layers
-
-    monkeypatch.setattr(layers, "tp_rank_and_size", lambda: (3, 4))
-    qkv = layers.QKVParallelLinear(hidden_size=4, head_dim=2, num_heads=8, num_kv_heads=2)
+    config = LayerConfig(
+        torch.device("cpu"), torch.float32, torch_ref_backend(), tp=TensorParallel(3, 4)
+    )
+    qkv = QKVParallelLinear(hidden_size=4, head_dim=2, num_heads=8, num_kv_heads=2, config=config)
     assert (qkv.num_heads, qkv.num_kv_heads, qkv.weight.shape[0]) == (2, 1, 8)
     full_q, full_k, full_v = (torch.arange(n * 2 * 4.0).view(n * 2, 4) for n in (8, 2, 2))
     for shard_id, full in (("q", full_q), ("k", full_k), ("v", 100 + full_v)):
@@ -379,6 +379,6 @@ def test_qkv_shard_replicates_kv_heads_beyond_their_count(monkeypatch: pytest.Mo
     assert torch.equal(qkv.weight[:4], full_q[12:16])
     assert torch.equal(qkv.weight[4:6], full_k[2:4])
     assert torch.equal(qkv.weight[6:8], 100 + full_v[2:4])
-    embedding = layers.VocabEmbedding(vocab_size=10, hidden_size=2)  # 3 rows per rank, padded
+    embedding = VocabEmbedding(vocab_size=10, hidden_size=2, config=config)  # 3 rows a rank
     embedding.weight_loader(embedding.weight, torch.arange(20.0).view(10, 2))
     assert embedding.weight.tolist() == [[18.0, 19.0], [0.0, 0.0], [0.0, 0.0]]

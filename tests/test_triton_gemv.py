@@ -34,7 +34,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pagedserve.models import layers  # noqa: E402
+from pagedserve.kernels.attention_backends import torch_ref_backend  # noqa: E402
+from pagedserve.models import linear  # noqa: E402
+from pagedserve.models.layer_config import LayerConfig  # noqa: E402
+from pagedserve.models.loader import default_dtype  # noqa: E402
 from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
 
 IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
@@ -378,35 +381,41 @@ def _spy_skinny(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     return calls
 
 
+def _linear_modules(
+    dtype: torch.dtype, small_batch_gemm: bool
+) -> list[tuple[torch.nn.Module, torch.Tensor | None]]:
+    """A column- and a row-parallel layer with biases and an LM head (70 of 72 rows used),
+    the same random weights for every config: (module, its bias)."""
+    config = LayerConfig(
+        torch.device("cpu"), dtype, torch_ref_backend(), fused_ops="triton",
+        small_batch_gemm=small_batch_gemm,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(11)
+    with default_dtype(dtype):
+        column = linear.ColumnParallelLinear(200, 72, config, bias=True)
+        row = linear.RowParallelLinear(200, 72, config, bias=True)
+        head = linear.LMHead(70, 200, config)
+    for module in (column, row, head):
+        for param in module.parameters():
+            param.data.copy_(torch.randn(param.shape, generator=gen) / 10)
+    return [(column, column.bias), (row, row.bias), (head, None)]
+
+
 def test_linear_layers_dispatch_small_low_precision_batches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With the Triton path forced on (as on CUDA): bf16 batches of at most
+    """With the Triton path and small_batch_gemm on (as on CUDA): bf16 batches of at most
     SMALL_BATCH_GEMM_MAX_ROWS rows go through skinny_linear in the linear layers and the LM
-    head, larger batches and fp32 through F.linear; without it (the CPU), nothing changes."""
-    assert layers.SMALL_BATCH_GEMM_MAX_ROWS == 1
-    assert layers.triton_gemv_module() is tg
+    head, larger batches through F.linear; with it off, nothing takes it."""
+    assert linear.SMALL_BATCH_GEMM_MAX_ROWS == 1
+    assert linear.triton_gemv_module() is tg
     calls = _spy_skinny(monkeypatch)
-    gen = torch.Generator().manual_seed(11)
-    replicated = layers.ReplicatedLinear(200, 72, bias=True)
-    row = layers.RowParallelLinear(200, 72, bias=True)
-    head = layers.LMHead(70, 200)
-    for module in (replicated, row, head):
-        for param in module.parameters():
-            param.data.copy_(torch.randn(param.shape, generator=gen) / 10)
-    x = torch.randn(20, 200, generator=gen)
-    modules = [(replicated, replicated.bias), (row, row.bias), (head, None)]
+    xb = torch.randn(20, 200, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
     with torch.inference_mode():
-        plain = [module(x[:3]) for module, _ in modules]  # CPU: fp32 oneDNN / F.linear
+        for module, _ in _linear_modules(torch.bfloat16, small_batch_gemm=False):
+            module(xb[:1])
         assert calls == []
-        monkeypatch.setattr(layers, "use_triton_ops", lambda x: True)
-        for (module, _), before in zip(modules, plain):
-            assert torch.equal(module(x[:3]), before)  # fp32: unchanged
-        assert calls == []
-        for module, _ in modules:
-            module.to(torch.bfloat16)
-        xb = x.to(torch.bfloat16)
-        for module, bias in modules:
+        for module, bias in _linear_modules(torch.bfloat16, small_batch_gemm=True):
             for rows in (1, 2, 16):
                 out = module(xb[:rows])
                 weight = module.weight[: out.shape[-1]]
@@ -417,22 +426,3 @@ def test_linear_layers_dispatch_small_low_precision_batches(
                 else:
                     assert torch.equal(out, expected)
         assert calls == [(1, 200)] * 3
-
-
-def test_small_batch_gemm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """EngineConfig.small_batch_gemm=False (enable_small_batch_gemm) keeps cuBLAS / F.linear."""
-    calls = _spy_skinny(monkeypatch)
-    monkeypatch.setattr(layers, "use_triton_ops", lambda x: True)
-    linear = layers.ReplicatedLinear(200, 72, bias=False).to(torch.bfloat16)
-    linear.weight.data.copy_(torch.randn(72, 200, generator=torch.Generator().manual_seed(3)))
-    x = torch.randn(1, 200, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    try:
-        layers.enable_small_batch_gemm(False)
-        with torch.inference_mode():
-            assert torch.equal(linear(x), F.linear(x, linear.weight))
-        assert calls == []
-    finally:
-        layers.enable_small_batch_gemm(True)
-    with torch.inference_mode():
-        linear(x)
-    assert calls == [(1, 200)]

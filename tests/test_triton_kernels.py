@@ -36,12 +36,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch  # noqa: E402
 
 from pagedserve.kernels import ops  # noqa: E402
-from pagedserve.kernels.attention import (  # noqa: E402
-    build_attention_metadata,
-    cdiv,
-)
-from pagedserve.kernels.attention import paged_attention as reference_attention  # noqa: E402
-from pagedserve.kernels.attention import write_kv_cache as reference_write  # noqa: E402
+from pagedserve.kernels.attention_metadata import build_attention_metadata, cdiv  # noqa: E402
+from pagedserve.kernels.attention_ref import paged_attention as reference_attention  # noqa: E402
+from pagedserve.kernels.attention_ref import write_kv_cache as reference_write  # noqa: E402
 from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
 
 IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
@@ -216,7 +213,7 @@ def test_paged_attention_decode_reduces_more_splits_than_one_chunk() -> None:
 
 
 def test_paged_attention_backend_and_out() -> None:
-    """The metadata adapter (ATTENTION_BACKENDS signature) and a caller-provided `out`."""
+    """The metadata adapter (attention_backends.AttentionFn) and a caller-provided `out`."""
     step = make_step([(20, 1), (50, 1), (0, 1)], 4, 4, 2, 16, torch.float32, seed=9)
     q, k_cache, v_cache, metadata = step["q"], step["k_cache"], step["v_cache"], step["metadata"]
     expected = reference_attention(q, k_cache, v_cache, metadata, 0.3)

@@ -1,39 +1,34 @@
-"""The `cuda` attention backend: the CUDA C++ decode kernel of csrc/ (built just-in-time with nvcc
-for the device's architecture, sm_90 on an H100/H200, on first use), Triton for prefill and the
-KV write.
+"""The `cuda` attention backend: the CUDA C++ decode kernel of csrc/ (built at install for the
+device's architecture, sm_90 on an H100/H200: kernels.build), Triton for prefill and the KV
+write.
 
-Decode math and layout are those of `pagedserve.kernels.attention` (the reference): a
+Decode math and layout are those of `pagedserve.kernels.attention_ref` (the reference): a
 flash-decoding kernel (one CTA per kv head x request x context split, the G query heads of a kv
 head together, an online softmax in one pass, a reduce kernel over the splits; see the comment at
 the top of csrc/paged_attention_decode.cuh). The build: the binding paged_attention_decode.cpp
 (host C++, the only unit reading torch's headers) and one unit per (dtype, head_dim),
 paged_attention_decode_<dtype>_hd<head_dim>.cu, instantiating the kernels of the .cuh for every
-GQA group; torch's ninja build compiles them in parallel. A build already in torch's extension
-cache is imported directly, without torch's `load` (no ninja run, no compiler checks).
-Importing this module builds (or loads) the kernel; on a machine without CUDA or nvcc the import
-raises ImportError and the engine falls back (see `attention.resolve_attention_backend`).
+GQA group; torch's ninja build compiles them in parallel (`cuda_kernel_spec`).
+`load_extension` loads the built kernel; on a machine without CUDA, or where it is not built for
+these sources, it raises ImportError and the engine falls back to Triton (see
+`attention_backends.resolve_attention_backend`). Nothing here compiles.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import importlib.machinery
-import importlib.util
 import logging
-import os
 import re
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from pagedserve.kernels.attention import AttentionMetadata
-from pagedserve.kernels.attention import paged_attention as reference_paged_attention
+from pagedserve.kernels import extensions
+from pagedserve.kernels.attention_metadata import AttentionMetadata
+from pagedserve.kernels.extensions import ExtensionSpec, built_library, import_extension
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+CSRC_DIR = extensions.CSRC_DIR
 BINDING = "paged_attention_decode.cpp"  # the unit defining the Python module
 
 logger = logging.getLogger(__name__)
@@ -43,7 +38,6 @@ __all__ = [
     "paged_attention_backend",
     "planned_num_splits",
     "write_kv_cache",
-    "reference_paged_attention",
 ]
 
 # What the kernel is instantiated for: a unit per (dtype, head_dim), named by DTYPE_TAGS, each
@@ -55,12 +49,6 @@ DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
 
 CXX_FLAGS = ("-O3",)  # the binding's host compiler flags
 _QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
-_BUILD_WARNING = (
-    "building the CUDA decode kernel with nvcc: once per machine and source version, "
-    "~20 s on 16 cores, longer on fewer "
-    "(`python -c 'import pagedserve.kernels.cuda_attention'` builds it ahead of time; "
-    "attention_backend='triton' needs no build)"
-)
 
 
 def source_names() -> list[str]:
@@ -85,123 +73,51 @@ def build_inputs() -> list[Path]:
     return found
 
 
-def _sources_digest(build_args: Sequence[str] = ()) -> str:
-    """12 hex digits of a hash over the names and contents of every build input and over
-    `build_args`: the build's cache key (torch's own key covers the listed sources only, and the
-    direct import of a cached build skips it)."""
-    digest = hashlib.sha256()
-    for path in build_inputs():
-        data = path.read_bytes()
-        digest.update(f"{os.path.relpath(path, CSRC_DIR)}:{len(data)}\n".encode())
-        digest.update(data)
-    for arg in build_args:
-        digest.update(f"{arg}\n".encode())
-    return digest.hexdigest()[:12]
-
-
 def _cuda_flags(arch: str) -> list[str]:
     """nvcc flags of the instantiation units: optimised, for sm_<arch> only."""
     return ["-O3", "--use_fast_math", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
-def extension_name(arch: str) -> str:
-    """The extension's module name (and torch's cache directory) for sm_<arch>: it changes with
-    any build input, compiler flag or the torch version, so a cached build is always current."""
-    build_args = [torch.__version__, *CXX_FLAGS, *_cuda_flags(arch)]
-    return f"pagedserve_paged_attention_sm{arch}_{_sources_digest(build_args)}"
+def cuda_kernel_spec(arch: str) -> ExtensionSpec:
+    """The extension for sm_<arch> (e.g. "90"): its name changes with any build input,
+    compiler flag or the torch version, so a built library is always current."""
+    sources = tuple(CSRC_DIR / name for name in source_names())
+    headers = tuple(path for path in build_inputs() if path not in sources)
+    return ExtensionSpec(
+        base_name=f"pagedserve_paged_attention_sm{arch}",
+        sources=sources,
+        headers=headers,
+        cflags=CXX_FLAGS,
+        cuda_cflags=tuple(_cuda_flags(arch)),
+        include_dirs=(CSRC_DIR,),
+        is_python_module=True,
+        env=(("TORCH_CUDA_ARCH_LIST", f"{arch[:-1]}.{arch[-1]}"),),
+    )
 
 
-def _build_directory(name: str) -> Path | None:
-    """torch's build (and cache) directory of extension `name`; None when torch's private
-    helper is gone (then torch's `load` finds it)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return Path(_get_build_directory(name, verbose=False))
-    except Exception:  # a private helper of torch's: when it changes, do without
-        return None
-
-
-def _cached_library(name: str, build_dir: Path) -> Path | None:
-    """The built extension in build_dir if complete: present, and no build holding torch's lock
-    file (a build of the same name in another process may be writing it)."""
-    library = build_dir / f"{name}.so"
-    if library.is_file() and not (build_dir / "lock").exists():
-        return library
-    return None
-
-
-def _import_library(name: str, library: Path) -> ModuleType:
-    """The extension module `name` imported from its shared library (what torch's `load` does
-    after its build step; torch is already imported, as the library needs)."""
-    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
-    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
-    if spec is None:
-        raise ImportError(f"cannot import {library}")
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
-def _usable_cpus() -> int:
-    """The CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-@contextlib.contextmanager
-def _default_max_jobs() -> Iterator[None]:
-    """A context in which MAX_JOBS (the parallel compiles of torch's ninja build) is the number of
-    usable CPUs unless the environment already sets it; unset again on exit."""
-    if "MAX_JOBS" in os.environ:
-        yield
-        return
-    os.environ["MAX_JOBS"] = str(_usable_cpus())
-    try:
-        yield
-    finally:
-        os.environ.pop("MAX_JOBS", None)
-
-
-def _build(name: str, arch: str) -> ModuleType:
-    """Compile the extension with torch's `load` (ninja, the units in parallel; cached under
-    ~/.cache/torch_extensions) and import it."""
-    from torch.utils.cpp_extension import load
-
-    with _default_max_jobs():
-        return load(
-            name=name,
-            sources=[str(CSRC_DIR / unit) for unit in source_names()],
-            extra_include_paths=[str(CSRC_DIR)],
-            extra_cflags=list(CXX_FLAGS),
-            extra_cuda_cflags=_cuda_flags(arch),
-            verbose=False,
-        )
+def device_arch() -> str:
+    """The current CUDA device's sm architecture, e.g. "90"."""
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}{minor}"
 
 
 @functools.cache
 def load_extension() -> ModuleType:
-    """The kernel's extension module: imported directly when torch's cache holds this build,
-    else compiled (once per machine and build inputs) and imported by torch's `load`."""
+    """The kernel's extension module for this device, as built at install; ImportError (with
+    what to run) when there is none for these sources, or it does not load."""
     if not torch.cuda.is_available():
         raise ImportError("the cuda attention backend needs a CUDA device")
-    missing = [unit for unit in source_names() if not (CSRC_DIR / unit).is_file()]
-    if missing:
-        raise ImportError(f"CUDA sources not found in {CSRC_DIR}: {', '.join(missing)}")
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}"
-    name = extension_name(arch)
-    build_dir = _build_directory(name)
-    library = None if build_dir is None else _cached_library(name, build_dir)
-    if library is not None:
-        try:
-            return _import_library(name, library)
-        except Exception as exc:  # a broken file: torch's load rebuilds what is out of date
-            logger.warning("importing the cached CUDA decode kernel %s failed: %s", library, exc)
-    elif build_dir is not None and not (build_dir / f"{name}.so").exists():
-        logger.warning(_BUILD_WARNING)
-    return _build(name, arch)
+    arch = device_arch()
+    library = built_library(cuda_kernel_spec(arch), extensions.BUILT_DIR)
+    if library is None:
+        raise ImportError(
+            f"the CUDA decode kernel is not built for sm_{arch} and these sources: "
+            "`python -m pagedserve.kernels.build` (or `make install`) builds it"
+        )
+    try:
+        return import_extension(library)
+    except Exception as exc:  # a broken or foreign library
+        raise ImportError(f"loading {library} failed: {exc}") from exc
 
 
 def decode(
@@ -295,17 +211,3 @@ def write_kv_cache(
     from pagedserve.kernels import triton_attention
 
     triton_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-
-
-def _build_on_import() -> None:
-    """Importing this module builds the kernel, so a machine that cannot (no CUDA, no nvcc)
-    fails the import and the engine falls back to another backend."""
-    try:
-        load_extension()
-    except ImportError:
-        raise
-    except Exception as exc:  # nvcc or ninja errors
-        raise ImportError(f"building the CUDA attention kernel failed: {exc}") from exc
-
-
-_build_on_import()

@@ -1,10 +1,10 @@
 """Triton paged attention: the KV-cache write and varlen paged attention (prefill + decode).
 
-Layout and math are those of `pagedserve.kernels.attention` (the pure-torch reference, the
-CPU path): caches [num_blocks, block_size, num_kv_heads, head_dim], token t of request b at
-slot block_tables[b, t // block_size] * block_size + t % block_size; query i of request b
-(q_len_b new tokens, seq_len_b tokens in context including them) attends keys
-0 .. seq_len_b - q_len_b + i of kv head h // G, G = num_heads / num_kv_heads.
+Layout and math are those of `pagedserve.kernels.attention_ref` (the pure-torch reference):
+caches [num_blocks, block_size, num_kv_heads, head_dim], token t of request b at slot
+block_tables[b, t // block_size] * block_size + t % block_size; query i of request b (q_len_b
+new tokens, seq_len_b tokens in context including them) attends keys 0 .. seq_len_b - q_len_b + i
+of kv head h // G, G = num_heads / num_kv_heads.
 
 Kernels (all fp32 accumulation, an online softmax in base 2 with the scale folded in):
 
@@ -42,15 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention import AttentionMetadata
-from pagedserve.kernels.attention import paged_attention as reference_paged_attention
-from pagedserve.kernels.attention import write_kv_cache as reference_write_kv_cache
+from pagedserve.kernels.attention_metadata import AttentionMetadata
 
 __all__ = [
     "paged_attention",
     "paged_attention_backend",
-    "reference_paged_attention",
-    "reference_write_kv_cache",
     "write_kv_cache",
 ]
 
@@ -524,7 +520,7 @@ def paged_attention_backend(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """The reference backend's signature (`ATTENTION_BACKENDS["triton"]`)."""
+    """The backends' common signature (attention_backends.AttentionFn)."""
     return paged_attention(
         q,
         k_cache,

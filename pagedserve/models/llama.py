@@ -10,18 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels.attention import AttentionMetadata, OutputRows
-from pagedserve.models.layers import (
-    Attention,
+from pagedserve.kernels.attention_metadata import AttentionMetadata, OutputRows
+from pagedserve.models.layer_config import LayerConfig
+from pagedserve.models.layers import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
+from pagedserve.models.linear import (
     LMHead,
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     VocabEmbedding,
-    get_rope,
 )
 from pagedserve.models.model_config import ModelConfig
 
@@ -44,20 +41,24 @@ class LlamaAttention(nn.Module):
     """qkv projection, rotary on q and k (after a per-head RMSNorm when `qk_norms` is set),
     paged attention, o_proj."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_config: LayerConfig, rotary_emb: RotaryEmbedding
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim = model_head_dim(config)
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, num_heads, num_kv_heads, bias=self.qkv_bias(config)
-        )
+            config.hidden_size, head_dim, num_heads, num_kv_heads, layer_config,
+            bias=self.qkv_bias(config),
+        )  # fmt: skip
         self.o_proj = RowParallelLinear(
-            num_heads * head_dim, config.hidden_size, bias=self.o_proj_bias(config)
+            num_heads * head_dim, config.hidden_size, layer_config, bias=self.o_proj_bias(config)
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        theta, scaling = rope_settings(config)
-        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, theta, scaling)
-        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
+        self.rotary_emb = rotary_emb  # shared by every layer
+        self.attn = Attention(
+            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_config
+        )
         # (q_norm, k_norm) applied per head before rotary, or None; a subclass registers the
         # modules themselves (their parameters) and points this at them (see Qwen3Attention)
         self.qk_norms: tuple[RMSNorm, RMSNorm] | None = None
@@ -90,27 +91,34 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
         bias = bool(getattr(config, "mlp_bias", False))
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
-        self.act_fn = SiluAndMul()
+        size, hidden = config.intermediate_size, config.hidden_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [size, size], layer_config, bias)
+        self.down_proj = RowParallelLinear(size, hidden, layer_config, bias)
+        self.act_fn = SiluAndMul(layer_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_config: LayerConfig,
+        attention_cls: type[LlamaAttention],
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention_cls(config, layer_config, rotary_emb)
+        self.mlp = LlamaMLP(config, layer_config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, layer_config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, layer_config)
 
     def forward(
         self,
@@ -133,22 +141,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_config: LayerConfig, attention_cls: type[LlamaAttention]
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention_cls) for _ in range(config.num_hidden_layers)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, layer_config)
+        theta, scaling = rope_settings(config)
+        # one rotary embedding shared by every layer, whose per-step tables each forward resets
+        self.rotary_emb = RotaryEmbedding(
+            model_head_dim(config), config.max_position_embeddings, theta, scaling, layer_config
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # the rotary embeddings of the layers (one, shared), whose per-step tables each forward
-        # resets (modules() lists a shared module once)
-        self.rotary_embeddings = [m for m in self.modules() if isinstance(m, RotaryEmbedding)]
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, layer_config, attention_cls, self.rotary_emb)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, layer_config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        for rotary_emb in self.rotary_embeddings:
-            rotary_emb.new_step()  # this forward's first layer looks its tables up again
+        self.rotary_emb.new_step()  # this forward's first layer looks its tables up again
         hidden, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
@@ -169,13 +181,13 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
         super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, self.attention_cls)
+        self.config, self.layer_config = config, layer_config
+        self.model = LlamaModel(config, layer_config, self.attention_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, layer_config, tied_to)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

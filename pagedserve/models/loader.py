@@ -4,13 +4,15 @@ Weights come from `model.safetensors`, a sharded `model.safetensors.index.json`,
 `*.safetensors` in the directory; or, with `load_format='dummy'`, from a seeded normal
 distribution (benchmarks). HF names map onto the fused parameters through each model's
 `packed_modules_mapping` (q/k/v -> qkv_proj, gate/up -> gate_up_proj); each parameter's
-`weight_loader` slices its tensor-parallel shard.
+`weight_loader` slices its tensor-parallel shard. How the layers run (kernels, attention backend,
+tensor parallelism) is decided here, once, in the model's LayerConfig (`build_layer_config`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import importlib
 import json
 import logging
 import os
@@ -21,7 +23,10 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.config import EngineConfig
-from pagedserve.models.layers import default_weight_loader
+from pagedserve.kernels.attention_backends import resolve_attention_backend
+from pagedserve.kernels.cpu_kernels import load_cpu_kernels
+from pagedserve.models.layer_config import FusedOps, LayerConfig, tensor_parallel_of_process
+from pagedserve.models.linear import default_weight_loader
 from pagedserve.models.model_config import ModelConfig, load_model_config
 from pagedserve.models.registry import get_model_class
 
@@ -53,20 +58,59 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(hf_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The architecture's model with uninitialised parameters of `dtype` on `device`."""
+def _triton_importable() -> bool:
+    try:
+        importlib.import_module("pagedserve.kernels.triton_ops")
+    except ImportError:
+        return False
+    return True
+
+
+def build_layer_config(
+    config: EngineConfig, hf_config: ModelConfig, device: torch.device
+) -> LayerConfig:
+    """The layers' settings for this engine on this machine: Triton's fused ops on CUDA (when
+    triton imports), the C++ CPU kernels for float32 on the CPU (when config.cpu_kernels and
+    they load here), else pure torch; the attention backend; the Triton small-batch GEMM for
+    CUDA fp16/bf16 (config.small_batch_gemm); this process's tensor-parallel rank."""
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    cpu_kernels = device.type == "cpu" and config.cpu_kernels and load_cpu_kernels()
+    fused_ops: FusedOps = "torch"
+    if device.type == "cuda" and _triton_importable():
+        fused_ops = "triton"
+    elif cpu_kernels and dtype == torch.float32:
+        fused_ops = "cpu"
+    return LayerConfig(
+        device=device,
+        dtype=dtype,
+        attention=resolve_attention_backend(config.attention_backend, cpu_kernels),
+        fused_ops=fused_ops,
+        small_batch_gemm=config.small_batch_gemm and fused_ops == "triton"
+        and dtype != torch.float32,
+        tp=tensor_parallel_of_process(config.tensor_parallel_size),
+    )  # fmt: skip
+
+
+def build_model(hf_config: ModelConfig, layer_config: LayerConfig) -> nn.Module:
+    """The architecture's model with uninitialised parameters of the config's dtype, on its
+    device."""
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True):
         logger.warning("sliding_window=%s is ignored: attention is full over the context", window)
-    with default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config)
+    with default_dtype(layer_config.dtype), torch.device(layer_config.device):
+        model = model_cls(hf_config, layer_config)
     return model.eval()
 
 
-def load_model(config: EngineConfig, device: torch.device) -> nn.Module:
+def load_model(
+    config: EngineConfig, device: torch.device, layer_config: LayerConfig | None = None
+) -> nn.Module:
+    """The model with its weights; layer_config None: build_layer_config's."""
     hf_config = load_model_config(config.model_path)
-    model = build_model(hf_config, resolve_dtype(config.dtype, hf_config, device), device)
+    if layer_config is None:
+        layer_config = build_layer_config(config, hf_config, device)
+    model = build_model(hf_config, layer_config)
     with torch.no_grad():
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed)

@@ -3,16 +3,19 @@ by default (`attention_bias`), and head_dim read from the config."""
 
 from __future__ import annotations
 
-from pagedserve.models.layers import RMSNorm
+from pagedserve.models.layer_config import LayerConfig
+from pagedserve.models.layers import RMSNorm, RotaryEmbedding
 from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
 from pagedserve.models.model_config import ModelConfig
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+    def __init__(
+        self, config: ModelConfig, layer_config: LayerConfig, rotary_emb: RotaryEmbedding
+    ) -> None:
+        super().__init__(config, layer_config, rotary_emb)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, layer_config)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, layer_config)
         self.qk_norms = (self.q_norm, self.k_norm)
 
 

@@ -63,10 +63,17 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pagedserve.kernels.attention import AttentionMetadata
+    from pagedserve.kernels.attention_metadata import AttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
+
+
+def build_attention_metadata(*args: object) -> AttentionMetadata:
+    """attention_metadata.build_attention_metadata (imported once import_package ran)."""
+    from pagedserve.kernels.attention_metadata import build_attention_metadata as build
+
+    return build(*args)  # type: ignore[arg-type]
 
 
 def import_package() -> None:
@@ -86,24 +93,25 @@ def import_package() -> None:
 
 
 def import_kernels() -> tuple[types.ModuleType, ...]:
-    """pagedserve.kernels.{attention, triton_attention, triton_ops, triton_sampling}."""
+    """pagedserve.kernels.{attention_ref, triton_attention, triton_ops, triton_sampling}."""
     import_package()
-    names = ("attention", "triton_attention", "triton_ops", "triton_sampling")
+    names = ("attention_ref", "triton_attention", "triton_ops", "triton_sampling")
     return tuple(importlib.import_module(f"pagedserve.kernels.{n}") for n in names)
 
 
 def load_cuda_attention() -> tuple[types.ModuleType | None, str]:
-    """pagedserve.kernels.cuda_attention (its import builds csrc/paged_attention_decode*.cu with
-    nvcc, cached by torch after the first time), or None and why it cannot be used."""
+    """pagedserve.kernels.cuda_attention with its kernel loaded (built by `python -m
+    pagedserve.kernels.build`, run.sh's install step), or None and why it cannot be used."""
     import_package()
     start = time.perf_counter()
     try:
         module = importlib.import_module("pagedserve.kernels.cuda_attention")
-    except Exception as exc:  # noqa: BLE001 - ImportError (no CUDA/nvcc, build error) or other
+        module.load_extension()
+    except Exception as exc:  # noqa: BLE001 - ImportError (no CUDA, not built) or other
         reason = f"{type(exc).__name__}: {exc}"
         print(f"CUDA decode kernel unavailable: {reason[:4000]}")
         return None, " ".join(reason.split())[:100]
-    print(f"CUDA decode kernel built / loaded in {time.perf_counter() - start:.1f}s")
+    print(f"CUDA decode kernel loaded in {time.perf_counter() - start:.1f}s")
     return module, ""
 
 
@@ -430,7 +438,7 @@ def bench_attention(
     v_cache = torch.randn(shape, device=device, dtype=dtype)
     num_tokens = int(meta["query_lens"].sum())
     q = torch.randn(num_tokens, model.num_heads, model.head_dim, device=device, dtype=dtype)
-    md = attention.build_attention_metadata(
+    md = build_attention_metadata(
         meta["query_lens"],
         meta["seq_lens"],
         meta["block_tables"],
@@ -865,7 +873,7 @@ def sweep(kernels: tuple, device: torch.device) -> list[Row]:
         v_cache = torch.randn(shape, device=device).to(dtype)
         num_tokens = sum(n for _, n in requests)
         q = torch.randn(num_tokens, heads, dim, device=device).to(dtype)
-        md = attention.build_attention_metadata(
+        md = build_attention_metadata(
             torch.tensor([n for _, n in requests]),
             torch.tensor([c + n for c, n in requests]),
             table,

@@ -32,7 +32,7 @@ from pagedserve.actors.messages import (  # noqa: E402
 from pagedserve.actors.worker import startup  # noqa: E402
 from pagedserve.actors.worker.model_runner import ModelRunner  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.kernels.attention import cdiv  # noqa: E402
+from pagedserve.kernels.attention_metadata import cdiv  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
 

@@ -23,6 +23,7 @@ from bench_kernels import (  # noqa: E402
     MODELS,
     Timer,
     attention_metadata_cpu,
+    build_attention_metadata,
     import_kernels,
     load_cuda_attention,
     triton_attention_fn,
@@ -46,7 +47,7 @@ def sweep_shape(
     k_cache = torch.randn(shape, device=device, dtype=dtype)
     v_cache = torch.randn(shape, device=device, dtype=dtype)
     q = torch.randn(batch, model.num_heads, model.head_dim, device=device, dtype=dtype)
-    md = attention.build_attention_metadata(
+    md = build_attention_metadata(
         meta["query_lens"], meta["seq_lens"], meta["block_tables"], meta["slot_mapping"],
         BLOCK_SIZE, device,
     )  # fmt: skip

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pagedserve.actors.worker.decode_buffers import DecodeBuffers, DecodeFields
-from pagedserve.kernels.attention import AttentionMetadata, cdiv
+from pagedserve.kernels.attention_metadata import AttentionMetadata, cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +56,12 @@ class DecodeStep:
         max_batch: int,
         max_model_len: int,
         block_size: int,
-        backend: str,
     ) -> None:
         """sampled: [>= max_batch] int64 on the device, the runner's buffer of the last step's
         sampled ids (read by this step's feed, written by its argmax)."""
         self.model, self.sampled = model, sampled
         self.max_batch, self.max_model_len = max_batch, max_model_len
-        self.block_size, self.backend = block_size, backend
+        self.block_size = block_size
         self.device = sampled.device
         self.buffers = DecodeBuffers(max_batch, cdiv(max_model_len + 1, block_size), self.device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
@@ -112,7 +111,6 @@ class DecodeStep:
             seq_lens_cpu=empty if host is None else torch.from_numpy(host.seq_lens[:size]),
             block_tables_cpu=empty if host is None
             else torch.from_numpy(host.block_tables[:size, :width]),
-            backend=self.backend,
         )  # fmt: skip
 
     def forward(self, size: int, metadata: AttentionMetadata) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from pagedserve.actors.messages import NewRequestData, SamplingParams
 from pagedserve.actors.worker.sampler import PenaltyState, SamplingMetadata
-from pagedserve.kernels.attention import cdiv
+from pagedserve.kernels.attention_metadata import cdiv
 
 GREEDY_TEMPERATURE = 1e-5
 

@@ -30,13 +30,8 @@ from pagedserve.actors.worker.speculative import Proposer, make_proposer, num_ac
 from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs, check_plan_fits
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.config import EngineConfig
-from pagedserve.kernels.attention import (
-    cdiv,
-    kv_cache_layer_shape,
-    load_cpu_kernels,
-    resolve_attention_backend,
-)
-from pagedserve.models.layers import Attention, enable_small_batch_gemm
+from pagedserve.kernels.attention_metadata import cdiv
+from pagedserve.models.layers import Attention
 from pagedserve.models.loader import load_model
 
 
@@ -71,7 +66,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_cpu_malloc()
         self.block_size = config.block_size
-        self.attention_backend = resolve_attention_backend(config.attention_backend)
         self.input_batch = InputBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, self.device
         )
@@ -86,7 +80,7 @@ class ModelRunner:
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.uploader = Uploader(self.device)
         self.inputs = StepInputBuilder(
-            self.input_batch, self.uploader, self.sampled, self.block_size, self.attention_backend
+            self.input_batch, self.uploader, self.sampled, self.block_size
         )
         self.device_wait_s = 0.0  # host time spent waiting for steps' sampled tokens
         self.setup_seconds: dict[str, float] = {}  # load_model and the start-up phases
@@ -106,24 +100,22 @@ class ModelRunner:
 
     def load_model(self) -> None:
         start = time.perf_counter()
-        enable_small_batch_gemm(self.config.small_batch_gemm)
         self.model = load_model(self.config, self.device)
+        self.attention_backend = self.model.layer_config.attention
         self.vocab_size = int(self.model.config.vocab_size)
         self.dtype = next(self.model.parameters()).dtype
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.proposer = make_proposer(self.config, self.device, self.attention_backend)
-        if self.device.type == "cpu":
-            load_cpu_kernels()  # C++ decode + per-token kernels, built on first use per machine
+        self.proposer = make_proposer(self.config, self.device)
         self.timed("load_model", start)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[layers, 2 (k, v), *one layer's cache]: [num_blocks, block_size, kv_heads_per_rank,
         head_dim], or [kv_heads_per_rank, num_blocks, block_size, head_dim] for a backend with
-        the head-major layout (the CPU "torch" backend); see kernels.attention.KV_CACHE_LAYOUTS."""
+        the head-major layout (the CPU "torch" backend); see kernels.attention_backends."""
         layer = self.attention_layers[0]
         num_layers = len(self.attention_layers)
-        per_layer = kv_cache_layer_shape(
-            self.attention_backend, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
+        per_layer = self.attention_backend.kv_cache_layer_shape(
+            num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
         )
         return (num_layers, 2, *per_layer)
 
@@ -142,8 +134,7 @@ class ModelRunner:
         config = self.config
         assert self.model is not None and config.max_model_len is not None
         return DecodeStep(
-            self.model, self.sampled, config.max_num_seqs, config.max_model_len,
-            self.block_size, self.attention_backend,
+            self.model, self.sampled, config.max_num_seqs, config.max_model_len, self.block_size,
         )  # type: ignore[arg-type]  # fmt: skip
 
     # ------------------------------------------------------------------ steps

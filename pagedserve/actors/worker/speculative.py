@@ -35,7 +35,7 @@ from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.step_inputs import StepInputs
 from pagedserve.config import EngineConfig, SpeculativeConfig
-from pagedserve.kernels.attention import cdiv, kv_cache_layer_shape
+from pagedserve.kernels.attention_metadata import cdiv
 from pagedserve.models.layers import Attention
 from pagedserve.models.loader import load_model
 
@@ -79,9 +79,7 @@ class NgramProposer:
 
 
 class DraftModelProposer:
-    def __init__(
-        self, config: EngineConfig, device: torch.device, spec: SpeculativeConfig, backend: str
-    ) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, spec: SpeculativeConfig):
         assert spec.model is not None and config.max_model_len is not None
         draft_config = msgspec.structs.replace(config, model=spec.model, load_format="auto")
         self.model: nn.Module = load_model(draft_config, device)
@@ -90,16 +88,15 @@ class DraftModelProposer:
         self.dtype = next(self.model.parameters()).dtype
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
         self.step = DecodeStep(
-            self.model, self.sampled, config.max_num_seqs, config.max_model_len,
-            config.block_size, backend,
-        )  # type: ignore[arg-type]  # fmt: skip
-        self.block_size, self.backend = config.block_size, backend
+            self.model, self.sampled, config.max_num_seqs, config.max_model_len, config.block_size
+        )  # type: ignore[arg-type]
+        self.block_size = config.block_size
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[layers, 2, *one layer's cache] of the draft's own cache, in the target's layout."""
         layer = self.layers[0]
-        per_layer = kv_cache_layer_shape(
-            self.backend, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
+        per_layer = self.model.layer_config.attention.kv_cache_layer_shape(
+            num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
         )
         return (len(self.layers), 2, *per_layer)
 
@@ -144,10 +141,10 @@ class DraftModelProposer:
         step.run(num_rows, size, max_seq_len, host)
 
 
-def make_proposer(config: EngineConfig, device: torch.device, backend: str) -> Proposer | None:
+def make_proposer(config: EngineConfig, device: torch.device) -> Proposer | None:
     spec = config.speculative_config
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec)
-    return DraftModelProposer(config, device, spec, backend)
+    return DraftModelProposer(config, device, spec)

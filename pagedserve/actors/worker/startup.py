@@ -28,7 +28,7 @@ from pagedserve.actors.worker.cpu_tuning import advise_huge_pages
 from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.actors.worker.speculative import DraftModelProposer
 from pagedserve.kernels import compile_ahead
-from pagedserve.kernels.attention import cdiv
+from pagedserve.kernels.attention_metadata import cdiv
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.uploader import Uploader
-from pagedserve.kernels.attention import (
+from pagedserve.kernels.attention_metadata import (
     AttentionMetadata,
     OutputRows,
     assemble_attention_metadata,
@@ -63,11 +63,10 @@ def check_plan_fits(
 
 class StepInputBuilder:
     def __init__(
-        self, batch: InputBatch, uploader: Uploader, sampled: torch.Tensor, block_size: int,
-        backend: str,
-    ) -> None:  # fmt: skip
+        self, batch: InputBatch, uploader: Uploader, sampled: torch.Tensor, block_size: int
+    ) -> None:
         self.batch, self.uploader, self.sampled = batch, uploader, sampled
-        self.block_size, self.backend = block_size, backend
+        self.block_size = block_size
 
     def build(
         self,
@@ -142,5 +141,5 @@ class StepInputBuilder:
     def _assemble(self, device_inputs: list[torch.Tensor], host: HostMetadata) -> AttentionMetadata:
         query_lens, seq_lens, block_tables, _ = host
         return assemble_attention_metadata(
-            device_inputs, query_lens, seq_lens, block_tables, self.block_size, self.backend
+            device_inputs, query_lens, seq_lens, block_tables, self.block_size
         )

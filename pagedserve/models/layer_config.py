@@ -1,0 +1,75 @@
+"""How a model's layers run: decided once at load and passed to them explicitly.
+
+The loader builds one `LayerConfig` from the EngineConfig and the machine (`loader.
+build_layer_config`) and hands it to the model's constructor, which passes it to every layer.
+Nothing in a layer's forward looks at a tensor's device, a module global or torch.distributed's
+state to choose a path; what a layer checks at run time is only whether a kernel takes the
+operands' shapes and strides.
+
+  * fused_ops: which implementation of the small per-token ops (RMSNorm with the residual add,
+    SiLU-and-mul, the q/k norm + rotary) runs: "triton" (CUDA), "cpu" (the C++ CPU kernels,
+    float32, loaded) or "torch" (the pure-torch references of kernels.ops).
+  * small_batch_gemm: single-row (batch-1 decode) low-precision products go through the Triton
+    weight-streaming GEMM (kernels.triton_gemv) instead of cuBLAS.
+  * attention: the attention backend's functions and cache layout (kernels.attention_backends).
+  * tp: this rank's place in the tensor-parallel group and its collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from pagedserve.kernels.attention_backends import AttentionBackend
+
+FusedOps = Literal["triton", "cpu", "torch"]
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank in a tensor-parallel group of `size` ranks; group None is torch.distributed's
+    default group (the workers' only one)."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """x = the sum of every rank's x, in place (nothing at size 1)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x side by side along the last dim, rank order (x itself at size 1)."""
+        if self.size == 1:
+            return x
+        shards = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(shards, x, group=self.group)
+        return torch.cat(shards, dim=-1)
+
+
+def tensor_parallel_of_process(size: int) -> TensorParallel:
+    """This process's rank in the default torch.distributed group, which must have `size`
+    ranks (the workers join it before loading; size 1 needs no group)."""
+    if size == 1:
+        return TensorParallel()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"tensor_parallel_size={size} needs an initialised process group")
+    if dist.get_world_size() != size:
+        raise RuntimeError(
+            f"the process group has {dist.get_world_size()} ranks, tensor_parallel_size={size}"
+        )
+    return TensorParallel(rank=dist.get_rank(), size=size)
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    device: torch.device
+    dtype: torch.dtype
+    attention: AttentionBackend
+    fused_ops: FusedOps = "torch"
+    small_batch_gemm: bool = False
+    tp: TensorParallel = field(default_factory=TensorParallel)

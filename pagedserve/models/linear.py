@@ -1,0 +1,299 @@
+"""The linear layers and the vocabulary-parallel embedding / LM head.
+
+Tensor parallelism (LayerConfig.tp): every parallel layer allocates only its shard and carries a
+`weight_loader` on each parameter that takes the full Hugging Face tensor and copies its slice.
+Column-parallel layers shard the output dim (no communication); row-parallel layers shard the
+input dim and all-reduce their output; the vocabulary is sharded by rows (embedding: masked
+lookup + all-reduce; LM head: local logits + all-gather).
+
+A linear layer's weights and product belong to its linear method (`UnquantizedLinearMethod`
+here): the method registers the parameters on the layer, may convert them once after loading,
+and computes x W^T + b.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.models.layer_config import LayerConfig
+
+# Rows up to which the Triton weight-streaming GEMM replaces cuBLAS (LayerConfig
+# small_batch_gemm): on the H200 it beats cuBLAS at 1 row (1.46x per Qwen3-0.6B layer, 1.11x
+# per Llama-3.1-8B layer) but not at 4 (0.73x for Llama; scripts/results/kernels_h200.md), so
+# only single-row (batch-1 decode) products take it.
+SMALL_BATCH_GEMM_MAX_ROWS = 1
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, loaded {tuple(loaded.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+def new_parameter(
+    *shape: int, loader: Callable[..., None], dtype: torch.dtype | None = None
+) -> nn.Parameter:
+    """An uninitialised frozen parameter (default dtype and device unless given) filled by
+    `loader(param, checkpoint_tensor[, shard_id])`."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def _mkldnn_linear_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_MKLDNN_LINEAR = _mkldnn_linear_available()
+
+
+@functools.cache
+def triton_gemv_module() -> ModuleType:
+    """kernels.triton_gemv, imported on first use (by a layer whose config chose it)."""
+    from pagedserve.kernels import triton_gemv
+
+    return triton_gemv
+
+
+class DenseMatmul:
+    """x W^T + b for a float weight [out, in], the implementation fixed at construction:
+    with small_batch_gemm, products of at most SMALL_BATCH_GEMM_MAX_ROWS rows go through the
+    Triton weight-streaming GEMM (triton_gemv.skinny_linear: cuBLAS picks poor tiles for such
+    skinny shapes); float32 on the CPU through oneDNN's linear on the weight reordered once
+    (the layout Inductor uses for frozen CPU weights: ~1.3-1.6x faster than MKL's sgemm at
+    small batches; reordered again when the weight changes); everything else F.linear."""
+
+    def __init__(self, config: LayerConfig) -> None:
+        self.skinny = triton_gemv_module() if config.small_batch_gemm else None
+        self.onednn = (
+            _MKLDNN_LINEAR and config.device.type == "cpu" and config.dtype == torch.float32
+        )
+        self._key: tuple[int, int] | None = None
+        self._packed: torch.Tensor | None = None
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.skinny is not None and x.numel() <= SMALL_BATCH_GEMM_MAX_ROWS * x.shape[-1]:
+            if self.skinny.skinny_linear_applies(x, weight, bias):
+                return self.skinny.skinny_linear(x, weight, bias)
+        if self.onednn and not torch.is_grad_enabled():  # oneDNN's op has no autograd
+            return self._onednn_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def _onednn_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)
+        if self._key != key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+            self._key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+
+
+class UnquantizedLinearMethod:
+    """A float weight [output_per_rank, input_per_rank] (and bias [output_per_rank])."""
+
+    def __init__(self, config: LayerConfig) -> None:
+        self.matmul = DenseMatmul(config)
+
+    def create_weights(self, layer: LinearBase, bias: bool) -> None:
+        layer.weight = new_parameter(
+            layer.output_size, layer.input_size, loader=layer.weight_loader
+        )
+        layer.bias = new_parameter(layer.output_size, loader=layer.weight_loader) if bias else None
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.matmul(x, layer.weight, bias)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with W [output_per_rank, input_per_rank], by the config's linear method."""
+
+    bias: nn.Parameter | None
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, config: LayerConfig) -> None:
+        super().__init__()
+        self.tp = config.tp
+        self.input_size, self.output_size = input_size, output_size
+        self.method = UnquantizedLinearMethod(config)
+        self.method.create_weights(self, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Shards the output dim: rank r holds rows [r * out/tp, (r + 1) * out/tp)."""
+
+    def __init__(
+        self, input_size: int, output_size: int, config: LayerConfig, bias: bool = False
+    ) -> None:
+        super().__init__(input_size, divide(output_size, config.tp.size), bias, config)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, self.tp.rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_up); shard_id picks the part."""
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], config: LayerConfig, bias: bool = False
+    ) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), config, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        size = self.output_sizes[shard_id] // self.tp.size
+        target = param.data.narrow(0, offset, size)
+        default_weight_loader(target, loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul, sharded by heads. When tp.size exceeds the number
+    of kv heads, each kv head is replicated over tp.size / num_kv_heads ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        config: LayerConfig,
+        bias: bool = False,
+    ) -> None:
+        tp_size = config.tp.size
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size)
+        if tp_size >= num_kv_heads:
+            self.num_kv_heads, self.kv_replicas = 1, divide(tp_size, num_kv_heads)
+        else:
+            self.num_kv_heads, self.kv_replicas = divide(num_kv_heads, tp_size), 1
+        local_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, local_out * tp_size, config, bias)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        if shard_id == "q":
+            offset, size, head_start = 0, self.q_size, self.tp.rank * self.num_heads
+        else:
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, head_start = self.kv_size, (self.tp.rank // self.kv_replicas) * self.num_kv_heads
+        source = loaded.narrow(0, head_start * self.head_dim, size)
+        default_weight_loader(param.data.narrow(0, offset, size), source)
+
+
+class RowParallelLinear(LinearBase):
+    """Shards the input dim; the partial outputs are all-reduced (bias added once)."""
+
+    def __init__(
+        self, input_size: int, output_size: int, config: LayerConfig, bias: bool = False
+    ) -> None:
+        super().__init__(divide(input_size, config.tp.size), output_size, bias, config)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # bias: replicated
+            default_weight_loader(param, loaded)
+            return
+        size = param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)
+        self.tp.all_reduce(y)
+        return y
+
+
+class VocabParallelBase(nn.Module):
+    """A [vocab, hidden] weight sharded by vocabulary rows (padded: each rank holds as many)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        config: LayerConfig,
+        tied_to: nn.Parameter | None,
+    ) -> None:
+        super().__init__()
+        self.tp = config.tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = math.ceil(vocab_size / self.tp.size)
+        self.vocab_start = self.tp.rank * self.rows_per_rank
+        if tied_to is not None:
+            self.weight = tied_to
+        else:
+            self.weight = new_parameter(self.rows_per_rank, hidden_size, loader=self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rows = max(0, min(self.rows_per_rank, self.vocab_size - self.vocab_start))
+        param.data.zero_()
+        default_weight_loader(param.data[:rows], loaded.narrow(0, self.vocab_start, rows))
+
+
+class VocabEmbedding(VocabParallelBase):
+    """Token embedding; under TP a masked local lookup followed by an all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, config: LayerConfig) -> None:
+        super().__init__(vocab_size, hidden_size, config, tied_to=None)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        in_shard = (local >= 0) & (local < self.rows_per_rank)
+        y = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
+        y = y * in_shard.unsqueeze(-1).to(y.dtype)
+        self.tp.all_reduce(y)
+        return y
+
+
+class LMHead(VocabParallelBase):
+    """logits = hidden @ W^T over the vocabulary; shares the embedding's weight when tied."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        config: LayerConfig,
+        tied_to: VocabEmbedding | None = None,
+    ) -> None:
+        tied_weight = tied_to.weight if tied_to is not None else None
+        super().__init__(vocab_size, hidden_size, config, tied_to=tied_weight)
+        self.matmul = DenseMatmul(config)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last_dim(self.matmul(hidden, self.weight, None))
+        return logits[..., : self.vocab_size]
