@@ -210,6 +210,7 @@ def test_http_zmq_and_offline_agree_with_the_same_seed(server, api, model_path: 
         ({"model": MODEL_NAME, "prompt": [[1], [2], [4096]]}, 400),
         ({"model": MODEL_NAME, "prompt": [5, -1]}, 400),
         ({"model": MODEL_NAME, "prompt": "x", "n": 17}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "n": 2, "seed": 2**63 - 1}, 400),
         ({"model": MODEL_NAME, "prompt": "x", "n": 1e30}, 400),
         ({"model": MODEL_NAME, "prompt": "x", "n": 10**6, "best_of": 10**6}, 400),
         ({"model": MODEL_NAME, "prompt": "x", "stop": ["a"] * 9}, 400),
@@ -546,3 +547,14 @@ def test_a_body_must_be_json_within_the_size_and_depth_limits(server) -> None:
         assert response.status_code == 400
     brackets = {"model": MODEL_NAME, "prompt": "[{" * 40, "max_tokens": 2}  # in a string
     assert httpx.post(base + "/v1/completions", json=brackets).status_code == 200
+
+
+def test_responses_are_not_held_back_by_nagles_algorithm(server) -> None:
+    """A response's headers and body go out in two writes: without TCP_NODELAY each waits for
+    the client's delayed ACK (40 ms), so 20 small requests would take 0.8 s or more."""
+    with httpx.Client(base_url=server[1]) as http:
+        http.get("/version")
+        start = time.perf_counter()
+        for _ in range(20):
+            assert http.get("/version").status_code == 200
+        assert time.perf_counter() - start < 0.6

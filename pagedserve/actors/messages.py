@@ -67,6 +67,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise ValueError(f"{name} must be a finite number")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.seed is not None and self.seed + self.n - 1 >= 2**63:
+            raise ValueError("seed + n - 1 must be a 64-bit integer (choice i uses seed + i)")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

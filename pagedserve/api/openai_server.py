@@ -261,6 +261,10 @@ class APIServerActor(Actor):
         self.listener = socket.create_server(
             (server_config.host, server_config.port), reuse_port=False
         )
+        # Accepted connections inherit it. asyncio sets it only on sockets whose protocol
+        # number is TCP's, which create_server's (0) is not: without it, a response's headers
+        # and body (two writes) wait 40 ms for the client's delayed ACK (Nagle's algorithm).
+        self.listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server_config = server_config
         return {}
 
