@@ -49,4 +49,5 @@ def check_port_free(host: str, port: int) -> None:
     try:
         socket.create_server((host, port)).close()
     except OSError as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ValueError(f"cannot listen on {host}:{port}: {reason}") from None

@@ -1,8 +1,11 @@
-"""/health and /v1/models tell the truth about the engine (200 only while it answers), and the
-latency metrics count from a request's arrival in the server, waiting included."""
+"""A server started with settings (a short health-check deadline, the model's generation
+config, a chat template): /health and /v1/models tell the truth about the engine (200 only
+while it answers), the latency metrics count from a request's arrival, waiting included, and
+requests that leave a sampling field unset get the generation config's value."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,9 +27,15 @@ from tests.tiny_models import save_tiny_model
 HEALTH_TIMEOUT_S = 0.5
 
 
+GENERATION_CONFIG = {"temperature": 0.0, "max_new_tokens": 6}  # greedy, at most 6 tokens
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> Path:
-    return save_tiny_model("llama", tmp_path_factory.mktemp("readiness"))
+    path = save_tiny_model("llama", tmp_path_factory.mktemp("settings"))
+    (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +45,7 @@ def server(model_path: Path):
         model=str(model_path),
         max_model_len=128,
         num_kv_blocks=64,
+        chat_template=CHAT_TEMPLATE,
         server=ServerConfig(port=port, health_check_timeout_s=HEALTH_TIMEOUT_S),
     )
     supervisor = Supervisor(config)
@@ -119,3 +129,28 @@ def test_ttft_and_e2e_count_the_wait_from_arrival(server) -> None:
         )
         assert count_after == count_before + 1
         assert sum_after - sum_before >= wait_s - 0.1, name
+
+
+def test_unset_fields_take_the_generation_config(server) -> None:
+    supervisor, base = server
+    api = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    model = supervisor.config.model
+    kwargs = dict(model=model, prompt="To be", extra_body={"ignore_eos": True})
+    default = api.completions.create(max_tokens=100, **kwargs).choices[0]
+    greedy = api.completions.create(max_tokens=6, temperature=0, **kwargs).choices[0]
+    assert default.text == greedy.text and default.finish_reason == "length"
+    unset = api.completions.create(**kwargs)  # OpenAI's default of 16, under the config's 6
+    assert unset.usage.completion_tokens == 6
+    sampled = [
+        api.completions.create(max_tokens=6, temperature=1.5, seed=s, **kwargs).choices[0].text
+        for s in range(4)
+    ]
+    assert len(set(sampled)) > 1  # a field the request sets wins
+
+
+def test_the_chat_template_setting_renders_chat_prompts(server, model_path) -> None:
+    base = server[1]
+    messages = [{"role": "user", "content": "Who art thou?"}]
+    tokens = httpx.post(base + "/tokenize", json={"messages": messages}).json()["tokens"]
+    tokenizer = load_tokenizer(str(model_path))
+    assert tokens == tokenizer.encode("<user>Who art thou?", add_special_tokens=False)
