@@ -29,7 +29,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     disable_log_requests: bool = False  # else each request is logged at INFO
     health_check_timeout_s: float = 2.0  # /health: deadline of the round trip to the engine
     # Request limits, checked before anything is decoded, tokenized or queued (a 4xx beyond)
-    max_request_body_bytes: int = 16 * 1024 * 1024
+    max_request_body_bytes: int = 8 * 1024 * 1024
     max_json_depth: int = 32  # nesting of arrays and objects in a request body
     max_prompt_chars: int = 4 * 1024 * 1024  # characters of one prompt (or chat) before tokenizing
     max_prompts_per_request: int = 1024  # a completions call with a list of prompts

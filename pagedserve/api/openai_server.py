@@ -188,7 +188,11 @@ class OpenAIServer:
         )
 
     def token_text(self, token_id: int) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
+        return self.text_of([token_id])
+
+    def text_of(self, token_ids: list[int]) -> str:
+        """Text of `token_ids`; empty without a tokenizer (skip_tokenizer_init)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
     # ------------------------------------------------------------------ tokenizer endpoints
 

@@ -95,7 +95,7 @@ class CompletionRender(Render):
         if not self.body.echo:
             return ""
         prompt = self.prompts[choice.index // self.body.n]
-        return prompt if isinstance(prompt, str) else self.server.tokenizer.decode(prompt)
+        return prompt if isinstance(prompt, str) else self.server.text_of(prompt)
 
     def logprobs(self, entries: list[TokenLogprobs], offset: int) -> dict | None:
         if self.body.logprobs is None:
