@@ -25,6 +25,18 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     port: int = 8000
     api_key: str | None = None
     served_model_name: str | None = None
+    uvicorn_log_level: str = "warning"
+    disable_log_requests: bool = False  # else each request is logged at INFO
+    health_check_timeout_s: float = 2.0  # /health: deadline of the round trip to the engine
+    # Request limits, checked before anything is decoded, tokenized or queued (a 4xx beyond)
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_json_depth: int = 32  # nesting of arrays and objects in a request body
+    max_prompt_chars: int = 4 * 1024 * 1024  # characters of one prompt (or chat) before tokenizing
+    max_prompts_per_request: int = 1024  # a completions call with a list of prompts
+    max_n: int = 128  # choices per prompt (n, best_of)
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 1024
 
 
 class ProfileConfig(msgspec.Struct, kw_only=True):
@@ -113,6 +125,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     skip_tokenizer_init: bool = False  # token ids in and out only (models with no tokenizer)
     profile: ProfileConfig | None = None  # profile a window of worker steps (rank 0)
     speculative_config: SpeculativeConfig | None = None
+    chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's
+    generation_config: str = "auto"  # defaults from generation_config.json: auto | vllm | DIR
+    trust_remote_code: bool = False  # accepted for vLLM compatibility: only local code runs
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...})

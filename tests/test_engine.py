@@ -194,3 +194,14 @@ def test_tensor_parallel_two_workers_match_one(llama_path: Path) -> None:
         assert sharded.supervisor.num_kv_blocks // 2 == single_blocks  # (floor rounding)
         outputs = sharded.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_a_custom_chat_template_renders_chat_prompts(llama_path: Path) -> None:
+    """`chat_template` (vLLM's --chat-template) replaces the tokenizer's template in the
+    tokenizer actor: the chat prompt's tokens are the custom rendering's."""
+    from tests.tiny_models import build_tokenizer
+
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    with LLM(str(llama_path), num_kv_blocks=32, chat_template=template) as llm:
+        out = llm.chat([{"role": "user", "content": "To be"}], GREEDY)[0]
+    assert out.prompt_token_ids == build_tokenizer().encode("<<To be>>")

@@ -3,6 +3,9 @@ localhost port; the ZeroMQ client and the offline LLM on the same model as the r
 
 from __future__ import annotations
 
+import collections
+import functools
+import json
 import re
 import socket
 import time
@@ -13,6 +16,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+import pagedserve
 from pagedserve import LLM, SamplingParams
 from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import AsyncClient, Client
@@ -21,6 +25,16 @@ from tests.tiny_models import pick_stop_string, save_tiny_model
 
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 256
+LIMITS = dict(
+    max_request_body_bytes=1 << 20,
+    max_json_depth=16,
+    max_prompt_chars=50_000,
+    max_prompts_per_request=64,
+    max_n=16,
+    max_stop_strings=8,
+    max_stop_string_chars=32,
+    max_stop_token_ids=8,
+)
 
 
 def free_port() -> int:
@@ -41,7 +55,7 @@ def server(model_path: Path):
         model=str(model_path),
         max_model_len=MAX_MODEL_LEN,
         num_kv_blocks=512,
-        server=ServerConfig(port=port, served_model_name=MODEL_NAME),
+        server=ServerConfig(port=port, served_model_name=MODEL_NAME, **LIMITS),
     )
     supervisor = Supervisor(config)
     supervisor.start(extra_actors=("api-server",))
@@ -56,8 +70,10 @@ def api(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server[1] + "/v1", api_key="none", max_retries=0)
 
 
-def metric(text: str, name: str) -> float:
+def metric(text: str, name: str, default: float | None = None) -> float:
     match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    if match is None and default is not None:
+        return default
     assert match, name
     return float(match.group(1))
 
@@ -185,6 +201,25 @@ def test_http_zmq_and_offline_agree_with_the_same_seed(server, api, model_path: 
         ({"model": MODEL_NAME, "prompt": 12.5}, 400),
         ({"model": MODEL_NAME, "prompt": "x", "max_tokens": "many"}, 400),
         ({"model": MODEL_NAME}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "top_k": 2**63}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "seed": 2**64}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 2**63}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "min_tokens": -(2**63) - 1}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "stop_token_ids": [2**70]}, 400),
+        ({"model": MODEL_NAME, "prompt": [[], [], [4096]]}, 400),
+        ({"model": MODEL_NAME, "prompt": [[1], [2], [4096]]}, 400),
+        ({"model": MODEL_NAME, "prompt": [5, -1]}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "n": 17}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "n": 2, "seed": 2**63 - 1}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "n": 1e30}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "n": 10**6, "best_of": 10**6}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "stop": ["a"] * 9}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "stop": "y" * 33}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "stop_token_ids": [1] * 9}, 400),
+        ({"model": MODEL_NAME, "prompt": "x" * 50_001}, 400),
+        ({"model": MODEL_NAME, "prompt": ["x"] * 65}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "logprobs": 21}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "unknown": [[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]}, 400),
     ],
 )
 def test_bad_input_is_an_openai_4xx_and_the_engine_keeps_serving(server, body, status) -> None:
@@ -276,6 +311,7 @@ def test_api_key_and_restart_of_dead_stateless_actors(model_path: Path) -> None:
             len(good.completions.create(model=str(model_path), prompt="x", max_tokens=2).choices)
             == 1
         )
+        check_api_key_guards(port, "sekrit")
         for name in ("api-server", "tokenizer"):
             supervisor.processes[name].kill()
         deadline = time.monotonic() + 120
@@ -294,6 +330,28 @@ def test_api_key_and_restart_of_dead_stateless_actors(model_path: Path) -> None:
         supervisor.stop()
 
 
+def check_api_key_guards(port: int, key: str) -> None:
+    """Every route but /health, /metrics and /version needs the key, which is checked before
+    the body is read (a 401 comes back while the declared body has not been sent)."""
+    base = f"http://127.0.0.1:{port}"
+    for path in ("/v1/models", f"/v1/models/{MODEL_NAME}", "/tokenize", "/v1/completions"):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": key}):
+            response = httpx.request(
+                "GET" if "models" in path else "POST", base + path, headers=headers
+            )
+            assert response.status_code == 401, path
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(base + path).status_code == 200
+    assert httpx.get(base + "/v1/models", headers={"authorization": f"Bearer {key}"}).is_success
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000\r\nAuthorization: Bearer wrong\r\n\r\n"
+        )
+        assert sock.recv(4096).startswith(b"HTTP/1.1 401")
+
+
 def test_echo_penalties_and_user_fields(api: openai.OpenAI) -> None:
     kwargs = dict(model=MODEL_NAME, prompt="To be, or not", max_tokens=8, temperature=0, user="u1")
     plain = api.completions.create(**kwargs).choices[0].text
@@ -309,3 +367,195 @@ def test_echo_penalties_and_user_fields(api: openai.OpenAI) -> None:
     )
     assert len(set(free)) < len(free)  # greedy on this model repeats itself...
     assert len(set(penalised)) > len(set(free))  # ...and the penalties reach the sampler
+
+
+def test_streams_with_several_choices_end_with_done(server, api: openai.OpenAI) -> None:
+    kwargs = dict(
+        model=MODEL_NAME,
+        prompt=["To be", "Friends, Romans"],
+        max_tokens=8,
+        n=3,
+        seed=7,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    full = api.completions.create(**kwargs)
+    chunks = list(
+        api.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    streamed: dict[int, str] = collections.defaultdict(str)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == {c.index: c.text for c in full.choices}
+    assert len(streamed) == 6
+    assert chunks[-1].usage == full.usage
+    chat = list(
+        api.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "Who art thou?"}],
+            n=2,
+            max_tokens=6,
+            seed=3,
+            stream=True,
+        )
+    )
+    finished = [c.index for chunk in chat for c in chunk.choices if c.finish_reason]
+    assert sorted(finished) == [0, 1]
+    raw = httpx.post(
+        server[1] + "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": ["a", "b"], "n": 2, "max_tokens": 4, "stream": True},
+    )
+    assert raw.status_code == 200 and raw.text.endswith("data: [DONE]\n\n")
+
+
+def test_completion_top_logprobs_include_the_sampled_token(api: openai.OpenAI) -> None:
+    out = api.completions.create(
+        model=MODEL_NAME,
+        prompt="O Romeo",
+        max_tokens=32,
+        temperature=1.5,
+        seed=5,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = out.choices[0].logprobs
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert token in top
+        if "\ufffd" not in token:  # pieces of one character all read as U+FFFD: keys collide
+            assert top[token] == logprob
+    assert any(len(top) == 2 for top in logprobs.top_logprobs)  # sampled, not the most likely
+
+
+async def test_a_client_that_leaves_a_whole_response_aborts_it(server) -> None:
+    supervisor, base = server
+    body = {"model": MODEL_NAME, "prompt": "x", "n": 4, "max_tokens": 240, "ignore_eos": True}
+    async with AsyncClient(supervisor.addresses.engine_address) as engine:
+        before = await engine.stats()
+        aborted_before = metric(
+            httpx.get(base + "/metrics").text,
+            'pagedserve:request_success_total{finished_reason="abort"}',
+            default=0.0,
+        )
+        async with httpx.AsyncClient(timeout=60) as http, anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(http.post, base + "/v1/completions", json=body))
+            with anyio.fail_after(30):
+                while (await engine.stats()).num_running < 4:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()  # the client hangs up before the response
+        with anyio.fail_after(5):
+            while (stats := await engine.stats()).num_running:
+                await anyio.sleep(0.02)
+    assert stats.num_generation_tokens - before.num_generation_tokens < 4 * 240 // 2
+    aborted = metric(
+        httpx.get(base + "/metrics").text,
+        'pagedserve:request_success_total{finished_reason="abort"}',
+    )
+    assert aborted == aborted_before + 4
+
+
+def test_model_tokenize_detokenize_and_version_endpoints(server, api: openai.OpenAI) -> None:
+    base = server[1]
+    assert api.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("nope")
+    prompt = "To be, or not"
+    tokens = httpx.post(
+        base + "/tokenize", json={"model": MODEL_NAME, "prompt": prompt, "return_token_strs": True}
+    ).json()
+    assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"]) > 0
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    usage = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1).usage
+    assert usage.prompt_tokens == tokens["count"]
+    text = httpx.post(base + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": prompt}
+    messages = [{"role": "user", "content": "Who art thou?"}]
+    chat_tokens = httpx.post(base + "/tokenize", json={"messages": messages}).json()
+    chat = api.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+    assert chat.usage.prompt_tokens == chat_tokens["count"]
+    assert httpx.get(base + "/version").json() == {"version": pagedserve.__version__}
+    for response, status in (
+        (httpx.get(base + "/nope"), 404),
+        (httpx.get(base + "/tokenize"), 405),
+    ):
+        assert response.status_code == status
+        assert set(response.json()["error"]) >= {"message", "type", "code"}
+    bad = httpx.post(base + "/detokenize", json={"tokens": [10**6]})
+    assert bad.status_code == 400
+
+
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+        ("/v1/chat/completions", {"tool_choice": "required"}),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}),
+        ("/v1/completions", {"best_of": 3}),
+        ("/v1/completions", {"logit_bias": {"5": 10}}),
+        ("/v1/completions", {"suffix": "The end."}),
+        ("/v1/completions", {"echo": True, "logprobs": 1}),
+        ("/v1/completions", {"guided_json": {"type": "object"}}),
+    ],
+)
+def test_fields_that_are_not_implemented_are_a_400(server, path: str, fields: dict) -> None:
+    name = next(iter(fields))
+    response = httpx.post(server[1] + path, json={**minimal_body(path), **fields})
+    assert response.status_code == 400
+    assert name.split("_")[0] in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        ("/v1/chat/completions", {"tools": [{"type": "function"}], "tool_choice": "none"}),
+        ("/v1/chat/completions", {"response_format": {"type": "text"}}),
+        ("/v1/completions", {"best_of": 2, "n": 2}),
+        ("/v1/completions", {"logit_bias": {}, "suffix": ""}),
+    ],
+)
+def test_fields_that_change_nothing_are_accepted(server, path: str, fields: dict) -> None:
+    assert httpx.post(server[1] + path, json={**minimal_body(path), **fields}).status_code == 200
+
+
+def minimal_body(path: str) -> dict:
+    if path == "/v1/completions":
+        return {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+
+
+def test_a_body_must_be_json_within_the_size_and_depth_limits(server) -> None:
+    base = server[1]
+    hostile = json.dumps({"model": MODEL_NAME, "prompt": "a", "max_tokens": 3, "top_k": 2**63})
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for headers in ({"content-type": "text/plain"}, {}):
+            response = httpx.post(base + path, content=hostile, headers=headers)
+            assert response.status_code == 415
+        assert httpx.post(base + path, json=json.loads(hostile)).status_code == 400
+    large = httpx.post(base + "/v1/completions", json={"prompt": "x" * (1 << 20)})
+    assert large.status_code == 413
+    deep = b'{"prompt": "a", "junk": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = httpx.post(
+        base + "/v1/completions", content=deep, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "nests" in response.json()["error"]["message"]
+    for number in (b"1e999", b"-1e999"):  # JSON numbers no float holds
+        response = httpx.post(
+            base + "/v1/completions",
+            content=b'{"prompt": "a", "temperature": %s}' % number,
+            headers={"content-type": "application/json"},
+        )
+        assert response.status_code == 400
+    brackets = {"model": MODEL_NAME, "prompt": "[{" * 40, "max_tokens": 2}  # in a string
+    assert httpx.post(base + "/v1/completions", json=brackets).status_code == 200
+
+
+def test_responses_are_not_held_back_by_nagles_algorithm(server) -> None:
+    """A response's headers and body go out in two writes: without TCP_NODELAY each waits for
+    the client's delayed ACK (40 ms), so 20 small requests would take 0.8 s or more."""
+    with httpx.Client(base_url=server[1]) as http:
+        http.get("/version")
+        start = time.perf_counter()
+        for _ in range(20):
+            assert http.get("/version").status_code == 200
+        assert time.perf_counter() - start < 0.6

@@ -16,11 +16,25 @@ if TYPE_CHECKING:  # transformers (and torch with it) is imported only to load a
 GENERATION_CONFIG = "generation_config.json"
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The model's HF tokenizer, from local files only (a directory or the HF cache)."""
+def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The model's HF tokenizer, from local files only (a directory or the HF cache);
+    `chat_template` (Jinja text, `EngineConfig.chat_template`) replaces its own."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def resolve_chat_template(value: str) -> str:
+    """`--chat-template` as vLLM takes it: a file's path, or the Jinja template itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if not any(mark in value for mark in ("{{", "{%")):
+        raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def apply_chat_template(

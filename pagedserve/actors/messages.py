@@ -63,8 +63,23 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        import math
+
+        # Integers the engine keeps in int64 arrays, floats it computes with: anything that
+        # cannot be represented is a ValueError here (a 400 at the API), never a crash later.
+        integers = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+        stop_ids = [("stop_token_ids", t) for t in self.stop_token_ids or []]
+        for name, value in [*((n, getattr(self, n)) for n in integers), *stop_ids]:
+            if value is not None and not -(2**63) <= value < 2**63:
+                raise ValueError(f"{name} must be a 64-bit integer, got {value}")
+        penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+        for name in ("temperature", "top_p", "min_p", *penalties):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.seed is not None and self.seed + self.n - 1 >= 2**63:
+            raise ValueError("seed + n - 1 must be a 64-bit integer (choice i uses seed + i)")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -79,8 +94,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError("presence_penalty must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:

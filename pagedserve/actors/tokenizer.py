@@ -111,7 +111,7 @@ class TokenizerActor(Actor):
         if self.config.skip_tokenizer_init:
             vocab_size = int(read_hf_config(self.config.model_path)["vocab_size"])
         else:
-            tokenizer = load_tokenizer(self.config.tokenizer_path)
+            tokenizer = load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
             vocab_size = len(tokenizer)
         self.eos_token_ids = eos_token_ids(self.config.model_path, tokenizer)
         self.encoder = PromptEncoder(tokenizer, vocab_size, self.config.max_model_len or 0)

@@ -10,9 +10,10 @@ import time
 from typing import Any
 
 from pagedserve.actors.messages import SamplingParams
-from pagedserve.config import DEFAULT_MODEL
+from pagedserve.config import DEFAULT_MODEL, ServerConfig
 
 ENGINE_FLAGS: dict[str, tuple[type, str]] = {
+    "tokenizer": (str, "tokenizer directory or cached hub id (default: the model's)"),
     "dtype": (str, "weights and activations dtype: auto, float32, bfloat16, float16"),
     "load_format": (str, "auto (safetensors) or dummy (random weights of the real config)"),
     "max_model_len": (int, "longest prompt + output in tokens (default: the model's limit)"),
@@ -30,7 +31,31 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         'or \'{"model": PATH, "num_speculative_tokens": 4}\'',
     ),
+    "chat_template": (str, "a Jinja chat template, or the path of a file holding one"),
+    "generation_config": (
+        str,
+        "sampling defaults for fields a request leaves unset: auto (the model's "
+        "generation_config.json), vllm (none) or a directory holding one",
+    ),
 }
+ENGINE_SWITCHES = {  # vLLM's on/off flags; unset leaves the engine's default
+    "skip_tokenizer_init": "no tokenizer: token ids in and out",
+    "enforce_eager": "no CUDA graphs",
+    "trust_remote_code": "accepted for vLLM compatibility; pagedserve runs only its own code",
+}
+# ServerConfig fields that `pagedserve serve` takes as flags (the request limits and the like)
+SERVER_FLAGS = [
+    "uvicorn_log_level",
+    "health_check_timeout_s",
+    "max_request_body_bytes",
+    "max_json_depth",
+    "max_prompt_chars",
+    "max_prompts_per_request",
+    "max_n",
+    "max_stop_strings",
+    "max_stop_string_chars",
+    "max_stop_token_ids",
+]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -39,19 +64,56 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group = parser.add_argument_group("engine")
     for name, (kind, help_text) in ENGINE_FLAGS.items():
-        group.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+        flags = ["--" + name.replace("_", "-")] + (
+            ["-tp"] if name == "tensor_parallel_size" else []
+        )
+        group.add_argument(*flags, dest=name, type=kind, default=None, help=help_text)
+    for name, help_text in ENGINE_SWITCHES.items():
+        group.add_argument(
+            "--" + name.replace("_", "-"), action="store_true", default=None, help=help_text
+        )
     group.add_argument(
-        "--no-enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="turn automatic prefix caching off",
+        help="automatic prefix caching (on by default)",
     )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [*ENGINE_FLAGS, "enable_prefix_caching", "skip_tokenizer_init"]
+    names = [*ENGINE_FLAGS, *ENGINE_SWITCHES, "enable_prefix_caching"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    parser.add_argument("--served-model-name", default=None, help="model name in the API")
+    parser.add_argument(
+        "--disable-log-requests", action="store_true", help="do not log each request (INFO)"
+    )
+    group = parser.add_argument_group("server settings and request limits")
+    defaults = ServerConfig()
+    for name in SERVER_FLAGS:
+        default = getattr(defaults, name)
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            help=f"default {default}",
+        )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        disable_log_requests=args.disable_log_requests,
+        **{name: getattr(args, name) for name in SERVER_FLAGS},
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +142,12 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedserve.api.llm import LLM
 
-    with LLM(args.model, **engine_kwargs(args)) as llm:
+    try:
+        llm = LLM(args.model, **engine_kwargs(args))
+    except ValueError as exc:  # a setting that cannot work, found before anything started
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 1
+    with llm:
         outputs = llm.generate(args.prompts, sampling_from(args))
     for prompt, output in zip(args.prompts, outputs):
         print(prompt + output.outputs[0].text)
@@ -89,18 +156,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedserve.actors.supervisor import Supervisor
-    from pagedserve.config import EngineConfig, ServerConfig
+    from pagedserve.actors.supervisor import EngineDeadError, Supervisor
+    from pagedserve.api.preflight import check_port_free, prepare_config
+    from pagedserve.config import EngineConfig
 
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-    )
-    config = EngineConfig(model=args.model_arg or args.model, server=server, **engine_kwargs(args))
-    supervisor = Supervisor(config)
-    supervisor.start(extra_actors=("api-server",))
+    try:
+        config = EngineConfig(
+            model=args.model_arg or args.model, server=server_config(args), **engine_kwargs(args)
+        )
+        config = prepare_config(config)
+        check_port_free(args.host, args.port)
+        supervisor = Supervisor(config)
+    except ValueError as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        supervisor.start(extra_actors=("api-server",))
+    except EngineDeadError as exc:
+        print(f"pagedserve: error: the engine did not start: {exc}", file=sys.stderr)
+        return 1
     name = args.served_model_name or config.model
     print(
         f"pagedserve: serving {name} on http://{args.host}:{args.port}/v1 "
@@ -120,9 +194,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from pagedserve.actors.messages import ChatMessage
     from pagedserve.actors.supervisor import Supervisor
     from pagedserve.api.client import Client
+    from pagedserve.api.preflight import prepare_config
     from pagedserve.config import EngineConfig
 
-    supervisor = Supervisor(EngineConfig(model=args.model, **engine_kwargs(args)))
+    try:
+        supervisor = Supervisor(
+            prepare_config(EngineConfig(model=args.model, **engine_kwargs(args)))
+        )
+    except ValueError as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 1
     supervisor.start()
     history: list[ChatMessage] = []
     try:
@@ -311,10 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and ZeroMQ endpoint)")
     serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="model (default: embedded)")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
-    serve.add_argument("--served-model-name", default=None, help="model name in the API")
+    add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -211,9 +211,11 @@ class AsyncClient:
     def __init__(
         self,
         address: str,
-        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        connect_timeout_s: float | None = CONNECT_TIMEOUT_S,
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
     ) -> None:
+        """connect_timeout_s None: do not wait for the engine on entering (a server that must
+        answer its own health checks while the engine is away)."""
         self.address = address
         self.connect_timeout_s, self.liveness_timeout_s = connect_timeout_s, liveness_timeout_s
         addresses = bus.Addresses.from_engine_address(address)
@@ -234,11 +236,12 @@ class AsyncClient:
         self._task_group.start_soon(self._keep_alive)
         try:
             await self._outputs.send(bus.encode(Hello()))
-            with anyio.fail_after(self.connect_timeout_s):
-                await self._connected.wait()
+            if self.connect_timeout_s is not None:
+                with anyio.fail_after(self.connect_timeout_s):
+                    await self._connected.wait()
         except TimeoutError:
             await self.__aexit__(None, None, None)
-            raise _unreachable(self.address, self.connect_timeout_s) from None
+            raise _unreachable(self.address, self.connect_timeout_s or 0) from None
         return self
 
     async def __aexit__(self, *exc: object) -> None:

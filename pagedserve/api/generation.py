@@ -4,13 +4,18 @@ each, merged into one stream of (choice index, delta). Shared by every HTTP endp
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.abc
 
 from pagedserve.actors.messages import RequestDelta, SamplingParams, TokenLogprobs
 from pagedserve.api.client import AsyncClient
 from pagedserve.api.client_core import Prompt, fan_out
+
+Event = tuple[int, RequestDelta]  # (choice index, delta)
+MERGE_BUFFER = 64  # events waiting for the consumer; a full buffer makes the pumps wait
 
 
 @dataclass
@@ -36,50 +41,75 @@ class Choice:
             self.stop_reason = delta.stop_reason
 
 
-async def stream_choices(
-    client: AsyncClient, prompts: list[Prompt], sampling: SamplingParams
-) -> AsyncIterator[tuple[int, RequestDelta]]:
-    """Deltas of every choice as they come; choice index = prompt index * n + child index.
-    Leaving early (or a client disconnect cancelling us) aborts every unfinished request."""
+@dataclass(frozen=True)
+class Job:
+    """One engine request: choice `index` of the API call."""
+
+    index: int
+    prompt: Prompt
+    sampling: SamplingParams
+
+
+def plan_jobs(prompts: list[Prompt], sampling: SamplingParams) -> list[Job]:
+    """Choice index = prompt index * n + child index."""
     jobs = []
     for p_index, prompt in enumerate(prompts):
         for c_index, child in enumerate(fan_out(sampling)):
-            jobs.append((p_index * sampling.n + c_index, prompt, child))
+            jobs.append(Job(p_index * sampling.n + c_index, prompt, child))
+    return jobs
+
+
+@asynccontextmanager
+async def open_choices(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[AsyncIterator[Event]]:
+    """The deltas of every job as they come, until each has finished; an engine error is
+    raised from the iterator. The pumps (one task per job when there are several) live in a
+    task group of the caller's own task for the duration of the `async with` block, and
+    leaving the block early (an error, a cancelled request) aborts every unfinished job."""
     if len(jobs) == 1:
-        index, prompt, child = jobs[0]
-        async for delta in client.generate(prompt, child):
-            yield index, delta
-        return
-    send, receive = anyio.create_memory_object_stream[tuple[int, RequestDelta] | BaseException](
-        max_buffer_size=1 << 20
-    )
-
-    async def pump(index: int, prompt: Prompt, child: SamplingParams) -> None:
+        job = jobs[0]
+        deltas = client.generate(job.prompt, job.sampling)
         try:
-            async for delta in client.generate(prompt, child):
-                await send.send((index, delta))
-        except Exception as exc:  # surfaced to the consumer, which cancels the rest
-            await send.send(exc)
-
-    async with anyio.create_task_group() as tg:
+            yield _tagged(job.index, deltas)
+        finally:
+            await deltas.aclose()
+        return
+    send, receive = anyio.create_memory_object_stream[Event | Exception](MERGE_BUFFER)
+    error: Exception | None = None
+    async with send, receive, anyio.create_task_group() as tg:
         for job in jobs:
-            tg.start_soon(pump, *job)
-        remaining = len(jobs)
-        async with receive:
-            while remaining:
-                item = await receive.receive()
-                if isinstance(item, BaseException):
-                    tg.cancel_scope.cancel()
-                    raise item
-                remaining -= item[1].finish_reason is not None
-                yield item
-        tg.cancel_scope.cancel()
+            tg.start_soon(_pump, client, job, send)
+        try:
+            yield _merged(receive, len(jobs))
+        except Exception as exc:  # re-raised below as itself, not in the task group's group
+            error = exc
+        finally:
+            tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
 
 
-async def collect_choices(
-    client: AsyncClient, prompts: list[Prompt], sampling: SamplingParams
-) -> list[Choice]:
-    choices = [Choice(i) for i in range(len(prompts) * sampling.n)]
-    async for index, delta in stream_choices(client, prompts, sampling):
-        choices[index].add(delta)
-    return choices
+async def _tagged(index: int, deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[Event]:
+    async for delta in deltas:
+        yield index, delta
+
+
+async def _pump(
+    client: AsyncClient, job: Job, send: anyio.abc.ObjectSendStream[Event | Exception]
+) -> None:
+    try:
+        async for delta in client.generate(job.prompt, job.sampling):
+            await send.send((job.index, delta))
+    except Exception as exc:  # raised in the consumer, which leaves and so cancels the rest
+        await send.send(exc)
+
+
+async def _merged(
+    receive: anyio.abc.ObjectReceiveStream[Event | Exception], num_jobs: int
+) -> AsyncIterator[Event]:
+    remaining = num_jobs
+    while remaining:
+        item = await receive.receive()
+        if isinstance(item, Exception):
+            raise item
+        remaining -= item[1].finish_reason is not None
+        yield item

@@ -18,6 +18,8 @@ from pagedserve.actors.messages import ChatMessage, RequestDelta, RequestError, 
 from pagedserve.actors.supervisor import EngineDeadError, Supervisor
 from pagedserve.api.client import Client
 from pagedserve.api.client_core import EngineRequestError, Prompt, fan_out
+from pagedserve.api.preflight import prepare_config
+from pagedserve.api.sampling_defaults import sampling_defaults
 from pagedserve.config import DEFAULT_MODEL, EngineConfig
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
@@ -27,10 +29,14 @@ POLL_MS = 500
 
 class LLM:
     """Keyword arguments are EngineConfig fields, named like the CLI flags and vLLM's
-    (`tensor_parallel_size`, `max_model_len`, `block_size`, `max_num_seqs`, ...)."""
+    (`tensor_parallel_size`, `max_model_len`, `block_size`, `max_num_seqs`, `enforce_eager`,
+    `enable_prefix_caching`, `generation_config`, `trust_remote_code`, `chat_template`, ...).
+    A setting that cannot work (a model without a tokenizer, say) is a ValueError here,
+    before any process starts."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
-        self.config = EngineConfig(model=model, **engine_args)
+        self.config = prepare_config(EngineConfig(model=model, **engine_args))
+        self.default_sampling_params = SamplingParams(**sampling_defaults(self.config))
         self.supervisor = Supervisor(self.config)
         self.supervisor.start()
         self.client = Client(self.supervisor.addresses.engine_address)
@@ -59,6 +65,11 @@ class LLM:
         ]
         return self._run(items, sampling_params, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults,
+        with the model's generation config over them (see `generation_config`)."""
+        return self.default_sampling_params
+
     def get_stats(self):  # -> SchedulerStats
         return self.client.stats()
 
@@ -68,6 +79,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params
         params = _per_prompt(sampling_params, len(items))
         results, jobs = self._plan(items, params)
         owners: dict[int, tuple[int, int]] = {}  # engine request (seq) -> its place
@@ -180,10 +193,8 @@ def _to_prompt(prompt: PromptInput) -> tuple[str | None, Prompt]:
 
 
 def _per_prompt(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    sampling_params: SamplingParams | Sequence[SamplingParams], count: int
 ) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     if len(sampling_params) != count:

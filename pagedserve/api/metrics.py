@@ -6,7 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedserve.actors.messages import SchedulerStats
+from pagedserve.actors.messages import RequestDelta, SchedulerStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 
@@ -81,26 +81,37 @@ SPEC_DECODE_GAUGES = {
 
 
 class RequestTimer:
-    """Times one engine request for the TTFT / TPOT / e2e histograms."""
+    """Times one engine request for the TTFT / TPOT / e2e histograms, from `arrival` (when its
+    API call reached the server, `time.perf_counter()`): queueing and tokenizing count."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, arrival: float) -> None:
         self.metrics = metrics
-        self.start = time.perf_counter()
+        self.start = arrival
         self.first: float | None = None
         self.num_tokens = 0
-        self.num_prompt_tokens = 0
+        self.finished = False
 
-    def on_tokens(self, count: int) -> None:
+    def on_delta(self, delta: RequestDelta) -> None:
+        count = len(delta.token_ids)
         if count and self.first is None:
             self.first = time.perf_counter()
             self.metrics.ttft.observe(self.first - self.start)
         self.num_tokens += count
         self.metrics.generation_tokens.inc(count)
+        if delta.prompt_token_ids is not None:
+            self.metrics.prompt_tokens.inc(len(delta.prompt_token_ids))
+        if delta.finish_reason is not None:
+            self.on_finish(delta.finish_reason.openai_name)
 
     def on_finish(self, reason: str) -> None:
         now = time.perf_counter()
+        self.finished = True
         self.metrics.e2e.observe(now - self.start)
-        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self.metrics.requests.labels(reason).inc()
         if self.first is not None and self.num_tokens > 1:
             self.metrics.tpot.observe((now - self.first) / (self.num_tokens - 1))
+
+    def on_abort(self) -> None:
+        """The request ended unfinished (its client left, or another choice failed)."""
+        if not self.finished:
+            self.on_finish("abort")

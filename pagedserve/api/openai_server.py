@@ -1,186 +1,257 @@
 """OpenAI-compatible HTTP server: a Starlette app on uvicorn, running as its own actor process.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
-ending in `data: [DONE]`, or not), GET /v1/models, GET /health, GET /metrics. It reaches the
-engine only through the async ZeroMQ client, like any other client.
+ending in `data: [DONE]`, or not), GET /v1/models and /v1/models/{id}, POST /tokenize and
+/detokenize (vLLM's shapes), GET /health (200 only while the engine answers), /metrics and
+/version. It reaches the engine only through the async ZeroMQ client, like any other client.
+Every request is checked against `ServerConfig`'s limits before anything is decoded or queued.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import socket
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import pagedserve
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.chat import load_tokenizer
-from pagedserve.actors.messages import ChatMessage, RequestDelta, SamplingParams
+from pagedserve.actors.chat import apply_chat_template, load_tokenizer
+from pagedserve.actors.messages import ChatMessage, SamplingParams
+from pagedserve.api.auth import APIKeyGuard
+from pagedserve.api.body import read_json
 from pagedserve.api.client import AsyncClient
-from pagedserve.api.client_core import EngineRequestError, Prompt
-from pagedserve.api.generation import Choice, stream_choices
-from pagedserve.api.metrics import Metrics, RequestTimer
-from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest, decode_body
+from pagedserve.api.client_core import Prompt
+from pagedserve.api.errors import APIError, on_api_error, on_http_exception
+from pagedserve.api.generation import plan_jobs
+from pagedserve.api.metrics import Metrics
+from pagedserve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_token_prompt,
+)
 from pagedserve.api.render import ChatRender, CompletionRender, Render
+from pagedserve.api.responses import GenerationResponse
+from pagedserve.api.sampling_defaults import sampling_defaults
+from pagedserve.config import EngineConfig, ServerConfig, read_hf_config
 
-
-def error_response(message: str, status: int, kind: str = "invalid_request_error") -> JSONResponse:
-    code = {404: "model_not_found", 401: "invalid_api_key"}.get(status)
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status)
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServer:
-    """Route handlers; state is the client, the tokenizer (for logprob token strings) and
-    the metrics."""
+    """Route handlers. State: the engine client, the tokenizer (token strings, /tokenize; None
+    with skip_tokenizer_init), the sampling defaults of the generation config, the metrics."""
 
     def __init__(
-        self,
-        client: AsyncClient,
-        model_name: str,
-        tokenizer: Any,
-        api_key: str | None,
-        max_model_len: int,
+        self, client: AsyncClient, config: EngineConfig, tokenizer: Any, defaults: dict[str, Any]
     ) -> None:
+        assert config.server is not None and config.max_model_len is not None
         self.client = client
-        self.model_name = model_name
+        self.limits: ServerConfig = config.server
+        self.model_name = self.limits.served_model_name or config.model
+        self.max_model_len = config.max_model_len
         self.tokenizer = tokenizer
-        self.api_key = api_key
-        self.max_model_len = max_model_len
+        self.vocab_size = (
+            len(tokenizer)
+            if tokenizer is not None
+            else read_hf_config(config.model_path)["vocab_size"]
+        )
+        self.defaults = defaults
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.tokenizer_lock = anyio.Lock()  # one tokenizer call at a time, off the event loop
 
     def routes(self) -> list[Route]:
         return [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
         ]
 
-    # ------------------------------------------------------------------ simple endpoints
+    # ------------------------------------------------------------------ engine and models
+
+    async def engine_ready(self) -> bool:
+        """Whether the engine answers a round trip within the health check's deadline."""
+        timeout = self.limits.health_check_timeout_s
+        with anyio.move_on_after(timeout):
+            try:
+                await self.client.stats(timeout_s=timeout)
+                return True
+            except TimeoutError:
+                return False
+        return False
 
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if await self.engine_ready() else 503)
 
     async def models(self, request: Request) -> Response:
-        card = {
+        await self.require_engine()
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self.check_model(request.path_params["model_id"])
+        await self.require_engine()
+        return JSONResponse(self.model_card())
+
+    async def require_engine(self) -> None:
+        if not await self.engine_ready():
+            raise APIError("the engine is not ready to serve requests", 503)
+
+    def model_card(self) -> dict:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "pagedserve",
+            "root": self.model_name,
+            "parent": None,
             "max_model_len": self.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model_not_found")
 
     async def prometheus(self, request: Request) -> Response:
         try:
-            stats = await self.client.stats(timeout_s=5.0)
+            stats = await self.client.stats(timeout_s=self.limits.health_check_timeout_s)
         except TimeoutError:
             stats = None
         return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": pagedserve.__version__})
+
     # ------------------------------------------------------------------ generation
 
-    def check(self, request: Request, model: str | None) -> Response | None:
-        if self.api_key is not None:
-            if request.headers.get("authorization") != f"Bearer {self.api_key}":
-                return error_response("invalid API key", 401, "authentication_error")
-        if model is not None and model != self.model_name:
-            return error_response(f"The model `{model}` does not exist.", 404, "NotFoundError")
-        return None
-
     async def completions(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await read_json(request, CompletionRequest, self.limits)
+        self.check_model(body.model)
         try:
-            body: CompletionRequest = decode_body(await request.body(), CompletionRequest)  # type: ignore[assignment]
-            rejected = self.check(request, body.model)
-            if rejected is not None:
-                return rejected
-            sampling, prompts = body.to_sampling(), body.prompts()
+            body.check_supported()
+            body.check_limits(self.limits)
+            prompts: list[Prompt] = list(body.prompts(self.limits))
+            for prompt in prompts:
+                if not isinstance(prompt, str):
+                    check_token_prompt(prompt, self.vocab_size, self.max_model_len)
+            sampling = body.to_sampling(self.defaults)
         except ValueError as exc:
-            return error_response(str(exc), 400)
+            raise APIError(str(exc), 400) from None
         render = CompletionRender(self, body, prompts)
-        return await self.respond(render, prompts, sampling, body.stream, body.include_usage)
+        return self.generate(render, prompts, sampling, body.stream, body.include_usage, arrival)
 
     async def chat_completions(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await read_json(request, ChatCompletionRequest, self.limits)
+        self.check_model(body.model)
         try:
-            body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)  # type: ignore[assignment]
-            rejected = self.check(request, body.model)
-            if rejected is not None:
-                return rejected
-            sampling = body.to_sampling()
+            body.check_supported()
+            body.check_limits(self.limits)
+            messages = [ChatMessage(role, text) for role, text in body.texts(self.limits)]
+            sampling = body.to_sampling(self.defaults)
         except ValueError as exc:
-            return error_response(str(exc), 400)
-        messages = [ChatMessage(m.role, m.text()) for m in body.messages]
+            raise APIError(str(exc), 400) from None
         render = ChatRender(self, body)
-        return await self.respond(render, [messages], sampling, body.stream, body.include_usage)
+        return self.generate(render, [messages], sampling, body.stream, body.include_usage, arrival)
 
-    async def respond(
+    def generate(
         self,
         render: Render,
         prompts: list[Prompt],
         sampling: SamplingParams,
         stream: bool,
         include_usage: bool,
-    ) -> Response:
-        events = self.run(prompts, sampling)
-        if stream:
-            first = await anext_or_error(events)
-            if isinstance(first, Response):
-                return first
-            return StreamingResponse(
-                sse(render.stream(first, events, include_usage)), media_type="text/event-stream"
-            )
-        choices = [Choice(i) for i in range(len(prompts) * sampling.n)]
-        try:
-            async for index, delta in events:
-                choices[index].add(delta)
-        except EngineRequestError as exc:
-            return error_response(str(exc), exc.status_code)
-        return JSONResponse(render.full(choices))
-
-    async def run(
-        self, prompts: list[Prompt], sampling: SamplingParams
-    ) -> AsyncIterator[tuple[int, RequestDelta]]:
-        timers: dict[int, RequestTimer] = {}
-        async for index, delta in stream_choices(self.client, prompts, sampling):
-            timer = timers.setdefault(index, RequestTimer(self.metrics))
-            timer.on_tokens(len(delta.token_ids))
-            if delta.prompt_token_ids is not None:
-                timer.num_prompt_tokens = len(delta.prompt_token_ids)
-            if delta.finish_reason is not None:
-                timer.on_finish(delta.finish_reason.openai_name)
-            yield index, delta
+        arrival: float,
+    ) -> GenerationResponse:
+        jobs = plan_jobs(prompts, sampling)
+        if not self.limits.disable_log_requests:
+            logger.info("%s: %d engine request(s), %s", render.id, len(jobs), sampling)
+        return GenerationResponse(
+            self.client, self.metrics, render, jobs, stream, include_usage, arrival
+        )
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.text_of([token_id])
 
+    def text_of(self, token_ids: list[int]) -> str:
+        """Text of `token_ids`; empty without a tokenizer (skip_tokenizer_init)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
-async def anext_or_error(
-    events: AsyncIterator[tuple[int, RequestDelta]],
-) -> tuple[int, RequestDelta] | Response:
-    """The first event, or the error response if the engine rejected the request."""
-    try:
-        return await events.__anext__()
-    except EngineRequestError as exc:
-        return error_response(str(exc), exc.status_code)
+    # ------------------------------------------------------------------ tokenizer endpoints
 
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_json(request, TokenizeRequest, self.limits)
+        self.check_model(body.model)
+        tokenizer = self.require_tokenizer()
+        try:
+            texts = [body.prompt] if body.messages is None else [m.text() for m in body.messages]
+            if (body.prompt is None) == (body.messages is None):
+                raise ValueError("give either a prompt or messages")
+            if sum(len(text or "") for text in texts) > self.limits.max_prompt_chars:
+                raise ValueError(f"the input is at most {self.limits.max_prompt_chars} characters")
+            if body.messages is not None and body.add_special_tokens:
+                raise ValueError("add_special_tokens with messages is not supported")
+        except ValueError as exc:
+            raise APIError(str(exc), 400) from None
+        async with self.tokenizer_lock:
+            ids = await anyio.to_thread.run_sync(self.encode, tokenizer, body)
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        reply = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        return JSONResponse({**reply, "token_strs": strs})
 
-async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        yield b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
-    yield b"data: [DONE]\n\n"
+    @staticmethod
+    def encode(tokenizer: Any, body: TokenizeRequest) -> list[int]:
+        """The prompt's ids, or the messages' through the chat template (as the engine gets
+        them); runs in a worker thread."""
+        if body.messages is None:
+            add_special = body.add_special_tokens is not False
+            return list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
+        messages = [ChatMessage(m.role, m.text()) for m in body.messages]
+        try:
+            return apply_chat_template(tokenizer, messages, body.add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(str(exc), 400) from None
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_json(request, DetokenizeRequest, self.limits)
+        self.check_model(body.model)
+        tokenizer = self.require_tokenizer()
+        if any(not 0 <= t < self.vocab_size for t in body.tokens):
+            raise APIError(f"token ids must be in [0, {self.vocab_size})", 400)
+        async with self.tokenizer_lock:
+            text = await anyio.to_thread.run_sync(tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    def require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError("this server has no tokenizer (skip_tokenizer_init)", 400)
+        return self.tokenizer
 
 
 def build_app(server: OpenAIServer) -> Starlette:
-    return Starlette(routes=server.routes())
+    return Starlette(
+        routes=server.routes(),
+        middleware=[Middleware(APIKeyGuard, api_key=server.limits.api_key)],
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_exception},
+    )
 
 
 class APIServerActor(Actor):
@@ -195,20 +266,24 @@ class APIServerActor(Actor):
         self.listener = socket.create_server(
             (server_config.host, server_config.port), reuse_port=False
         )
+        # Accepted connections inherit it. asyncio sets it only on sockets whose protocol
+        # number is TCP's, which create_server's (0) is not: without it, a response's headers
+        # and body (two writes) wait 40 ms for the client's delayed ACK (Nagle's algorithm).
+        self.listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server_config = server_config
         return {}
 
     async def run(self) -> None:
-        tokenizer = load_tokenizer(self.config.tokenizer_path)
-        async with AsyncClient(self.addresses.engine_address) as client:
-            handler = OpenAIServer(
-                client,
-                self.server_config.served_model_name or self.config.model,
-                tokenizer,
-                self.server_config.api_key,
-                self.config.max_model_len or 0,
-            )
+        tokenizer = None
+        if not self.config.skip_tokenizer_init:
+            tokenizer = load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
+        defaults = sampling_defaults(self.config)
+        async with AsyncClient(self.addresses.engine_address, connect_timeout_s=None) as client:
+            handler = OpenAIServer(client, self.config, tokenizer, defaults)
             config = uvicorn.Config(
-                build_app(handler), log_level="warning", lifespan="off", timeout_graceful_shutdown=1
+                build_app(handler),
+                log_level=self.server_config.uvicorn_log_level,
+                lifespan="off",
+                timeout_graceful_shutdown=1,
             )
             await uvicorn.Server(config).serve(sockets=[self.listener])

@@ -1,14 +1,23 @@
-"""OpenAI request bodies as msgspec Structs (decoding is validation), and their mapping to
-`SamplingParams`. Unknown fields are ignored, wrong types are a 400, as with OpenAI."""
+"""OpenAI request bodies as msgspec Structs (decoding is validation), their limits, and their
+mapping to `SamplingParams`. Unknown fields are ignored and wrong types are a 400, as with
+OpenAI; a known field that would change the output but is not implemented is a 400 too, never
+silently ignored. Every check here raises ValueError, which the server answers with a 400."""
 
 from __future__ import annotations
+
+from typing import Annotated, Any
 
 import msgspec
 
 from pagedserve.actors.messages import SamplingParams
+from pagedserve.config import ServerConfig
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # what the engine can hold
+TokenPrompt = list[int]
+MAX_LOGPROBS = 20  # as OpenAI's API and vLLM's default --max-logprobs
 
 
-class StreamOptions(msgspec.Struct, omit_defaults=True):
+class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
@@ -26,48 +35,102 @@ class ChatMessageIn(msgspec.Struct):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content if part.type == "text")
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"content parts of type {part.type!r} are not supported")
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    n: int = 1
-    seed: int | None = None
+    n: Int64 = 1
+    best_of: Int64 | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    min_tokens: Int64 = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Not implemented: a 400 when asked for (see `check_supported`)
+    logit_bias: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    prompt_logprobs: Int64 | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (a 400) for values out of range."""
+    def check_supported(self) -> None:
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise ValueError("best_of other than n is not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported yet")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet")
+        guided = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        for name in (*guided, "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} (constrained decoding) is not supported yet")
+
+    def check_limits(self, limits: ServerConfig) -> None:
+        for name, value in (("n", self.n), ("best_of", self.best_of)):
+            if value is not None and value > limits.max_n:
+                raise ValueError(f"{name} must be at most {limits.max_n}, got {value}")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > limits.max_stop_strings:
+            raise ValueError(f"stop takes at most {limits.max_stop_strings} strings")
+        if any(len(s) > limits.max_stop_string_chars for s in stops):
+            raise ValueError(f"a stop string is at most {limits.max_stop_string_chars} characters")
+        if len(self.stop_token_ids or []) > limits.max_stop_token_ids:
+            raise ValueError(f"stop_token_ids takes at most {limits.max_stop_token_ids} ids")
+
+    def sampling(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any]
+    ) -> SamplingParams:
+        """`defaults` (the model's generation config) fill the fields the request leaves
+        unset; its max_tokens is also an upper bound, as in vLLM."""
+
+        def pick(name: str, fallback: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        limit = defaults.get("max_tokens")
+        if limit is not None:
+            max_tokens = limit if max_tokens is None else min(max_tokens, limit)
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -79,40 +142,82 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[str | int | list[int]]  # text, texts, token ids, or lists of ids
-    logprobs: int | None = None
+    prompt: str | list[str | Int64 | list[Int64]]  # text, texts, token ids, or lists of ids
+    logprobs: Int64 | None = None
     echo: bool = False
+    suffix: str | None = None
 
-    def prompts(self) -> list[str | list[int]]:
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (prompt logprobs) is not supported yet")
+
+    def prompts(self, limits: ServerConfig) -> list[str | TokenPrompt]:
         p = self.prompt
         if isinstance(p, str):
-            return [p]
-        if not p:
+            prompts: list[str | TokenPrompt] = [p]
+        elif not p:
             raise ValueError("prompt must not be empty")
-        if all(isinstance(t, int) for t in p):
-            return [list(p)]  # type: ignore[arg-type]
-        if all(isinstance(t, str) for t in p) or all(isinstance(t, list) for t in p):
-            return list(p)  # type: ignore[arg-type]
-        raise ValueError("prompt must be a string, a list of strings, token ids or id lists")
+        elif all(isinstance(t, int) for t in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        elif all(isinstance(t, str) for t in p) or all(isinstance(t, list) for t in p):
+            prompts = list(p)  # type: ignore[arg-type]
+        else:
+            raise ValueError("prompt must be a string, a list of strings, token ids or id lists")
+        if len(prompts) > limits.max_prompts_per_request:
+            raise ValueError(f"at most {limits.max_prompts_per_request} prompts per request")
+        for prompt in prompts:
+            if isinstance(prompt, str) and len(prompt) > limits.max_prompt_chars:
+                raise ValueError(f"a prompt is at most {limits.max_prompt_chars} characters")
+        return prompts
 
-    def to_sampling(self) -> SamplingParams:
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError("logprobs must be between 0 and 20")
-        return self.sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+    def to_sampling(self, defaults: dict[str, Any]) -> SamplingParams:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        return self.sampling(
+            16 if self.max_tokens is None else self.max_tokens, self.logprobs, defaults
+        )
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
+    # Not implemented: a 400 when asked for
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
 
-    def to_sampling(self) -> SamplingParams:
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tool_choice not in (None, "none") or (self.tools and self.tool_choice is None):
+            raise ValueError("tools / tool_choice (tool calling) are not supported")
+        if self.functions or self.function_call not in (None, "none"):
+            raise ValueError("functions / function_call (tool calling) are not supported")
+        if self.continue_final_message:
+            raise ValueError("continue_final_message is not supported")
+        if self.chat_template is not None:
+            raise ValueError("a per-request chat_template is not supported (see --chat-template)")
+
+    def texts(self, limits: ServerConfig) -> list[tuple[str, str]]:
+        """(role, text) of each message."""
         if not self.messages:
             raise ValueError("messages must not be empty")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise ValueError("top_logprobs must be between 0 and 20")
+        texts = [(m.role, m.text()) for m in self.messages]
+        if sum(len(text) for _, text in texts) > limits.max_prompt_chars:
+            raise ValueError(f"the messages are at most {limits.max_prompt_chars} characters")
+        return texts
+
+    def to_sampling(self, defaults: dict[str, Any]) -> SamplingParams:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -121,14 +226,33 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
-        return self.sampling(limit, logprobs)
+        return self.sampling(limit, logprobs, defaults)
 
 
-def decode_body(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
-    """Raises ValueError with a readable message for malformed JSON or wrong types."""
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"invalid request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"malformed JSON body: {exc}") from None
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a prompt (TokenizeCompletionRequest) or messages (TokenizeChatRequest)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[Int64]
+
+
+def check_token_prompt(prompt: TokenPrompt, vocab_size: int, max_model_len: int) -> None:
+    """A prompt given as token ids, checked before anything is queued."""
+    if not prompt:
+        raise ValueError("a prompt of token ids must not be empty")
+    if any(not 0 <= t < vocab_size for t in prompt):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{len(prompt)} tokens, which leaves no room for output."
+        )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from pagedserve.actors.messages import RequestDelta, TokenLogprobs
 from pagedserve.api.client_core import Prompt
-from pagedserve.api.generation import Choice
+from pagedserve.api.generation import Choice, Event
 from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -55,15 +55,12 @@ class Render:
         return body
 
     async def stream(
-        self,
-        first: tuple[int, RequestDelta],
-        rest: AsyncIterator[tuple[int, RequestDelta]],
-        include_usage: bool,
+        self, events: AsyncIterator[Event], include_usage: bool
     ) -> AsyncIterator[dict]:
         states: dict[int, Choice] = {}
         for chunk in self.opening():
             yield chunk
-        async for index, delta in prepend(first, rest):
+        async for index, delta in events:
             choice = states.setdefault(index, Choice(index))
             choice.add(delta)
             yield self.envelope(self.chunk_object_name, [self.delta_choice(choice, delta)])
@@ -83,12 +80,6 @@ class Render:
         raise NotImplementedError
 
 
-async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    yield first
-    async for item in rest:
-        yield item
-
-
 class CompletionRender(Render):
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
@@ -104,7 +95,7 @@ class CompletionRender(Render):
         if not self.body.echo:
             return ""
         prompt = self.prompts[choice.index // self.body.n]
-        return prompt if isinstance(prompt, str) else self.server.tokenizer.decode(prompt)
+        return prompt if isinstance(prompt, str) else self.server.text_of(prompt)
 
     def logprobs(self, entries: list[TokenLogprobs], offset: int) -> dict | None:
         if self.body.logprobs is None:
@@ -118,9 +109,7 @@ class CompletionRender(Render):
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [
-                {text(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)} for e in entries
-            ],
+            "top_logprobs": [top_with_sampled(e, text) for e in entries],
             "text_offset": offsets,
         }
 
@@ -203,3 +192,11 @@ class ChatRender(Render):
             "finish_reason": choice.finish_reason if done else None,
             "stop_reason": choice.stop_reason if done else None,
         }
+
+
+def top_with_sampled(entry: TokenLogprobs, text: Callable[[int], str]) -> dict[str, float]:
+    """A completions `top_logprobs` entry: the top k, plus the sampled token when it is not
+    among them (as OpenAI and vLLM answer)."""
+    top = {text(t): lp for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
+    top.setdefault(text(entry.token_id), entry.logprob)
+    return top

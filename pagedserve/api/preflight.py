@@ -1,0 +1,53 @@
+"""Checks made in the parent process before any actor starts (`LLM(...)`, `pagedserve serve`),
+so that a setting that cannot work fails at once with one clear message instead of an engine
+that starts and then rejects every request."""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+
+import msgspec
+
+from pagedserve.actors.chat import resolve_chat_template
+from pagedserve.api.sampling_defaults import sampling_defaults
+from pagedserve.config import EngineConfig
+
+# A directory holding any of these has a tokenizer transformers can load
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json")
+TOKENIZER_PATTERNS = ("*.tiktoken", "*spiece.model", "*sentencepiece*.model")
+
+
+def prepare_config(config: EngineConfig) -> EngineConfig:
+    """`config` checked, with its chat template read from a file when given one; ValueError
+    with the fix when it cannot work."""
+    check_tokenizer_files(config)
+    sampling_defaults(config)  # an unusable --generation-config fails now
+    if config.chat_template is not None:
+        template = resolve_chat_template(config.chat_template)
+        config = msgspec.structs.replace(config, chat_template=template)
+    return config
+
+
+def check_tokenizer_files(config: EngineConfig) -> None:
+    if config.skip_tokenizer_init:
+        return
+    path = config.tokenizer_path
+    found = any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES) or any(
+        glob.glob(os.path.join(glob.escape(path), pattern)) for pattern in TOKENIZER_PATTERNS
+    )
+    if not found:
+        raise ValueError(
+            f"{path} has no tokenizer (no {', '.join(TOKENIZER_FILES)}): give one with "
+            "tokenizer=DIR (--tokenizer DIR), or run with skip_tokenizer_init=True "
+            "(--skip-tokenizer-init) to send and receive token ids only"
+        )
+
+
+def check_port_free(host: str, port: int) -> None:
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ValueError(f"cannot listen on {host}:{port}: {reason}") from None
