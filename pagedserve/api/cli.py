@@ -24,6 +24,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "device": (str, "auto, cpu or cuda"),
     "attention_backend": (str, "auto, torch, triton or cuda"),
     "seed": (int, "engine seed (dummy weights, unseeded sampling)"),
+    "quantization": (str, "fp8, gptq, awq, compressed-tensors or int8 (default: the checkpoint's)"),
+    "kv_cache_dtype": (str, "auto (the model's dtype) or fp8 (E4M3, per-tensor scales)"),
 }
 
 
