@@ -15,6 +15,9 @@ from pathlib import Path
 import msgspec
 
 DEFAULT_MODEL = "pagedserve/tiny-shakespeare"
+# vLLM's names (models/quantization/config.py says what each means)
+QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors", "int8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ASSETS_DIR = Path(__file__).parent / "assets"
 
 
@@ -90,6 +93,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # the linear layers' weights: None (the checkpoint's own quantization_config, if any) or
+    # one of QUANTIZATION_METHODS
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (E4M3, per-tensor scales)
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0
     max_model_len: int | None = None
@@ -144,6 +151,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("max_inflight_steps must be 1, 2 or 3")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; expected one of "
+                f"{', '.join(QUANTIZATION_METHODS)}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; expected one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
 
     @property
     def model_path(self) -> str:

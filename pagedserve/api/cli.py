@@ -37,6 +37,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
         "sampling defaults for fields a request leaves unset: auto (the model's "
         "generation_config.json), vllm (none) or a directory holding one",
     ),
+    "quantization": (str, "fp8, gptq, awq, compressed-tensors or int8 (default: the checkpoint's)"),
+    "kv_cache_dtype": (str, "auto (the model's dtype) or fp8 (E4M3, per-tensor scales)"),
 }
 ENGINE_SWITCHES = {  # vLLM's on/off flags; unset leaves the engine's default
     "skip_tokenizer_init": "no tokenizer: token ids in and out",

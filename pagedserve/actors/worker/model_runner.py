@@ -104,7 +104,7 @@ class ModelRunner:
         self.model = load_model(self.config, self.device)
         self.attention_backend = self.model.layer_config.attention
         self.vocab_size = int(self.model.config.vocab_size)
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = self.model.layer_config.cache_dtype  # the KV cache's element type
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.proposer = make_proposer(self.config, self.device)
         self.timed("load_model", start)

@@ -85,7 +85,7 @@ class DraftModelProposer:
         self.model: nn.Module = load_model(draft_config, device)
         self.k = spec.num_speculative_tokens
         self.layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = self.model.layer_config.cache_dtype  # its KV cache's element type
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
         self.step = DecodeStep(
             self.model, self.sampled, config.max_num_seqs, config.max_model_len, config.block_size
