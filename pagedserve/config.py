@@ -37,6 +37,27 @@ class ProfileConfig(msgspec.Struct, kw_only=True):
     num_steps: int = 20
 
 
+class SupervisionConfig(msgspec.Struct, kw_only=True):
+    """How the supervisor watches and restarts actors (actors/supervisor.py)."""
+
+    heartbeat_interval_s: float = 1.0
+    # An actor whose heartbeats stop, or whose loop has not run, for this long is hung: the
+    # supervisor kills and restarts it ...
+    heartbeat_timeout_s: float = 10.0
+    # ... but a loop inside a declared blocking call (a worker's step, which may compile
+    # kernels) gets this long.
+    blocking_timeout_s: float = 600.0
+    # Restarts of one actor allowed within the window (a rate: a crash loop ends) ...
+    restart_budget: int = 20
+    restart_window_s: float = 60.0
+    # ... and starts in a row that may fail (die or time out before ready) before giving up.
+    max_failed_starts: int = 3
+    restart_ready_timeout_s: float = 120.0
+    # Keep one pre-started process per restartable actor with its imports done, so that a
+    # restart skips them (seconds for torch or transformers).
+    standby_processes: bool = True
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -72,6 +93,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     server: ServerConfig | None = None
     skip_tokenizer_init: bool = False  # token ids in and out only (models with no tokenizer)
     profile: ProfileConfig | None = None  # profile a window of worker steps (rank 0)
+    supervision: SupervisionConfig = msgspec.field(default_factory=SupervisionConfig)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -19,9 +19,11 @@ Channels (see bus.py for addresses):
   worker 0    -> scheduler   : SchedulerInbound    (StepResult)
   scheduler   -> detokenizer : DetokenizerInbound  (EngineOutputs, SchedulerStats)
   tokenizer   -> detokenizer : DetokenizerInbound  (RequestError)
-  supervisor  -> detokenizer : DetokenizerInbound  (EpochChanged)
+  supervisor  -> detokenizer : DetokenizerInbound  (EpochChanged, EngineFailed)
+  supervisor  -> scheduler   : SchedulerInbound    (WorkersLost, WorkersReady)
   scheduler   -> worker k    : WorkerInbound       (StepPlan, Shutdown)
-  actor       -> supervisor  : SupervisorInbound   (ActorReady, ActorFailed)
+  actor       -> supervisor  : SupervisorInbound   (ActorReady, ActorFailed, Heartbeat: see
+                                                    supervision_messages.py)
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from __future__ import annotations
 import enum
 
 import msgspec
+
+EPOCH_SHIFT = 40  # handles and step ids carry the scheduler's epoch above this bit
 
 
 class FinishReason(enum.IntEnum):
@@ -154,10 +158,12 @@ class Ping(msgspec.Struct, tag=True):
 
 class Welcome(msgspec.Struct, tag=True):
     epoch: int  # bumped by the supervisor whenever it restarts an actor
+    failure: str = ""  # set when the engine is dead: why (every request gets a 503)
 
 
 class Pong(msgspec.Struct, tag=True):
     epoch: int
+    failure: str = ""
 
 
 class RequestDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -260,9 +266,19 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
 
 
 class EpochChanged(msgspec.Struct, tag=True):
-    """Supervisor -> detokenizer: an actor was restarted; clients resubmit what they wait for."""
+    """Supervisor -> detokenizer: an actor was restarted; clients resubmit what they wait for.
+    After a scheduler restart the handles of the old scheduler are gone: the detokenizer
+    forgets its streams with a handle below `drop_handles_below`."""
 
     epoch: int
+    drop_handles_below: int = 0
+
+
+class EngineFailed(msgspec.Struct, tag=True):
+    """Supervisor -> detokenizer: the engine cannot be restarted; every route it holds ends
+    with this error (503) at once, and it answers every later ping with it."""
+
+    message: str
 
 
 # ---------------------------------------------------------------- scheduler <-> workers
@@ -300,6 +316,9 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     scheduled: list[int] = []  # handles
     num_scheduled_tokens: list[int] = []
     finished: list[int] = []  # handles to drop from the persistent batch before this step
+    # The first plan of a scheduler, or the first after the workers were restarted: the worker
+    # drops every request and step it holds first, and ignores plans until it sees one.
+    reset: bool = False
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True):
@@ -311,6 +330,20 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
 
 class Shutdown(msgspec.Struct, tag=True):
     reason: str = ""
+
+
+class WorkersLost(msgspec.Struct, tag=True):
+    """Supervisor -> scheduler: a worker died (or hung) and every worker is being restarted;
+    the steps in flight are lost. The scheduler takes every running request back to waiting
+    and plans nothing until WorkersReady."""
+
+    epoch: int
+
+
+class WorkersReady(msgspec.Struct, tag=True):
+    """Supervisor -> scheduler: the restarted workers are ready; the next plan resets them."""
+
+    epoch: int
 
 
 # ---------------------------------------------------------------- actors -> supervisor
@@ -331,7 +364,11 @@ class ActorFailed(msgspec.Struct, tag=True):
 ClientRequests = GenerateRequest | AbortRequest | StatsRequest
 ClientControl = Hello | Ping
 ClientOutbound = DeltaBatch | RequestError | SchedulerStats | Welcome | Pong
-SchedulerInbound = AddRequest | AbortRequest | StatsRequest | StopRequests | StepResult | Shutdown
-DetokenizerInbound = EngineOutputs | SchedulerStats | RequestError | EpochChanged | Shutdown
+SchedulerInbound = (
+    AddRequest | AbortRequest | StatsRequest | StopRequests | StepResult | Shutdown
+    | WorkersLost | WorkersReady
+)  # fmt: skip
+DetokenizerInbound = (
+    EngineOutputs | SchedulerStats | RequestError | EpochChanged | EngineFailed | Shutdown
+)  # fmt: skip
 WorkerInbound = StepPlan | Shutdown
-SupervisorInbound = ActorReady | ActorFailed

@@ -33,7 +33,10 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_args)
         self.supervisor = Supervisor(self.config)
         self.supervisor.start()
-        self.client = Client(self.supervisor.addresses.engine_address)
+        self.client = Client(
+            self.supervisor.addresses.engine_address,
+            credentials=self.supervisor.credentials.for_clients(),
+        )
         self._request_counter = itertools.count()
         atexit.register(self.shutdown)
 

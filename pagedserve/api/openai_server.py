@@ -22,6 +22,7 @@ from starlette.routing import Route
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.chat import load_tokenizer
 from pagedserve.actors.messages import ChatMessage, RequestDelta, SamplingParams
+from pagedserve.api.actor_status import AsyncStatusClient, render_prometheus
 from pagedserve.api.client import AsyncClient
 from pagedserve.api.client_core import EngineRequestError, Prompt
 from pagedserve.api.generation import Choice, stream_choices
@@ -55,6 +56,7 @@ class OpenAIServer:
         self.max_model_len = max_model_len
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.actor_status: AsyncStatusClient | None = None  # the supervisor's view of actors
 
     def routes(self) -> list[Route]:
         return [
@@ -68,7 +70,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ simple endpoints
 
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200)
+        return Response(status_code=503 if self.client.core.failure else 200)
 
     async def models(self, request: Request) -> Response:
         card = {
@@ -85,7 +87,11 @@ class OpenAIServer:
             stats = await self.client.stats(timeout_s=5.0)
         except TimeoutError:
             stats = None
-        return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        body = self.metrics.render(stats)
+        status = await self.actor_status.fetch() if self.actor_status is not None else None
+        if status is not None:
+            body += render_prometheus(status)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------------ generation
 
@@ -184,31 +190,45 @@ def build_app(server: OpenAIServer) -> Starlette:
 
 
 class APIServerActor(Actor):
-    """Runs uvicorn inside the actor's anyio loop; the listening socket is bound in setup(),
-    so the server accepts connections as soon as the supervisor hears it is ready."""
+    """Runs uvicorn inside the actor's anyio loop on the listening socket the supervisor bound
+    once (`listen_fd`): connections made while this actor restarts wait in its backlog."""
 
     name = "api-server"
+
+    def prepare(self) -> None:
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
 
     async def setup(self) -> dict:
         server_config = self.config.server
         assert server_config is not None, "serve needs a ServerConfig"
-        self.listener = socket.create_server(
-            (server_config.host, server_config.port), reuse_port=False
-        )
+        if self.listen_fd >= 0:
+            self.listener = socket.socket(fileno=self.listen_fd)
+        else:
+            self.listener = socket.create_server((server_config.host, server_config.port))
         self.server_config = server_config
+        self.engine_client: AsyncClient | None = None
         return {}
 
+    def queue_depths(self) -> dict[str, int]:
+        client = self.engine_client
+        return {"requests": len(client.core.requests)} if client is not None else {}
+
     async def run(self) -> None:
-        tokenizer = load_tokenizer(self.config.tokenizer_path)
-        async with AsyncClient(self.addresses.engine_address) as client:
+        credentials = self.credentials.for_clients() if self.credentials else None
+        async with AsyncClient(self.addresses.engine_address, credentials=credentials) as client:
+            self.engine_client = client
             handler = OpenAIServer(
                 client,
                 self.server_config.served_model_name or self.config.model,
-                tokenizer,
+                self.tokenizer,
                 self.server_config.api_key,
                 self.config.max_model_len or 0,
             )
+            handler.actor_status = AsyncStatusClient(self.addresses.engine_address, credentials)
             config = uvicorn.Config(
                 build_app(handler), log_level="warning", lifespan="off", timeout_graceful_shutdown=1
             )
-            await uvicorn.Server(config).serve(sockets=[self.listener])
+            try:
+                await uvicorn.Server(config).serve(sockets=[self.listener])
+            finally:
+                handler.actor_status.close()

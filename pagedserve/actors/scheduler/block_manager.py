@@ -132,6 +132,12 @@ class BlockManager:
                 self.cached[h] = block.block_id
         req.num_cached_blocks = max(req.num_cached_blocks, num_full)
 
+    def forget_cached_blocks(self) -> None:
+        """The KV cache's contents are lost (the workers restarted): no block is findable."""
+        self.cached.clear()
+        for block in self.blocks:
+            block.hash = None
+
     # ------------------------------------------------------------------ helpers
 
     def ref_count(self, block_id: int) -> int:

@@ -22,6 +22,7 @@ from collections import deque
 import msgspec
 
 from pagedserve.actors.messages import (
+    EPOCH_SHIFT,
     AddRequest,
     CachedRequestData,
     FinishReason,
@@ -38,8 +39,6 @@ from pagedserve.actors.scheduler.block_manager import BlockManager
 from pagedserve.actors.scheduler.request import Request, RequestStatus
 from pagedserve.actors.scheduler.routes import RouteTable
 from pagedserve.config import EngineConfig
-
-EPOCH_SHIFT = 40  # handles and step ids carry the scheduler's epoch above this bit
 
 
 class Scheduler:
@@ -60,6 +59,7 @@ class Scheduler:
         self._handles = itertools.count(epoch << EPOCH_SHIFT)
         self._seeds = random.Random(config.seed + (epoch << 32))  # RNG keys of unseeded requests
         self.next_step_id = epoch << EPOCH_SHIFT
+        self.reset_workers = True  # the next plan tells the workers to drop what they hold
         self.counters = SchedulerStats(num_total_blocks=num_kv_blocks)
 
     # ------------------------------------------------------------------ requests in and out
@@ -148,6 +148,7 @@ class Scheduler:
         for handle in plan.scheduled:
             self.block_manager.cache_full_blocks(self.requests[handle])
         plan.finished, self.finished_handles = self.finished_handles, []
+        plan.reset, self.reset_workers = self.reset_workers, False
         self.next_step_id += 1
         self.counters.num_steps += 1
         return plan
@@ -247,6 +248,19 @@ class Scheduler:
         self.waiting.appendleft(req)
         self._drop_from_worker(req)
         self.counters.num_preemptions += 1
+
+    def forget_workers(self) -> None:
+        """The workers are being restarted: their batches and KV cache are gone. Every
+        running request goes back to waiting (a preemption: recomputed from its tokens so
+        far), tokens in flight are forgotten, and so is the prefix cache."""
+        while self.running:
+            self._preempt(self.running.pop())
+        for req in self.requests.values():
+            req.inflight_steps.clear()
+            req.in_worker = False
+        self.finished_handles = []
+        self.block_manager.forget_cached_blocks()
+        self.reset_workers = True
 
     # ------------------------------------------------------------------ results
 
