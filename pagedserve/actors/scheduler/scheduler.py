@@ -194,18 +194,14 @@ class Scheduler:
     def _num_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens to compute for `req` now, or 0 where the chunk would sample a token that
         could only land past max_tokens / max_model_len."""
-        need = req.num_tokens_with_inflight - req.num_computed_tokens
-        n = min(need, budget)
-        if n == need and not self._can_sample(req):
-            return 0
-        return n
-
-    def _can_sample(self, req: Request) -> bool:
-        num_tokens = req.num_tokens_with_inflight
+        num_tokens = len(req.token_ids) + len(req.inflight_steps)
+        need = num_tokens - req.num_computed_tokens
+        if need > budget:
+            return budget
         max_tokens = req.sampling.max_tokens
         if max_tokens is not None and num_tokens - req.num_prompt_tokens >= max_tokens:
-            return False
-        return num_tokens < self.max_len
+            return 0
+        return need if num_tokens < self.max_len else 0
 
     def _add_to_plan(self, plan: StepPlan, req: Request, n: int, new_blocks: list[int]) -> None:
         if req.in_worker:
@@ -228,8 +224,9 @@ class Scheduler:
             req.in_worker = True
         plan.scheduled.append(req.handle)
         plan.num_scheduled_tokens.append(n)
-        if req.num_computed_tokens + n == req.num_tokens_with_inflight:
-            req.inflight_steps.append(plan.step_id)  # this chunk ends in a sampled token
+        inflight = req.inflight_steps
+        if req.num_computed_tokens + n == len(req.token_ids) + len(inflight):
+            inflight.append(plan.step_id)  # this chunk ends in a sampled token
         req.num_computed_tokens += n
 
     def _count_admission(self, req: Request, num_hit: int) -> None:
