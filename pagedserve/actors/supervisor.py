@@ -79,8 +79,12 @@ class Supervisor:
         self.config = config.resolve()
         self.run_dir = tempfile.mkdtemp(prefix="pagedserve-", dir=config.run_dir)
         self.addresses = bus.Addresses(self.run_dir)
-        self.credentials, self.credentials_path = self._make_credentials()
-        self.listener = self._bind_http_listener()
+        try:
+            self.credentials, self.credentials_path = self._make_credentials()
+            self.listener = self._bind_http_listener()
+        except BaseException:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         fds = (self.listener.fileno(),) if self.listener is not None else ()
         self._processes = ActorProcesses(pass_fds=fds)
         self.num_kv_blocks = 0

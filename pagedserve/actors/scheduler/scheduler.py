@@ -264,13 +264,13 @@ class Scheduler:
     def update_from_result(self, result: StepResult) -> list[RequestOutput]:
         outputs = []
         logprobs = result.logprobs or [None] * len(result.handles)
+        find, step_id = self.requests.get, result.step_id
         for handle, token, lp in zip(result.handles, result.sampled_token_ids, logprobs):
-            req = self.requests.get(handle)
-            if req is None or not req.inflight_steps or req.inflight_steps[0] != result.step_id:
+            req = find(handle)
+            if req is None or not req.inflight_steps or req.inflight_steps[0] != step_id:
                 continue  # finished or aborted meanwhile (or a stale id)
             req.inflight_steps.popleft()
             req.token_ids.append(token)
-            self.counters.num_generation_tokens += 1
             reason = self._check_stop(req, token)
             if reason is not None:
                 self._finish(req, reason)
@@ -278,20 +278,23 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(req)  # the token may complete a block
             use_lp = lp is not None and req.sampling.logprobs is not None
             outputs.append(self._output(req, [token], [lp] if use_lp else None))
+        self.counters.num_generation_tokens += len(outputs)
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         sampling = req.sampling
-        if req.num_output_tokens >= sampling.min_tokens:
+        num_tokens = len(req.token_ids)
+        num_output = num_tokens - req.num_prompt_tokens
+        if num_output >= sampling.min_tokens:
             if token in req.eos_token_ids:
                 return FinishReason.STOP
             if sampling.stop_token_ids and token in sampling.stop_token_ids:
                 req.stop_reason = token
                 return FinishReason.STOP
         max_tokens = sampling.max_tokens
-        if max_tokens is not None and req.num_output_tokens >= max_tokens:
+        if max_tokens is not None and num_output >= max_tokens:
             return FinishReason.LENGTH
-        if req.num_tokens >= self.max_len:
+        if num_tokens >= self.max_len:
             return FinishReason.LENGTH
         return None
 
