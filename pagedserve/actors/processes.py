@@ -72,9 +72,6 @@ class ActorProcesses:
         except BrokenPipeError:
             return False
 
-    def pid(self, label: str) -> int:
-        return self.running[label].pid
-
     def exit_code(self, label: str) -> int | None:
         return self.running[label].poll()
 
