@@ -43,7 +43,7 @@ class SupervisionConfig(msgspec.Struct, kw_only=True):
     heartbeat_interval_s: float = 1.0
     # An actor whose heartbeats stop, or whose loop has not run, for this long is hung: the
     # supervisor kills and restarts it ...
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 20.0
     # ... but a loop inside a declared blocking call (a worker's step, which may compile
     # kernels) gets this long.
     blocking_timeout_s: float = 600.0

@@ -3,9 +3,11 @@
 A thread of the actor sends `Heartbeat(ActorStats)` to the supervisor every
 `heartbeat_interval_s`. The loop itself proves it runs by ticking `Liveness` from a task; the
 heartbeat carries how long ago the loop last ticked (`stalled_s`), so the supervisor tells a
-hung loop (stalled, no heartbeat at all when the whole process is stopped) from a busy one. A
-long call that blocks the loop on purpose (a worker's step, which may compile kernels) is
-declared with `Liveness.blocking("step")`; the supervisor gives a declared call a longer bound.
+hung loop (stalled, no heartbeat at all when the whole process is stopped) from a busy one: a
+loop that moves messages is running too, even if it never yields to the ticking task (an
+asyncio socket with a frame ready does not suspend). A long call that blocks the loop on
+purpose (a worker's step, which may compile kernels or export a profile) is declared with
+`Liveness.blocking("step")`; the supervisor gives a declared call a longer bound.
 
 Busy time is the CPU time of the loop's thread; idle time is the rest of the actor's uptime.
 """
@@ -33,6 +35,13 @@ class Liveness:
     def __init__(self) -> None:
         self.last_tick = time.monotonic()
         self.blocking_call = ""
+        self._last_activity = -1
+
+    def observe(self, activity: int) -> None:
+        """From the heartbeat thread: frames moved since the last look are progress too."""
+        if activity != self._last_activity:
+            self._last_activity = activity
+            self.last_tick = time.monotonic()
 
     async def tick_forever(self) -> None:
         while True:
@@ -108,6 +117,7 @@ class StatsProbe:
     def stats(
         self, name: str, epoch: int, traffic: bus.Traffic, liveness: Liveness, queues: dict
     ) -> ActorStats:
+        liveness.observe(traffic.messages_in + traffic.messages_out)
         return ActorStats(
             name=name, pid=os.getpid(), epoch=epoch,
             uptime_s=round(time.monotonic() - self.start, 3),

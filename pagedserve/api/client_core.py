@@ -42,7 +42,7 @@ CONNECT_TIMEOUT_S = 10.0  # the engine must answer a new client's Hello within t
 PING_INTERVAL_S = 1.0
 # An engine silent this long while requests wait is gone. Longer than the supervisor takes to
 # find a hung actor and restart it (SupervisionConfig.heartbeat_timeout_s).
-LIVENESS_TIMEOUT_S = 30.0
+LIVENESS_TIMEOUT_S = 45.0
 
 
 class EngineRequestError(ValueError):

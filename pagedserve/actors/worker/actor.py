@@ -123,7 +123,9 @@ class WorkerActor(Actor):
             if isinstance(message, Shutdown):
                 return
             if self.accept(message):
-                await self.report(self.launch(message))
+                with self.liveness.blocking("step"):  # with the profiler's trace export
+                    result = self.launch(message)
+                await self.report(result)
 
     def accept(self, plan: StepPlan) -> bool:
         """Whether to run `plan` (see the module docstring); a reset plan resets first."""
@@ -146,7 +148,7 @@ class WorkerActor(Actor):
             self.profiler.on_launch()
         if self.step_log is not None:
             self.step_log.begin(plan.num_scheduled_tokens)
-        with self.timer.phase("launch"), self.liveness.blocking("step"):
+        with self.timer.phase("launch"):
             result = self.runner.launch(plan)
         if self.step_log is not None:
             self.step_log.end()
