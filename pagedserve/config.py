@@ -89,6 +89,27 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
+class SupervisionConfig(msgspec.Struct, kw_only=True):
+    """How the supervisor watches and restarts actors (actors/supervisor.py)."""
+
+    heartbeat_interval_s: float = 1.0
+    # An actor whose heartbeats stop, or whose loop has not run, for this long is hung: the
+    # supervisor kills and restarts it ...
+    heartbeat_timeout_s: float = 20.0
+    # ... but a loop inside a declared blocking call (a worker's step, which may compile
+    # kernels) gets this long.
+    blocking_timeout_s: float = 600.0
+    # Restarts of one actor allowed within the window (a rate: a crash loop ends) ...
+    restart_budget: int = 20
+    restart_window_s: float = 60.0
+    # ... and starts in a row that may fail (die or time out before ready) before giving up.
+    max_failed_starts: int = 3
+    restart_ready_timeout_s: float = 120.0
+    # Keep one pre-started process per restartable actor with its imports done, so that a
+    # restart skips them (seconds for torch or transformers).
+    standby_processes: bool = True
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -135,6 +156,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's
     generation_config: str = "auto"  # defaults from generation_config.json: auto | vllm | DIR
     trust_remote_code: bool = False  # accepted for vLLM compatibility: only local code runs
+    supervision: SupervisionConfig = msgspec.field(default_factory=SupervisionConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...})
