@@ -110,10 +110,14 @@ def main() -> None:
     parser.add_argument("--data", required=True, help="what `train_tiny_model.py prepare` wrote")
     parser.add_argument("--out", required=True)
     parser.add_argument("--train-seconds", type=int, default=150)
+    parser.add_argument("--smoke", action="store_true", help="the embedded model, untrained")
     args = parser.parse_args()
     target = Path("/tmp/target-94m")
-    shutil.rmtree(target, ignore_errors=True)
-    training = train_target(args.data, target, args.train_seconds)
+    if args.smoke:
+        target, training = Path(ROOT / "pagedserve" / "assets" / "tiny-shakespeare"), {}
+    else:
+        shutil.rmtree(target, ignore_errors=True)
+        training = train_target(args.data, target, args.train_seconds)
     print(json.dumps(training), flush=True)
     draft = lambda k: {"model": DRAFT, "num_speculative_tokens": k}  # noqa: E731
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -128,6 +132,8 @@ def main() -> None:
         ("ngram k=4, off above batch 16, copy", ngram | {"disable_by_batch_size": 16},
          COPY_PROMPTS),
     ]  # fmt: skip
+    if args.smoke:
+        configs = [configs[0], configs[1], configs[5]]
     rows = [run_config(str(target), name, spec, prompts) for name, spec, prompts in configs]
     header = ["config", "batch1_ms_per_token", "batch64_tok_s", "acceptance_rate",
               "mean_accepted_length", "num_draft_tokens", "num_accepted_tokens"]  # fmt: skip
