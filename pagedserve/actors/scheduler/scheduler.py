@@ -157,8 +157,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             i += 1
-            if speculate and req.inflight_steps:
-                continue  # its next drafts come with its result
+            if req.inflight_steps and (speculate or req.num_drafts_in_flight):
+                continue  # its next drafts, or how many of its drafts hold, come with its result
             n = self._num_to_schedule(req, budget)
             drafts = self._drafts(req, n, budget) if speculate else []
             slots = self._slots(req.num_computed_tokens, n + len(drafts))
