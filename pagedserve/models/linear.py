@@ -73,13 +73,21 @@ def triton_gemv_module() -> ModuleType:
     return triton_gemv
 
 
+# oneDNN keeps a reordered copy of the weight for every distinct row count it meets (in its
+# primitive cache: ~0.6x the weight's bytes each, measured), so a CPU worker fed prefill chunks
+# of every length grew without bound. Its products are taken only up to this many rows, and
+# padded up to a power of two: at most 9 row counts, so the memory it holds is bounded.
+ONEDNN_MAX_ROWS = 256
+
+
 class DenseMatmul:
     """x W^T + b for a float weight [out, in], the implementation fixed at construction:
     with small_batch_gemm, products of at most SMALL_BATCH_GEMM_MAX_ROWS rows go through the
     Triton weight-streaming GEMM (triton_gemv.skinny_linear: cuBLAS picks poor tiles for such
-    skinny shapes); float32 on the CPU through oneDNN's linear on the weight reordered once
-    (the layout Inductor uses for frozen CPU weights: ~1.3-1.6x faster than MKL's sgemm at
-    small batches; reordered again when the weight changes); everything else F.linear."""
+    skinny shapes); float32 on the CPU, up to ONEDNN_MAX_ROWS rows, through oneDNN's linear on
+    the weight reordered once (the layout Inductor uses for frozen CPU weights: ~1.3-1.6x
+    faster than MKL's sgemm at small batches; reordered again when the weight changes), rows
+    padded to a power of two; everything else F.linear."""
 
     def __init__(self, config: LayerConfig) -> None:
         self.skinny = triton_gemv_module() if config.small_batch_gemm else None
@@ -96,7 +104,8 @@ class DenseMatmul:
             if self.skinny.skinny_linear_applies(x, weight, bias):
                 return self.skinny.skinny_linear(x, weight, bias)
         if self.onednn and not torch.is_grad_enabled():  # oneDNN's op has no autograd
-            return self._onednn_linear(x, weight, bias)
+            if x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]:
+                return self._onednn_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def _onednn_linear(
@@ -106,7 +115,13 @@ class DenseMatmul:
         if self._key != key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
             self._key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        num_rows = rows.shape[0]
+        padded = 1 << max(0, num_rows - 1).bit_length()
+        if padded != num_rows:
+            rows = F.pad(rows, (0, 0, 0, padded - num_rows))
+        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed, bias, "none", [], "")
+        return out[:num_rows].view(*x.shape[:-1], out.shape[-1])
 
 
 class UnquantizedLinearMethod:
