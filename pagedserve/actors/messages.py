@@ -27,6 +27,7 @@ Channels (see bus.py for addresses):
 from __future__ import annotations
 
 import enum
+import json
 
 import msgspec
 
@@ -39,6 +40,21 @@ class FinishReason(enum.IntEnum):
     @property
     def openai_name(self) -> str:
         return ("stop", "length", "abort")[self]
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Constrained decoding, vLLM's: one of a JSON schema (its text; a dict becomes text), any
+    JSON object, a regex or strings to choose from. The output ends when it is complete."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.json = json.dumps(self.json) if isinstance(self.json, dict) else self.json
+        if (self.json, self.json_object or None, self.regex, self.choice or None).count(None) != 3:
+            raise ValueError("structured outputs take one of json, json_object, regex, choice")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -61,13 +77,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # number of top logprobs per output token (0: sampled only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (0: the token's own)
 
     def __post_init__(self) -> None:
         import math
 
         # Integers the engine keeps in int64 arrays, floats it computes with: anything that
         # cannot be represented is a ValueError here (a 400 at the API), never a crash later.
-        integers = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+        integers = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
         stop_ids = [("stop_token_ids", t) for t in self.stop_token_ids or []]
         for name, value in [*((n, getattr(self, n)) for n in integers), *stop_ids]:
             if value is not None and not -(2**63) <= value < 2**63:
@@ -94,8 +112,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None and not 0 <= value <= 20:
+                raise ValueError(f"{name} must be between 0 and 20, got {value}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError("presence_penalty must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -190,6 +209,7 @@ class RequestDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_offset: int = 0  # index of token_ids[0] in the output
     text_offset: int = 0  # index of text[0] in the output text
     request_id: str = ""  # the client's label: filled in by the client, never sent
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # None for token 0; sent once
 
 
 class DeltaBatch(msgspec.Struct, tag=True):
@@ -248,6 +268,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     finish_reason: FinishReason | None
     stop_reason: int | None
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first output tokens
 
 
 class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):
@@ -329,6 +350,14 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     propose: bool = False  # the workers propose drafts for the next step (speculative decoding)
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of a request's prompt tokens start, start + 1, ... (a step's prompt chunk)."""
+
+    handle: int
+    start: int  # index in the prompt of the token logprobs[0] is for (>= 1)
+    logprobs: list[TokenLogprobs]
+
+
 class StepResult(msgspec.Struct, tag=True, kw_only=True):
     step_id: int
     handles: list[int]  # the requests that sampled a token this step, batch order
@@ -336,6 +365,8 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     logprobs: list[TokenLogprobs | None] | None = None  # per sampled token, None if not asked
     num_sampled: list[int] = []  # speculative decoding: tokens each request emitted this step
     draft_token_ids: list[list[int]] = []  # proposals for each request's next step
+    prompt_logprobs: list[PromptLogprobs] = []  # chunks of prompts computed this step
+    grammar_done: list[int] = []  # requests whose structured output these tokens complete
 
 
 class Shutdown(msgspec.Struct, tag=True):

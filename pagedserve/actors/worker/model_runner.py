@@ -25,9 +25,12 @@ from pagedserve.actors.messages import StepPlan, StepResult
 from pagedserve.actors.worker.cpu_tuning import tune_cpu_malloc
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.input_batch import InputBatch
+from pagedserve.actors.worker.prompt_logprobs import PromptLogprobTensors
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
 from pagedserve.actors.worker.speculative import Proposer, make_proposer, num_accepted
 from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs, check_plan_fits
+from pagedserve.actors.worker.step_logits import StepLogits
+from pagedserve.actors.worker.structured import StructuredOutputs
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention_metadata import cdiv
@@ -47,6 +50,7 @@ class PendingStep:
     done: torch.cuda.Event | None = None  # recorded after the device-to-host copy
     logprobs: LogprobTensors | None = None
     result: StepResult | None = None  # a step already finished: its tokens are on the host
+    prompt_logprobs: PromptLogprobTensors | None = None
 
 
 def select_device(name: str, rank: int) -> torch.device:
@@ -76,6 +80,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.decode_step: DecodeStep | None = None  # decode steps' static path (startup.py)
         self.pending: PendingStep | None = None  # the step launched last, not yet finished
+        self.settled: StepResult | None = None  # the result of the step finished during launch
         # the last step's sampled ids, batch order: the next step takes its fed tokens here
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.uploader = Uploader(self.device)
@@ -106,6 +111,9 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.proposer = make_proposer(self.config, self.device)
+        self.structured = StructuredOutputs(self.config, self.vocab_size, self.device)
+        self.logits = StepLogits(self.model.compute_logits, self.input_batch, self.sampler,
+                                 self.structured, self._settle_pending)  # fmt: skip
         self.timed("load_model", start)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -158,14 +166,19 @@ class ModelRunner:
         step first."""
         self._apply_plan(plan)
         speculative = self.proposer is not None and (plan.propose or any(plan.spec_token_ids))
-        previous = None
-        if self.pending is not None and (speculative or self._needs_host_tokens(plan)):
-            previous = self.finish()
+        self.settled = None
+        if speculative or self._needs_host_tokens(plan):
+            self._settle_pending()
         launched = self._speculative_step(plan) if speculative else self._launch_step(plan)
-        if self.pending is not None:
-            previous = self.finish()
+        self._settle_pending()
         self.pending = launched
-        return previous
+        return self.settled
+
+    def _settle_pending(self) -> None:
+        """Finish the step in flight now (launch returns its result); a step whose grammar
+        masks need its tokens calls this once its own forward is queued (step_logits.py)."""
+        if self.pending is not None:
+            self.settled = self.finish()
 
     @torch.inference_mode()
     def finish(self) -> StepResult | None:
@@ -188,14 +201,21 @@ class ModelRunner:
             result.sampled_token_ids = sampled.tolist()
             if step.logprobs is not None:
                 result.logprobs = step.logprobs.to_list()
+            result.grammar_done = self.structured.accept_sampled(step.handles, rows, sampled)
+        if step.prompt_logprobs is not None:
+            result.prompt_logprobs = step.prompt_logprobs.to_wire()
         return result
 
     def _apply_plan(self, plan: StepPlan) -> None:
         batch = self.input_batch
         for handle in plan.finished:
+            if handle in batch.row_of:
+                self.structured.remove(batch.row_of[handle])
             batch.remove_request(handle)
         for new_request in plan.new_requests:
-            batch.add_request(new_request)
+            row = batch.add_request(new_request)
+            output_ids = new_request.token_ids[new_request.num_prompt_tokens :]
+            self.structured.add(row, new_request.sampling.structured_outputs, output_ids)
         cached = plan.cached_requests
         for handle, block_ids, num_computed in zip(
             cached.handles, cached.new_block_ids, cached.num_computed_tokens
@@ -232,9 +252,11 @@ class ModelRunner:
                 handles, plan.num_scheduled_tokens, rows, pending_index, no_drafts
             )
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            hidden = self.logits.hidden_rows(hidden, inputs)
+            step.prompt_logprobs = self.logits.prompt_logprobs(hidden, inputs)
             if not inputs.sampling_handles:
                 return step
-            output = self._sample(hidden, inputs)
+            output = self.logits.sample(hidden, inputs)
             step.handles = inputs.sampling_handles
             step.logprobs = output.logprob_tensors
             token_ids = self.sampled[: len(step.handles)]
@@ -288,7 +310,7 @@ class ModelRunner:
         if batch.all_plain_greedy(rows):
             return token_ids, None
         metadata = batch.sampling_metadata(rows, seq_lens, self.vocab_size)
-        output = self.sampler(logits, metadata)
+        output = self.sampler(self.logits.constrain(logits, rows), metadata)
         token_ids.copy_(output.token_ids)
         return token_ids, output.logprob_tensors
 
@@ -305,16 +327,6 @@ class ModelRunner:
                 if row is not None:
                     index[row] = i
         return index
-
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
-        assert self.model is not None
-        if inputs.attn_metadata.output_rows is None:  # else hidden holds just those rows
-            hidden = hidden.index_select(0, inputs.logits_indices)
-        logits = self.model.compute_logits(hidden)
-        metadata = self.input_batch.sampling_metadata(
-            inputs.sampling_rows, inputs.sampling_positions, self.vocab_size
-        )
-        return self.sampler(logits, metadata)
 
     # ------------------------------------------------------------------ speculative decoding
 
@@ -334,11 +346,17 @@ class ModelRunner:
         inputs = self.inputs.build(handles, plan.num_scheduled_tokens, rows, no_pending, num_drafts)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         self.proposer.observe(inputs)
+        hidden = self.logits.hidden_rows(hidden, inputs)
+        prompt = self.logits.prompt_logprobs(hidden, inputs)
         if inputs.sampling_handles:
-            output = self._sample(hidden, inputs)
+            output = self.logits.sample(
+                hidden, inputs, [drafts[h] for h in inputs.sampling_handles]
+            )
             step.result = self._accept(plan, inputs, output, drafts)
         else:
             step.result = StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
+        if prompt is not None:
+            step.result.prompt_logprobs = prompt.to_wire()
         return step
 
     def _accept(
@@ -348,28 +366,32 @@ class ModelRunner:
         output: SamplerOutput,
         drafts: dict[int, list[int]],
     ) -> StepResult:
-        """Each sampling request's tokens (accepted drafts, then the target's own), appended to
-        the persistent batch; their logprobs; the next drafts."""
+        """Each sampling request's tokens (accepted drafts, then the target's own, up to its
+        grammar's end), appended to the persistent batch; their logprobs; the next drafts."""
         batch = self.input_batch
         sampled, logprobs = output.token_ids.tolist(), output.logprobs
         tokens: list[int] = []
         kept_logprobs: list = []
         counts: list[int] = []
+        done: list[int] = []
         start = 0
         for handle, count in zip(inputs.sampling_handles, inputs.sampling_counts.tolist()):
             own = sampled[start : start + count]
             accepted = num_accepted(drafts[handle], own)
             row = batch.row_of[handle]
-            batch.append_tokens(row, own[: accepted + 1])
+            kept, grammar_done = self.structured.accept(row, own[: accepted + 1])
+            batch.append_tokens(row, own[:kept])
             batch.num_computed_tokens[row] -= len(drafts[handle]) - accepted
-            tokens += own[: accepted + 1]
-            counts.append(accepted + 1)
+            tokens += own[:kept]
+            counts.append(kept)
+            done += [handle] if grammar_done else []
             if logprobs is not None:
-                kept_logprobs += logprobs[start : start + accepted + 1]
+                kept_logprobs += logprobs[start : start + kept]
             start += count
         result = StepResult(
             step_id=plan.step_id, handles=inputs.sampling_handles, sampled_token_ids=tokens,
             logprobs=kept_logprobs if logprobs is not None else None, num_sampled=counts,
+            grammar_done=done,
         )  # fmt: skip
         if plan.propose:
             rows = np.fromiter((batch.row_of[h] for h in result.handles), np.int64)

@@ -1,0 +1,208 @@
+"""Constrained decoding in the worker: a grammar matcher per constrained request, and each
+step's token masks (SamplingParams.structured_outputs; grammars from actors/grammars.py).
+
+Matchers are part of the worker's cache of a request, like its tokens: one per persistent-batch
+row, built when the request arrives (new, or resumed after preemption) by copying a compiled
+grammar and feeding it the request's output tokens so far, then advanced with every token the
+worker appends (`accept`). Grammars are compiled in a background thread, at most one compile
+per grammar text (`GrammarCache`): a request's grammar compiles while its first step's forward
+pass runs, and the matcher is taken when its mask is needed.
+
+Masks: one bit per vocabulary entry (llguidance's int32 words), computed on the host for the
+constrained rows of a step once the step before it has finished (the runner launches the
+forward first, so the host computes while the device runs), uploaded in one copy with their
+row indices, and applied to the logits before the sampler (`apply_token_bitmask`: disallowed
+logits become -inf). With speculative decoding a request's verified positions get one mask
+each: the mask after its drafts before that position (a draft that breaks the grammar is
+rejected there, whatever the masks after it).
+
+The grammar's end ends the request: `accept` reports when a matcher has stopped (no more
+tokens but EOS can follow), and the scheduler finishes the request with "stop".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedserve.actors.chat import eos_token_ids
+from pagedserve.actors.grammars import grammar_text, load_ll_tokenizer
+from pagedserve.actors.messages import StructuredOutputsParams
+from pagedserve.actors.worker.uploader import Uploader
+from pagedserve.config import EngineConfig
+
+if TYPE_CHECKING:
+    import llguidance
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per worker
+MASK_THREADS = 2  # llguidance's threads computing a step's masks
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [n, V], bitmask [n, >= ceil(V / 32)] int32 (bit j of word w: token 32 w + j is
+    allowed) -> the logits with every disallowed token at -inf (a new tensor)."""
+    n, vocab = logits.shape
+    if bitmask.shape[0] != n or bitmask.shape[1] * 32 < vocab or bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask {tuple(bitmask.shape)} does not fit logits {(n, vocab)}")
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(n, -1)[:, :vocab]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+class GrammarCache:
+    """Compiled grammars (llguidance matchers in their start state), by grammar text: the
+    first request for a grammar starts its compile in a background thread; later ones share
+    it. Requests copy the compiled matcher (cheap)."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.compiled: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+
+    def get(self, params: StructuredOutputsParams) -> Future[llguidance.LLMatcher]:
+        try:
+            text = grammar_text(params)
+        except ValueError as exc:  # refused by the tokenizer actor: never reached in practice
+            text = f"invalid grammar: {exc}"  # a matcher in its error state: EOS only
+        future = self.compiled.get(text)
+        if future is None:
+            future = self.pool.submit(self._compile, text)
+            self.compiled[text] = future
+            if len(self.compiled) > GRAMMAR_CACHE_SIZE:
+                self.compiled.popitem(last=False)
+        self.compiled.move_to_end(text)
+        return future
+
+    def _compile(self, text: str) -> llguidance.LLMatcher:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if matcher.is_error():
+            logger.warning("a grammar failed to compile: %s", matcher.get_error())
+        return matcher
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StructuredOutputs:
+    """The matchers of a worker's constrained requests, by persistent-batch row."""
+
+    def __init__(self, config: EngineConfig, vocab_size: int, device: torch.device) -> None:
+        self.config, self.vocab_size, self.device = config, vocab_size, device
+        self.words = 0  # int32 words of a mask: the llguidance tokenizer's vocabulary / 32
+        self.cache: GrammarCache | None = None  # built with the first constrained request
+        self.executor: llguidance.LLExecutor | None = None
+        self.matchers: dict[int, llguidance.LLMatcher] = {}
+        # requests whose grammar is still compiling: the future and the tokens to feed it
+        self.compiling: dict[int, tuple[Future[llguidance.LLMatcher], list[int]]] = {}
+        self.uploader: Uploader | None = None  # its own staging: the step inputs keep theirs
+
+    def add(self, row: int, params: StructuredOutputsParams | None, output_ids: list[int]) -> None:
+        """A request arrives at `row` (new, or resumed with its output so far)."""
+        self.remove(row)
+        if params is not None:
+            self.compiling[row] = (self._cache().get(params), output_ids)
+
+    def remove(self, row: int) -> None:
+        self.matchers.pop(row, None)
+        self.compiling.pop(row, None)
+
+    def constrains(self, rows: np.ndarray) -> bool:
+        if not (self.matchers or self.compiling):
+            return False
+        return any(row in self.matchers or row in self.compiling for row in rows.tolist())
+
+    def accept(self, row: int, token_ids: list[int]) -> tuple[int, bool]:
+        """Feed a request's new tokens to its matcher (rows without one: nothing). Returns how
+        many of the tokens count (up to the one that completes the grammar) and whether the
+        grammar is complete."""
+        matcher = self._matcher(row)
+        if matcher is None:
+            return len(token_ids), False
+        for index, token in enumerate(token_ids):
+            if matcher.is_stopped():
+                return index, True
+            matcher.consume_token(token)  # False: an error state, which stops it too
+        return len(token_ids), matcher.is_stopped()
+
+    def accept_sampled(self, handles: list[int], rows: list[int], tokens: np.ndarray) -> list[int]:
+        """Feed each request its sampled token (rows -1: dropped meanwhile); the handles whose
+        grammar these tokens complete."""
+        if not (self.matchers or self.compiling):
+            return []
+        return [
+            handle
+            for handle, row, token in zip(handles, rows, tokens.tolist())
+            if row >= 0 and self.accept(row, [token])[1]
+        ]
+
+    def apply(
+        self, logits: torch.Tensor, rows: np.ndarray, drafts: list[list[int]] | None = None
+    ) -> torch.Tensor:
+        """Mask the logits of a step's sampling requests: `rows` in order, each with
+        1 + len(drafts[i]) logits rows (one each without drafts)."""
+        counts = (
+            np.ones(len(rows), np.int64)
+            if drafts is None
+            else 1 + np.array([len(d) for d in drafts], np.int64)
+        )
+        starts = np.cumsum(counts) - counts
+        jobs, indices = [], []
+        for i, row in enumerate(rows.tolist()):
+            matcher = self._matcher(row)
+            if matcher is not None:
+                drafted = [] if drafts is None else drafts[i]
+                jobs.append((matcher, len(indices), drafted))
+                indices += range(starts[i], starts[i] + counts[i])
+        if not jobs:
+            return logits
+        bitmask = np.full((len(indices), self.words), -1, np.int32)  # rows past a bad draft
+        self._fill(jobs, bitmask)
+        assert self.uploader is not None
+        device_bitmask, device_indices = self.uploader.upload([bitmask, np.array(indices)])
+        masked = apply_token_bitmask(logits.index_select(0, device_indices), device_bitmask)
+        return logits.index_copy(0, device_indices, masked)
+
+    def _fill(self, jobs: list[tuple[llguidance.LLMatcher, int, list[int]]], out: np.ndarray):
+        import llguidance.numpy as llg_numpy
+
+        assert self.executor is not None
+        if any(drafted for _, _, drafted in jobs):
+            llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, jobs, out)
+        else:
+            plain = [(matcher, index) for matcher, index, _ in jobs]
+            llg_numpy.fill_next_token_bitmask_par(self.executor, plain, out)
+
+    def _matcher(self, row: int) -> llguidance.LLMatcher | None:
+        """The row's matcher; one still compiling is waited for, copied and fed the output."""
+        waiting = self.compiling.pop(row, None)
+        if waiting is not None:
+            future, output_ids = waiting
+            matcher = future.result().deep_copy()
+            matcher.consume_tokens(output_ids)
+            self.matchers[row] = matcher
+        return self.matchers.get(row)
+
+    def _cache(self) -> GrammarCache:
+        if self.cache is None:
+            import llguidance
+
+            eos = eos_token_ids(self.config.model_path, None)
+            tokenizer = load_ll_tokenizer(self.config.tokenizer_path, self.vocab_size, eos)
+            self.cache = GrammarCache(tokenizer)
+            self.words = (tokenizer.vocab_size + 31) // 32
+            self.executor = llguidance.LLExecutor(MASK_THREADS)
+            self.uploader = Uploader(self.device)
+        return self.cache
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
