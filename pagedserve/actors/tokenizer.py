@@ -128,7 +128,7 @@ def longest_token_chars(tokenizer: object | None) -> int:
 class TokenizerActor(Actor):
     name = "tokenizer"
 
-    async def setup(self) -> dict:
+    def prepare(self) -> None:
         tokenizer, grammars = None, None
         model_vocab_size = int(read_hf_config(self.config.model_path)["vocab_size"])
         if self.config.skip_tokenizer_init:
@@ -144,6 +144,11 @@ class TokenizerActor(Actor):
         self.encoder = PromptEncoder(
             tokenizer, vocab_size, self.config.max_model_len or 0, grammars
         )
+
+    def queue_depths(self) -> dict[str, int]:
+        return {"encoding": len(self.encoding)}
+
+    async def setup(self) -> dict:
         self.clients: bus.Router[ClientRequests] = bus.Router(
             self.ctx, self.addresses.requests, ClientRequests
         )

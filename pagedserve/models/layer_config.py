@@ -13,17 +13,24 @@ operands' shapes and strides.
     weight-streaming GEMM (kernels.triton_gemv) instead of cuBLAS.
   * attention: the attention backend's functions and cache layout (kernels.attention_backends).
   * tp: this rank's place in the tensor-parallel group and its collectives.
+  * quantization: the linear layers' quantization scheme (models.quantization), which gives
+    each linear layer its linear method; None: float weights.
+  * kv_cache_dtype: the paged KV cache's element type (float8_e4m3fn: fp8 with per-tensor
+    scales); None: the model's dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 
 from pagedserve.kernels.attention_backends import AttentionBackend
+
+if TYPE_CHECKING:
+    from pagedserve.models.quantization.config import QuantizationConfig
 
 FusedOps = Literal["triton", "cpu", "torch"]
 
@@ -73,3 +80,10 @@ class LayerConfig:
     fused_ops: FusedOps = "torch"
     small_batch_gemm: bool = False
     tp: TensorParallel = field(default_factory=TensorParallel)
+    quantization: QuantizationConfig | None = None
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type."""
+        return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype

@@ -35,41 +35,31 @@ class StepLogits:
         self.structured, self.settle = structured, settle
         self.vocab_size = structured.vocab_size
 
-    @staticmethod
-    def hidden_rows(hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        """The final hidden states of the step's logits rows (sampling, then prompt)."""
-        if inputs.attn_metadata.output_rows is None:  # else hidden holds just those rows
+    def run(
+        self, hidden: torch.Tensor, inputs: StepInputs
+    ) -> tuple[SamplerOutput | None, PromptLogprobTensors | None]:
+        """The step's samples (None: no request samples) and prompt logprobs (None: none
+        asked for), from the model's final hidden states."""
+        if inputs.attn_metadata.output_rows is None:  # else hidden holds just the logits rows
             hidden = hidden.index_select(0, inputs.logits_indices)
-        return hidden
-
-    def sample(
-        self, hidden: torch.Tensor, inputs: StepInputs, drafts: list[list[int]] | None = None
-    ) -> SamplerOutput:
-        """Sample the sampling rows (the first rows of `hidden_rows`); `drafts`: each
-        sampling request's drafts (speculative decoding: one mask per verified position)."""
-        logits = self.compute_logits(hidden[: len(inputs.sampling_rows)])
-        counts = inputs.sampling_counts
-        logits = self.constrain(logits, inputs.sampling_rows[np.cumsum(counts) - counts], drafts)
+        num_sampling = len(inputs.sampling_rows)
+        prompt = None
+        if inputs.prompt_logprobs is not None:  # their rows follow the sampling rows
+            prompt = prompt_logprobs.compute(
+                self.compute_logits, hidden[num_sampling:], inputs.prompt_logprobs
+            )
+        if not inputs.sampling_handles:
+            return None, prompt
+        logits = self.constrain(self.compute_logits(hidden[:num_sampling]), inputs.sampling_rows)
         metadata = self.batch.sampling_metadata(
             inputs.sampling_rows, inputs.sampling_positions, self.vocab_size
         )
-        return self.sampler(logits, metadata)
+        return self.sampler(logits, metadata), prompt
 
-    def constrain(
-        self, logits: torch.Tensor, rows: np.ndarray, drafts: list[list[int]] | None = None
-    ) -> torch.Tensor:
-        """The logits of `rows` (persistent-batch rows, in order) with their grammar masks."""
+    def constrain(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """The logits (one row per entry of `rows`, persistent-batch rows) with the grammar
+        masks of the constrained ones (which never have drafts: one logits row each)."""
         if not self.structured.constrains(rows):
             return logits
         self.settle()
-        return self.structured.apply(logits, rows, drafts)
-
-    def prompt_logprobs(
-        self, hidden: torch.Tensor, inputs: StepInputs
-    ) -> PromptLogprobTensors | None:
-        """The prompt rows' logprobs (the last rows of `hidden_rows`), on the device."""
-        rows = inputs.prompt_logprobs
-        if rows is None:
-            return None
-        prompt_hidden = hidden[len(inputs.sampling_rows) :]
-        return prompt_logprobs.compute(self.compute_logits, prompt_hidden, rows)
+        return self.structured.apply(logits, rows)

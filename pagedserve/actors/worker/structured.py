@@ -12,9 +12,10 @@ Masks: one bit per vocabulary entry (llguidance's int32 words), computed on the 
 constrained rows of a step once the step before it has finished (the runner launches the
 forward first, so the host computes while the device runs), uploaded in one copy with their
 row indices, and applied to the logits before the sampler (`apply_token_bitmask`: disallowed
-logits become -inf). With speculative decoding a request's verified positions get one mask
-each: the mask after its drafts before that position (a draft that breaks the grammar is
-rejected there, whatever the masks after it).
+logits become -inf).
+
+Speculative decoding: constrained requests are not speculated. The worker drops the proposals
+for them (`without_drafts`), so a verify step samples one masked row for each, like any step.
 
 The grammar's end ends the request: `accept` reports when a matcher has stopped (no more
 tokens but EOS can follow), and the scheduler finishes the request with "stop".
@@ -120,18 +121,17 @@ class StructuredOutputs:
             return False
         return any(row in self.matchers or row in self.compiling for row in rows.tolist())
 
-    def accept(self, row: int, token_ids: list[int]) -> tuple[int, bool]:
-        """Feed a request's new tokens to its matcher (rows without one: nothing). Returns how
-        many of the tokens count (up to the one that completes the grammar) and whether the
-        grammar is complete."""
+    def accept(self, row: int, token_ids: list[int]) -> bool:
+        """Feed a request's new tokens to its matcher (rows without one: nothing); whether its
+        grammar is complete (no token but EOS may follow; an error state stops it too)."""
         matcher = self._matcher(row)
         if matcher is None:
-            return len(token_ids), False
-        for index, token in enumerate(token_ids):
+            return False
+        for token in token_ids:
             if matcher.is_stopped():
-                return index, True
-            matcher.consume_token(token)  # False: an error state, which stops it too
-        return len(token_ids), matcher.is_stopped()
+                break
+            matcher.consume_token(token)
+        return matcher.is_stopped()
 
     def accept_sampled(self, handles: list[int], rows: list[int], tokens: np.ndarray) -> list[int]:
         """Feed each request its sampled token (rows -1: dropped meanwhile); the handles whose
@@ -141,45 +141,35 @@ class StructuredOutputs:
         return [
             handle
             for handle, row, token in zip(handles, rows, tokens.tolist())
-            if row >= 0 and self.accept(row, [token])[1]
+            if row >= 0 and self.accept(row, [token])
         ]
 
-    def apply(
-        self, logits: torch.Tensor, rows: np.ndarray, drafts: list[list[int]] | None = None
-    ) -> torch.Tensor:
-        """Mask the logits of a step's sampling requests: `rows` in order, each with
-        1 + len(drafts[i]) logits rows (one each without drafts)."""
-        counts = (
-            np.ones(len(rows), np.int64)
-            if drafts is None
-            else 1 + np.array([len(d) for d in drafts], np.int64)
-        )
-        starts = np.cumsum(counts) - counts
+    def apply(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """Mask the logits of a step's sampling rows (`rows`: each logits row's persistent-batch
+        row; a constrained request has one, as it is never speculated)."""
         jobs, indices = [], []
-        for i, row in enumerate(rows.tolist()):
+        for index, row in enumerate(rows.tolist()):
             matcher = self._matcher(row)
             if matcher is not None:
-                drafted = [] if drafts is None else drafts[i]
-                jobs.append((matcher, len(indices), drafted))
-                indices += range(starts[i], starts[i] + counts[i])
+                jobs.append((matcher, len(indices)))
+                indices.append(index)
         if not jobs:
             return logits
-        bitmask = np.full((len(indices), self.words), -1, np.int32)  # rows past a bad draft
-        self._fill(jobs, bitmask)
-        assert self.uploader is not None
+        import llguidance.numpy as llg_numpy
+
+        bitmask = np.empty((len(indices), self.words), np.int32)
+        assert self.executor is not None and self.uploader is not None
+        llg_numpy.fill_next_token_bitmask_par(self.executor, jobs, bitmask)
         device_bitmask, device_indices = self.uploader.upload([bitmask, np.array(indices)])
         masked = apply_token_bitmask(logits.index_select(0, device_indices), device_bitmask)
         return logits.index_copy(0, device_indices, masked)
 
-    def _fill(self, jobs: list[tuple[llguidance.LLMatcher, int, list[int]]], out: np.ndarray):
-        import llguidance.numpy as llg_numpy
-
-        assert self.executor is not None
-        if any(drafted for _, _, drafted in jobs):
-            llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, jobs, out)
-        else:
-            plain = [(matcher, index) for matcher, index, _ in jobs]
-            llg_numpy.fill_next_token_bitmask_par(self.executor, plain, out)
+    def without_drafts(self, rows: np.ndarray, drafts: list[list[int]]) -> list[list[int]]:
+        """Proposals with none for constrained requests (they are never speculated)."""
+        if not (self.matchers or self.compiling):
+            return drafts
+        constrained = [row in self.matchers or row in self.compiling for row in rows.tolist()]
+        return [[] if c else d for c, d in zip(constrained, drafts)]
 
     def _matcher(self, row: int) -> llguidance.LLMatcher | None:
         """The row's matcher; one still compiling is waited for, copied and fed the output."""
