@@ -26,9 +26,9 @@ from pagedserve.actors.worker.cpu_tuning import tune_cpu_malloc
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.prompt_logprobs import PromptLogprobTensors
-from pagedserve.actors.worker.sampler import LogprobTensors, Sampler
+from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
 from pagedserve.actors.worker.speculative import Proposer, make_proposer
-from pagedserve.actors.worker.step_inputs import StepInputBuilder, check_plan_fits
+from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs, check_plan_fits
 from pagedserve.actors.worker.step_logits import StepLogits
 from pagedserve.actors.worker.structured import StructuredOutputs
 from pagedserve.actors.worker.uploader import Uploader
@@ -113,8 +113,7 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.proposer = make_proposer(self.config, self.device)
         self.structured = StructuredOutputs(self.config, self.vocab_size, self.device)
-        self.logits = StepLogits(self.model.compute_logits, self.input_batch, self.sampler,
-                                 self.structured, self._settle_pending)  # fmt: skip
+        self.logits = StepLogits(self.model.compute_logits, self.structured, self._settle_pending)
         self.timed("load_model", start)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -256,7 +255,7 @@ class ModelRunner:
                 handles, plan.num_scheduled_tokens, rows, pending_index, no_drafts
             )
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-            output, step.prompt_logprobs = self.logits.run(hidden, inputs)
+            output, step.prompt_logprobs = self.sample(hidden, inputs)
             if output is None:
                 return step
             step.handles = inputs.sampling_handles
@@ -341,3 +340,15 @@ class ModelRunner:
                 if row is not None:
                     index[row] = i
         return index
+
+    def sample(
+        self, hidden: torch.Tensor, inputs: StepInputs
+    ) -> tuple[SamplerOutput | None, PromptLogprobTensors | None]:
+        """The step's samples (None: no request samples) and its prompt logprobs."""
+        logits, prompt = self.logits.run(hidden, inputs)
+        if logits is None:
+            return None, prompt
+        metadata = self.input_batch.sampling_metadata(
+            inputs.sampling_rows, inputs.sampling_positions, self.vocab_size
+        )
+        return self.sampler(logits, metadata), prompt

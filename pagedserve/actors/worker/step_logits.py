@@ -1,6 +1,6 @@
 """What a step does with its logits rows (StepInputs.logits_indices): the sampling rows get
-their grammar masks (structured.py) and are sampled; the prompt rows give prompt logprobs
-(prompt_logprobs.py).
+their grammar masks (structured.py), for the runner's sampler; the prompt rows give prompt
+logprobs (prompt_logprobs.py).
 
 Grammar masks need every token before the positions they sample, so a step with constrained
 requests finishes the step in flight (`settle`, the runner's) once its own forward is queued:
@@ -15,9 +15,7 @@ import numpy as np
 import torch
 
 from pagedserve.actors.worker import prompt_logprobs
-from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.prompt_logprobs import PromptLogprobTensors
-from pagedserve.actors.worker.sampler import Sampler, SamplerOutput
 from pagedserve.actors.worker.step_inputs import StepInputs
 from pagedserve.actors.worker.structured import StructuredOutputs
 
@@ -26,20 +24,16 @@ class StepLogits:
     def __init__(
         self,
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
-        batch: InputBatch,
-        sampler: Sampler,
         structured: StructuredOutputs,
         settle: Callable[[], None],
     ) -> None:
-        self.compute_logits, self.batch, self.sampler = compute_logits, batch, sampler
-        self.structured, self.settle = structured, settle
-        self.vocab_size = structured.vocab_size
+        self.compute_logits, self.structured, self.settle = compute_logits, structured, settle
 
     def run(
         self, hidden: torch.Tensor, inputs: StepInputs
-    ) -> tuple[SamplerOutput | None, PromptLogprobTensors | None]:
-        """The step's samples (None: no request samples) and prompt logprobs (None: none
-        asked for), from the model's final hidden states."""
+    ) -> tuple[torch.Tensor | None, PromptLogprobTensors | None]:
+        """The sampling rows' logits, masked (None: no request samples), and the prompt
+        logprobs (None: none asked for), from the model's final hidden states."""
         if inputs.attn_metadata.output_rows is None:  # else hidden holds just the logits rows
             hidden = hidden.index_select(0, inputs.logits_indices)
         num_sampling = len(inputs.sampling_rows)
@@ -50,11 +44,8 @@ class StepLogits:
             )
         if not inputs.sampling_handles:
             return None, prompt
-        logits = self.constrain(self.compute_logits(hidden[:num_sampling]), inputs.sampling_rows)
-        metadata = self.batch.sampling_metadata(
-            inputs.sampling_rows, inputs.sampling_positions, self.vocab_size
-        )
-        return self.sampler(logits, metadata), prompt
+        logits = self.compute_logits(hidden[:num_sampling])
+        return self.constrain(logits, inputs.sampling_rows), prompt
 
     def constrain(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """The logits (one row per entry of `rows`, persistent-batch rows) with the grammar

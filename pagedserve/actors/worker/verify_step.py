@@ -99,7 +99,7 @@ def _verify_general(
     )
     hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
     runner.proposer.observe(inputs)
-    output, prompt = runner.logits.run(hidden, inputs)
+    output, prompt = runner.sample(hidden, inputs)
     if prompt is not None:
         result.prompt_logprobs = prompt.to_wire()
     if output is None:
