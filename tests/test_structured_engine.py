@@ -18,7 +18,7 @@ from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 from pagedserve.actors.grammars import load_ll_tokenizer
 from pagedserve.actors.worker.structured import StructuredOutputs, apply_token_bitmask
 from pagedserve.config import ASSETS_DIR, EngineConfig
-from tests.test_structured_output import random_schema
+from tests.json_schemas import random_schema
 from tests.tiny_models import load_hf_model, random_prompts, save_tiny_model
 
 LOGPROB_ATOL = 1e-3

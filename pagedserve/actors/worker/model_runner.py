@@ -33,7 +33,7 @@ from pagedserve.actors.worker.step_logits import StepLogits
 from pagedserve.actors.worker.structured import StructuredOutputs
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.actors.worker.verify_step import speculative_step
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, read_hf_config
 from pagedserve.kernels.attention_metadata import cdiv
 from pagedserve.models.layers import Attention
 from pagedserve.models.loader import load_model
@@ -81,6 +81,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.decode_step: DecodeStep | None = None  # decode steps' static path (startup.py)
         self.pending: PendingStep | None = None  # the step launched last, not yet finished
+        vocab_size = int(read_hf_config(config.model_path)["vocab_size"])
+        self.structured = StructuredOutputs(config, vocab_size, self.device)  # grammar masks
         self.settled: StepResult | None = None  # the result of the step finished during launch
         # the last step's sampled ids, batch order: the next step takes its fed tokens here
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
@@ -95,6 +97,10 @@ class ModelRunner:
             torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
             for _ in range(2 if self.device.type == "cuda" else 0)
         ]
+
+    def close(self) -> None:
+        """Stop the threads the runner started (grammar compiles)."""
+        self.structured.close()
 
     # ------------------------------------------------------------------ model and cache
 
@@ -112,7 +118,6 @@ class ModelRunner:
         self.dtype = self.model.layer_config.cache_dtype  # the KV cache's element type
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.proposer = make_proposer(self.config, self.device)
-        self.structured = StructuredOutputs(self.config, self.vocab_size, self.device)
         self.logits = StepLogits(self.model.compute_logits, self.structured, self._settle_pending)
         self.timed("load_model", start)
 

@@ -160,6 +160,8 @@ class StructuredOutputs:
         bitmask = np.empty((len(indices), self.words), np.int32)
         assert self.executor is not None and self.uploader is not None
         llg_numpy.fill_next_token_bitmask_par(self.executor, jobs, bitmask)
+        if len(indices) == len(rows):  # every row is constrained
+            return apply_token_bitmask(logits, self.uploader.upload([bitmask])[0])
         device_bitmask, device_indices = self.uploader.upload([bitmask, np.array(indices)])
         masked = apply_token_bitmask(logits.index_select(0, device_indices), device_bitmask)
         return logits.index_copy(0, device_indices, masked)
