@@ -217,3 +217,17 @@ def test_prompt_logprobs_field_as_vllm(server: str) -> None:
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
     streamed = httpx.post(server + "/v1/completions", json={**body, "stream": True})
     assert streamed.status_code == 400
+
+
+def test_streamed_echo_with_logprobs_scores_the_prompt_in_the_first_chunk(
+    api: openai.OpenAI,
+) -> None:
+    kwargs = dict(model=MODEL_NAME, prompt="ROMEO: But soft", echo=True, logprobs=1, max_tokens=4)
+    whole = api.completions.create(temperature=0.0, **kwargs).choices[0].logprobs
+    chunks = list(api.completions.create(temperature=0.0, stream=True, **kwargs))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert streamed[0].token_logprobs[0] is None  # the prompt's first token, in chunk one
+    assert [t for lp in streamed for t in lp.tokens] == whole.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == whole.text_offset
+    got = [lp for chunk in streamed for lp in chunk.token_logprobs]
+    assert got[1:] == pytest.approx(whole.token_logprobs[1:], abs=1e-5)

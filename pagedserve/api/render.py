@@ -149,12 +149,16 @@ class CompletionRender(Render):
 
     def delta_choice(self, choice: Choice, delta: RequestDelta) -> dict:
         first = delta.prompt_token_ids is not None
-        echo = self.echo_text(choice) if first else ""
+        scoring = self.body.logprobs is not None  # its offsets count the echoed prompt
+        echo = self.echo_text(choice) if first or scoring else ""
         items = self.scored(delta.prompt_token_ids, delta.prompt_logprobs, delta.logprobs or [])
+        offset = len(echo) + len(choice.text) - len(delta.text)
+        if len(items) > len(delta.logprobs or []):  # the scored prompt first
+            offset = 0
         return {
             "index": choice.index,
-            "text": echo + delta.text,
-            "logprobs": self.logprobs(items, len(choice.text) - len(delta.text)),
+            "text": (echo if first else "") + delta.text,
+            "logprobs": self.logprobs(items, offset),
             "finish_reason": choice.finish_reason if delta.finish_reason is not None else None,
             "stop_reason": choice.stop_reason if delta.finish_reason is not None else None,
         }
