@@ -10,6 +10,7 @@ the worker's grammar cache cold (every schema compiles during the run), then war
 with the unconstrained one. Timing starts once the engine's processes are idle.
 
     python scripts/bench_structured_output.py [--requests 64] [--repeats 3]
+    python scripts/bench_structured_output.py --device cuda --out FILE   # (scripts/gpu/run.sh)
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     rng = random.Random(args.seed)
     schemas = [random_schema(rng) for _ in range(20)]
@@ -70,7 +73,7 @@ def main() -> None:
         for i in range(args.requests)
     ]  # fmt: skip
     rows = []
-    with LLM(max_num_seqs=args.requests, device="cpu") as llm:
+    with LLM(max_num_seqs=args.requests, device=args.device) as llm:
         llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm up
         wait_until_idle()
         cold, outputs = timed_run(llm, prompts, constrained)
@@ -94,11 +97,15 @@ def write_results(
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
+    machine = (
+        torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"{platform.machine()}, {torch.get_num_threads()} torch threads"
+    )
     lines = [
-        "# Constrained decoding (JSON schemas) on the CPU: throughput with and without\n",
+        f"# Constrained decoding (JSON schemas), {args.device}: throughput with and without\n",
         f"- date: {datetime.date.today()}",
-        f"- machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}",
+        f"- machine: {machine}, torch {torch.__version__}",
         f"- commit: {commit}",
         "- model: pagedserve/tiny-shakespeare (the embedded model)",
         f"- workload: {args.requests} requests, 20 random schemas (tests/json_schemas.py, "
@@ -115,7 +122,7 @@ def write_results(
             f"| {tokens / without:.1f} | **{without / with_schema:.0%}** |"
         )
     text = "\n".join(lines) + "\n"
-    RESULTS.write_text(text)
+    args.out.write_text(text)
     print(text)
 
 
