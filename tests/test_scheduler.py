@@ -214,7 +214,7 @@ def run_engine(
     results: dict[str, Collected] = {}
     pending: deque[StepResult] = deque()
     tick = 0
-    while arrivals or sched.has_unfinished():
+    while arrivals or sched.requests:
         while arrivals and arrivals[0][0] <= tick:
             admit(sched, arrivals.pop(0)[1])
         collect(sched, results, abort(sched, (aborts or {}).get(tick, [])))
@@ -230,7 +230,7 @@ def run_engine(
         if pending and (plan is None or (rng is not None and rng.random() < 0.3)):
             collect(sched, results, sched.update_from_result(pending.popleft()))
         elif plan is None:
-            assert arrivals or not sched.has_unfinished(), "deadlock: nothing to run or wait for"
+            assert arrivals or not sched.requests, "deadlock: nothing to run or wait for"
         tick += 1
         assert tick < 100_000
     for result in pending:  # results of requests finished meanwhile are ignored
@@ -345,7 +345,7 @@ def test_prefix_cache_hit_for_a_shared_prefix() -> None:
     assert plan_b.num_scheduled_tokens[plan_b.scheduled.index(new_b.handle)] == 2
     a, b = sched.requests[handle_of(sched, "a")], sched.requests[new_b.handle]
     assert b.block_table[:4] == a.block_table[:4]
-    assert all(sched.block_manager.ref_count(x) == 2 for x in a.block_table[:4])
+    assert all(sched.block_manager.blocks[x].ref_count == 2 for x in a.block_table[:4])
     stats = sched.stats()
     assert stats.prefix_cache_queries == 19 + 18 and stats.prefix_cache_hits == 16
 
@@ -725,3 +725,45 @@ def test_fake_model_matches_worker_sampling() -> None:
     for _ in range(5):
         tokens.append(fake_model(tokens))
     assert solo(req).tokens == tokens[4:]
+
+
+def test_a_request_with_drafts_in_flight_waits_when_speculation_switches_off() -> None:
+    """disable_by_batch_size: the plan that verifies a's drafts admits two more requests
+    (3 running > 2); the next plan, made before a's result, does not speculate, and must not
+    schedule a: how many of its drafts the step in flight accepts is not known yet."""
+    from pagedserve.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=3, method="ngram", disable_by_batch_size=2)
+    sched = Scheduler(make_config(max_num_batched_tokens=64, speculative_config=spec), 64)
+    sched.add_request(add("a", [3, 4, 5, 6], max_tokens=20))
+    prefill = sched.schedule()
+    assert prefill is not None and prefill.propose
+    proposals = [7, 8, 9]
+    sched.update_from_result(
+        StepResult(
+            step_id=prefill.step_id,
+            handles=[handle_of(sched, "a")],
+            sampled_token_ids=[6],
+            draft_token_ids=[proposals],
+        )  # fmt: skip
+    )
+    sched.add_request(add("b", [5, 6, 7]))
+    sched.add_request(add("c", [6, 7, 8]))
+    verify = sched.schedule()
+    assert verify is not None and verify.spec_token_ids[0] == proposals
+    assert len(sched.running) == 3
+    after = sched.schedule()
+    assert after is not None and not after.propose
+    assert handle_of(sched, "a") not in after.scheduled
+    assert all(n > 0 for n in after.num_scheduled_tokens)
+    sched.update_from_result(
+        StepResult(
+            step_id=verify.step_id,
+            handles=verify.scheduled[:1],
+            sampled_token_ids=[7, 8, 2],
+            num_sampled=[3],
+        )  # fmt: skip
+    )
+    resumed = sched.schedule()
+    assert resumed is not None and handle_of(sched, "a") in resumed.scheduled
+    assert all(n > 0 for n in resumed.num_scheduled_tokens)

@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--train-seconds", type=int, default=150)
     parser.add_argument("--smoke", action="store_true", help="the embedded model, untrained")
+    parser.add_argument("--quick", action="store_true", help="without draft k=5")
     args = parser.parse_args()
     target = Path("/tmp/target-94m")
     if args.smoke:
@@ -134,6 +135,8 @@ def main() -> None:
     ]  # fmt: skip
     if args.smoke:
         configs = [configs[0], configs[1], configs[5]]
+    elif args.quick:  # one of each kind, for a short device budget
+        configs = [configs[0], configs[1], configs[3], configs[4], configs[5], configs[6]]
     rows = [run_config(str(target), name, spec, prompts) for name, spec, prompts in configs]
     header = ["config", "batch1_ms_per_token", "batch64_tok_s", "acceptance_rate",
               "mean_accepted_length", "num_draft_tokens", "num_accepted_tokens"]  # fmt: skip

@@ -87,10 +87,6 @@ class Request:
         """The tokens the worker will know when it runs the next plan."""
         return len(self.token_ids) + len(self.inflight_steps)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
         """Logprobs of prompt tokens start, start + 1, ...: the ones not held yet (a request
         recomputed after preemption computes them again; once sent, none are held)."""

@@ -110,9 +110,6 @@ class Scheduler:
             if req is not None:
                 self._finish(req, FinishReason.STOP)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
     def stats(self) -> SchedulerStats:
         return msgspec.structs.replace(
             self.counters,
@@ -157,8 +154,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             i += 1
-            if speculate and req.inflight_steps:
-                continue  # its next drafts come with its result
+            if req.inflight_steps and (speculate or req.num_drafts_in_flight):
+                continue  # its next drafts, or how many of its drafts hold, come with its result
             n = self._num_to_schedule(req, budget)
             drafts = self._drafts(req, n, budget) if speculate else []
             slots = self._slots(req.num_computed_tokens, n + len(drafts))
@@ -328,7 +325,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
                 break
-        if done and not req.is_finished:
+        if done and req.status is not RequestStatus.FINISHED:
             self._finish(req, FinishReason.STOP)
         if req.status is RequestStatus.RUNNING:
             self.block_manager.cache_full_blocks(req)  # the tokens may complete a block
