@@ -16,6 +16,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 from pagedserve.actors.grammars import load_ll_tokenizer
+from pagedserve.actors.messages import AddRequest, TokenLogprobs
+from pagedserve.actors.scheduler.request import Request
 from pagedserve.actors.worker.structured import StructuredOutputs, apply_token_bitmask
 from pagedserve.config import ASSETS_DIR, EngineConfig
 from tests.json_schemas import random_schema
@@ -131,3 +133,30 @@ def test_a_matcher_rebuilt_from_history_masks_as_the_one_that_followed_it() -> N
     )
     assert structured.accept(0, tokenizer.tokenize_str("}"))  # the grammar is complete
     structured.close()
+
+
+def test_a_request_keeps_the_first_copy_of_its_prompt_logprobs_and_sends_them_once() -> None:
+    """Chunks arrive in order; a request recomputed after preemption sends them again (kept
+    once); the list goes out once, with the first output after the last chunk."""
+    add = AddRequest(
+        client=b"c", seq=0, prompt_token_ids=[5, 6, 7, 8], eos_token_ids=[0],
+        sampling=SamplingParams(prompt_logprobs=0),
+    )  # fmt: skip
+    req = Request.from_add(add, handle=1, seed=0)
+
+    def entries(*token_ids: int) -> list[TokenLogprobs]:
+        return [TokenLogprobs(t, -float(t), 1, [], []) for t in token_ids]
+
+    req.add_prompt_logprobs(1, entries(6))
+    assert req.take_prompt_logprobs() is None  # not all known yet
+    req.add_prompt_logprobs(1, entries(6, 7))  # recomputed from the start: 6 is held already
+    req.add_prompt_logprobs(3, entries(8))
+    taken = req.take_prompt_logprobs()
+    assert taken is not None and [e and e.token_id for e in taken] == [None, 6, 7, 8]
+    req.add_prompt_logprobs(1, entries(6, 7, 8))  # after another preemption: sent already
+    assert req.take_prompt_logprobs() is None
+    plain = Request.from_add(
+        AddRequest(client=b"c", seq=1, prompt_token_ids=[5], eos_token_ids=[0],
+                   sampling=SamplingParams()), handle=2, seed=0,
+    )  # fmt: skip
+    assert plain.take_prompt_logprobs() is None
