@@ -9,7 +9,7 @@ so both runs produce the same tokens' worth of work. The constrained workload ru
 the worker's grammar cache cold (every schema compiles during the run), then warm, alternating
 with the unconstrained one. Timing starts once the engine's processes are idle.
 
-    python scripts/bench_structured_output.py [--requests 64] [--repeats 3]
+    python scripts/bench_structured_output.py [--requests 64] [--repeats 5]
     python scripts/bench_structured_output.py --device cuda --out FILE   # (scripts/gpu/run.sh)
 """
 
@@ -57,7 +57,7 @@ def timed_run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> tup
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -121,6 +121,8 @@ def write_results(
             f"| warm {i} | {with_schema:.2f} | {without:.2f} | {tokens / with_schema:.1f} "
             f"| {tokens / without:.1f} | **{without / with_schema:.0%}** |"
         )
+    ratios = sorted(without / with_schema for with_schema, without in rows)
+    lines.append(f"\nmedian with / without: **{ratios[len(ratios) // 2]:.0%}**")
     text = "\n".join(lines) + "\n"
     args.out.write_text(text)
     print(text)
