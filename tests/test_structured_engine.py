@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import Future
 from pathlib import Path
 
 import jsonschema
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
+from pagedserve.actors.chat import eos_token_ids
 from pagedserve.actors.grammars import load_ll_tokenizer
 from pagedserve.actors.messages import AddRequest, TokenLogprobs
 from pagedserve.actors.scheduler.request import Request
+from pagedserve.actors.worker import structured as structured_module
 from pagedserve.actors.worker.structured import StructuredOutputs, apply_token_bitmask
 from pagedserve.config import ASSETS_DIR, EngineConfig
 from tests.json_schemas import random_schema
@@ -160,3 +163,18 @@ def test_a_request_keeps_the_first_copy_of_its_prompt_logprobs_and_sends_them_on
                    sampling=SamplingParams()), handle=2, seed=0,
     )  # fmt: skip
     assert plain.take_prompt_logprobs() is None
+
+
+def test_a_grammar_that_does_not_compile_in_time_stops_its_request(monkeypatch) -> None:
+    """The wait for a compile has a deadline: past it the request's matcher is in its error
+    state (only EOS may follow), so the request ends instead of the worker hanging."""
+    config = EngineConfig(model=str(ASSETS_DIR / "tiny-shakespeare")).resolve()
+    structured = StructuredOutputs(config, 4096, torch.device("cpu"))
+    monkeypatch.setattr(structured_module, "GRAMMAR_COMPILE_TIMEOUT_S", 0.05)
+    structured.add(0, StructuredOutputsParams(json_object=True), [])
+    structured.compiling[0] = (Future(), [])  # a compile that never finishes
+    logits = structured.apply(torch.zeros(1, 4096), np.array([0]))
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed == sorted(eos_token_ids(config.model_path, None))  # the model's EOS only
+    assert structured.accept(0, [0])
+    structured.close()

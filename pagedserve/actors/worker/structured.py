@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per worker
 MASK_THREADS = 2  # llguidance's threads computing a step's masks
+GRAMMAR_COMPILE_TIMEOUT_S = 10  # the longest a step waits for a request's grammar
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ class GrammarCache:
         try:
             text = grammar_text(params)
         except ValueError as exc:  # refused by the tokenizer actor: never reached in practice
-            text = f"invalid grammar: {exc}"  # a matcher in its error state: EOS only
+            text = f"invalid grammar: {exc}"  # compiles to a matcher in its error state
         future = self.compiled.get(text)
         if future is None:
             future = self.pool.submit(self._compile, text)
@@ -88,6 +89,10 @@ class GrammarCache:
         if matcher.is_error():
             logger.warning("a grammar failed to compile: %s", matcher.get_error())
         return matcher
+
+    def error_matcher(self, reason: str) -> llguidance.LLMatcher:
+        """A matcher in its error state: stopped, its mask allows EOS only."""
+        return self._compile(f"invalid grammar: {reason}")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -178,7 +183,11 @@ class StructuredOutputs:
         waiting = self.compiling.pop(row, None)
         if waiting is not None:
             future, output_ids = waiting
-            matcher = future.result().deep_copy()
+            try:
+                matcher = future.result(timeout=GRAMMAR_COMPILE_TIMEOUT_S).deep_copy()
+            except TimeoutError:  # llguidance bounds its work: never seen; the request stops
+                logger.warning("a grammar took over %d s to compile", GRAMMAR_COMPILE_TIMEOUT_S)
+                matcher = self._cache().error_matcher("compile timed out")
             matcher.consume_tokens(output_ids)
             self.matchers[row] = matcher
         return self.matchers.get(row)
