@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import random
 import subprocess
@@ -105,7 +106,8 @@ def write_results(
     lines = [
         f"# Constrained decoding (JSON schemas), {args.device}: throughput with and without\n",
         f"- date: {datetime.date.today()}",
-        f"- machine: {machine}, torch {torch.__version__}",
+        f"- machine: {machine}, torch {torch.__version__}; load average at the end "
+        f"{os.getloadavg()[0]:.1f} (1 min), {os.getloadavg()[1]:.1f} (5 min), from every process",
         f"- commit: {commit}",
         "- model: pagedserve/tiny-shakespeare (the embedded model)",
         f"- workload: {args.requests} requests, 20 random schemas (tests/json_schemas.py, "
