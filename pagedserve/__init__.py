@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedserve.actors.messages import SamplingParams
+    from pagedserve.actors.sampling_params import SamplingParams, StructuredOutputsParams
     from pagedserve.api.llm import LLM
     from pagedserve.config import EngineConfig, ProfileConfig
     from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "EngineConfig",
     "ProfileConfig",
     "RequestOutput",
@@ -26,7 +27,8 @@ __version__ = "0.1.0"
 
 _HOMES = {
     "LLM": "pagedserve.api.llm",
-    "SamplingParams": "pagedserve.actors.messages",
+    "SamplingParams": "pagedserve.actors.sampling_params",
+    "StructuredOutputsParams": "pagedserve.actors.sampling_params",
     "EngineConfig": "pagedserve.config",
     "ProfileConfig": "pagedserve.config",
     "RequestOutput": "pagedserve.outputs",

@@ -49,6 +49,10 @@ def logprob_dict(entry: TokenLogprobs) -> dict[int, Logprob]:
     return out
 
 
+def prompt_logprob_dicts(entries: list[TokenLogprobs | None]) -> list[dict[int, Logprob] | None]:
+    return [None if entry is None else logprob_dict(entry) for entry in entries]
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -56,6 +60,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), as vLLM's
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -198,6 +198,7 @@ class DetokenizerActor(Actor):
                 continue  # finished here already (a stop string), or never routed
             delta = stream.push(output.new_token_ids, output.new_logprobs, output.finish_reason,
                                 output.stop_reason, output.num_cached_tokens)  # fmt: skip
+            delta.prompt_logprobs = output.prompt_logprobs
             if delta.finish_reason is not None and output.finish_reason is None:
                 stopped.append(output.handle)
             batches[stream.client].append(self.close_if_final(output.handle, delta))

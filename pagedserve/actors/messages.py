@@ -28,6 +28,9 @@ import enum
 
 import msgspec
 
+from pagedserve.actors.sampling_params import SamplingParams as SamplingParams
+from pagedserve.actors.sampling_params import StructuredOutputsParams as StructuredOutputsParams
+
 EPOCH_SHIFT = 40  # handles and step ids carry the scheduler's epoch above this bit
 
 
@@ -39,81 +42,6 @@ class FinishReason(enum.IntEnum):
     @property
     def openai_name(self) -> str:
         return ("stop", "length", "abort")[self]
-
-
-class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Sampling parameters; field names and defaults follow vLLM's public `SamplingParams`."""
-
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None  # number of top logprobs per output token (0: sampled only)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        import math
-
-        # Integers the engine keeps in int64 arrays, floats it computes with: anything that
-        # cannot be represented is a ValueError here (a 400 at the API), never a crash later.
-        integers = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
-        stop_ids = [("stop_token_ids", t) for t in self.stop_token_ids or []]
-        for name, value in [*((n, getattr(self, n)) for n in integers), *stop_ids]:
-            if value is not None and not -(2**63) <= value < 2**63:
-                raise ValueError(f"{name} must be a 64-bit integer, got {value}")
-        penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-        for name in ("temperature", "top_p", "min_p", *penalties):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.seed is not None and self.seed + self.n - 1 >= 2**63:
-            raise ValueError("seed + n - 1 must be a 64-bit integer (choice i uses seed + i)")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(
-                f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}"
-            )
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError("presence_penalty must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError("frequency_penalty must be in [-2, 2]")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError("repetition_penalty must be positive")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.top_k == -1:
-            self.top_k = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-    @property
-    def stop_strings(self) -> list[str]:
-        return [s for s in (self.stop or []) if s]  # type: ignore[union-attr]
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -192,6 +120,7 @@ class RequestDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_offset: int = 0  # index of token_ids[0] in the output
     text_offset: int = 0  # index of text[0] in the output text
     request_id: str = ""  # the client's label: filled in by the client, never sent
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # None for token 0; sent once
 
 
 class DeltaBatch(msgspec.Struct, tag=True):
@@ -250,6 +179,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     finish_reason: FinishReason | None
     stop_reason: int | None
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first output tokens
 
 
 class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):
@@ -344,6 +274,14 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     reset: bool = False
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of a request's prompt tokens start, start + 1, ... (a step's prompt chunk)."""
+
+    handle: int
+    start: int  # index in the prompt of the token logprobs[0] is for (>= 1)
+    logprobs: list[TokenLogprobs]
+
+
 class StepResult(msgspec.Struct, tag=True, kw_only=True):
     step_id: int
     handles: list[int]  # the requests that sampled a token this step, batch order
@@ -351,6 +289,8 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     logprobs: list[TokenLogprobs | None] | None = None  # per sampled token, None if not asked
     num_sampled: list[int] = []  # speculative decoding: tokens each request emitted this step
     draft_token_ids: list[list[int]] = []  # proposals for each request's next step
+    prompt_logprobs: list[PromptLogprobs] = []  # chunks of prompts computed this step
+    grammar_done: list[int] = []  # requests whose structured output these tokens complete
 
 
 class Shutdown(msgspec.Struct, tag=True):

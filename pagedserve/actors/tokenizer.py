@@ -18,6 +18,7 @@ import anyio
 from pagedserve.actors import bus
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.chat import apply_chat_template, eos_token_ids, load_tokenizer
+from pagedserve.actors.grammars import GrammarChecker
 from pagedserve.actors.messages import (
     AbortRequest,
     AddRequest,
@@ -38,16 +39,28 @@ ENCODE_THREADS = 2
 class PromptEncoder:
     """Prompt -> validated token ids; every ValueError becomes a 400 for the client."""
 
-    def __init__(self, tokenizer: object | None, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: object | None,
+        vocab_size: int,
+        max_model_len: int,
+        grammars: GrammarChecker | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.max_chars = max_model_len * longest_token_chars(tokenizer)
+        self.grammars = grammars  # checks structured outputs (None: no tokenizer)
 
     def size(self, request: GenerateRequest) -> int:
         """Characters of text to encode (0 for token ids)."""
         if request.messages is not None:
             return sum(len(m.content) + len(m.role) for m in request.messages)
         return len(request.prompt or "") if request.prompt_token_ids is None else 0
+
+    def inline(self, request: GenerateRequest) -> bool:
+        """Whether to encode it in the loop: a small prompt, and no grammar to validate."""
+        structured = request.sampling.structured_outputs is not None
+        return not structured and self.size(request) <= INLINE_ENCODE_CHARS
 
     def check_size(self, request: GenerateRequest) -> None:
         """Refuse text that cannot fit max_model_len tokens, before encoding it."""
@@ -71,7 +84,16 @@ class PromptEncoder:
         else:
             raise ValueError("a request needs a prompt, prompt token ids or chat messages")
         self.check_ids(ids, request.resume_token_ids)
+        self.check_grammar(request)
         return ids
+
+    def check_grammar(self, request: GenerateRequest) -> None:
+        structured = request.sampling.structured_outputs
+        if structured is None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured outputs need the model's tokenizer (skip_tokenizer_init)")
+        self.grammars.check(structured)
 
     def check_ids(self, ids: list[int], resume_ids: list[int]) -> None:
         if not ids:
@@ -107,14 +129,21 @@ class TokenizerActor(Actor):
     name = "tokenizer"
 
     def prepare(self) -> None:
-        tokenizer = None
+        tokenizer, grammars = None, None
+        model_vocab_size = int(read_hf_config(self.config.model_path)["vocab_size"])
         if self.config.skip_tokenizer_init:
-            vocab_size = int(read_hf_config(self.config.model_path)["vocab_size"])
+            vocab_size = model_vocab_size
         else:
             tokenizer = load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
             vocab_size = len(tokenizer)
         self.eos_token_ids = eos_token_ids(self.config.model_path, tokenizer)
-        self.encoder = PromptEncoder(tokenizer, vocab_size, self.config.max_model_len or 0)
+        if tokenizer is not None:
+            grammars = GrammarChecker(
+                self.config.tokenizer_path, model_vocab_size, self.eos_token_ids
+            )
+        self.encoder = PromptEncoder(
+            tokenizer, vocab_size, self.config.max_model_len or 0, grammars
+        )
 
     def queue_depths(self) -> dict[str, int]:
         return {"encoding": len(self.encoding)}
@@ -138,7 +167,7 @@ class TokenizerActor(Actor):
             while True:
                 client, message = await self.clients.recv()
                 if isinstance(message, GenerateRequest):
-                    if self.encoder.size(message) <= INLINE_ENCODE_CHARS:
+                    if self.encoder.inline(message):
                         await self.admit(client, message, off_loop=False)
                     else:
                         self.encoding[(client, message.seq)] = False

@@ -85,6 +85,7 @@ class TrackedRequest:
     token_ids: list[int] = field(default_factory=list)  # output tokens received
     text_length: int = 0  # output characters received
     has_prompt: bool = False  # the first delta (with the prompt ids) arrived
+    has_prompt_logprobs: bool = False  # the delta with the prompt's logprobs arrived
 
 
 class ClientCore:
@@ -179,10 +180,15 @@ class ClientCore:
             delta.prompt_token_ids = None
         elif delta.prompt_token_ids is not None:
             tracked.has_prompt = True
+        if tracked.has_prompt_logprobs:
+            delta.prompt_logprobs = None
+        elif delta.prompt_logprobs is not None:
+            tracked.has_prompt_logprobs = True
         tracked.token_ids += delta.token_ids
         tracked.text_length += len(delta.text)
         delta.request_id = tracked.label
-        if not (delta.token_ids or delta.text or delta.prompt_token_ids is not None):
+        news = delta.prompt_token_ids is not None or delta.prompt_logprobs is not None
+        if not (delta.token_ids or delta.text or news):
             if delta.finish_reason is None:
                 return None
         return delta

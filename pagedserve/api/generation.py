@@ -27,6 +27,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -36,6 +37,8 @@ class Choice:
         self.logprobs += delta.logprobs or []
         if delta.prompt_token_ids is not None:
             self.prompt_token_ids = delta.prompt_token_ids
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason.openai_name
             self.stop_reason = delta.stop_reason

@@ -21,7 +21,7 @@ from pagedserve.api.client_core import EngineRequestError, Prompt, fan_out
 from pagedserve.api.preflight import prepare_config
 from pagedserve.api.sampling_defaults import sampling_defaults
 from pagedserve.config import DEFAULT_MODEL, EngineConfig
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.outputs import CompletionOutput, RequestOutput, prompt_logprob_dicts
 
 PromptInput = str | list[int] | dict[str, Any]
 POLL_MS = 500
@@ -148,6 +148,8 @@ class LLM:
         if message.prompt_token_ids is not None:
             result.prompt_token_ids = message.prompt_token_ids
             result.num_cached_tokens = message.num_cached_tokens
+        if message.prompt_logprobs is not None:
+            result.prompt_logprobs = prompt_logprob_dicts(message.prompt_logprobs)
         result.outputs[child].add(message)
         if message.finish_reason is None:
             return 0

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import msgspec
 
 from pagedserve.actors.messages import SamplingParams
+from pagedserve.api.structured import StructuredOutputFields
 from pagedserve.config import ServerConfig
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # what the engine can hold
@@ -41,11 +42,7 @@ class ChatMessageIn(msgspec.Struct):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(msgspec.Struct):
-    type: str
-
-
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(StructuredOutputFields, kw_only=True):
     model: str | None = None
     max_tokens: Int64 | None = None
     temperature: float | None = None
@@ -67,29 +64,17 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Int64 | None = None  # vLLM's: top logprobs per prompt token
     # Not implemented: a 400 when asked for (see `check_supported`)
     logit_bias: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
-    prompt_logprobs: Int64 | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
 
     def check_supported(self) -> None:
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise ValueError("best_of other than n is not supported")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported yet")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
-        guided = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-        for name in (*guided, "structured_outputs"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} (constrained decoding) is not supported yet")
+        if self.stream and self.prompt_logprobs:  # as vLLM
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
 
     def check_limits(self, limits: ServerConfig) -> None:
         for name, value in (("n", self.n), ("best_of", self.best_of)):
@@ -104,7 +89,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             raise ValueError(f"stop_token_ids takes at most {limits.max_stop_token_ids} ids")
 
     def sampling(
-        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any]
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: dict[str, Any],
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """`defaults` (the model's generation config) fill the fields the request leaves
         unset; its max_tokens is also an upper bound, as in vLLM."""
@@ -134,6 +123,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_output_params(),
+            prompt_logprobs=prompt_logprobs,
         )
 
     @property
@@ -151,8 +142,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         super().check_supported()
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (prompt logprobs) is not supported yet")
 
     def prompts(self, limits: ServerConfig) -> list[str | TokenPrompt]:
         p = self.prompt
@@ -176,9 +165,11 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     def to_sampling(self, defaults: dict[str, Any]) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
-        return self.sampling(
-            16 if self.max_tokens is None else self.max_tokens, self.logprobs, defaults
-        )
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:  # the echoed prompt's logprobs, as vLLM
+            prompt_logprobs = self.logprobs
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        return self.sampling(max_tokens, self.logprobs, defaults, prompt_logprobs)
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -226,7 +217,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
-        return self.sampling(limit, logprobs, defaults)
+        return self.sampling(limit, logprobs, defaults, self.prompt_logprobs)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -11,9 +11,13 @@ from pagedserve.actors.messages import RequestDelta, TokenLogprobs
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.generation import Choice, Event
 from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.outputs import logprob_dict
 
 if TYPE_CHECKING:
     from pagedserve.api.openai_server import OpenAIServer
+
+Scored = tuple[int, TokenLogprobs | None]  # a token id and its logprobs (None: has none)
+MIN_LOGPROB = -9999.0  # what JSON gets for -inf (a token a grammar masks), as in vLLM
 
 
 def usage(choices: list[Choice], num_prompts: int) -> dict:
@@ -97,40 +101,64 @@ class CompletionRender(Render):
         prompt = self.prompts[choice.index // self.body.n]
         return prompt if isinstance(prompt, str) else self.server.text_of(prompt)
 
-    def logprobs(self, entries: list[TokenLogprobs], offset: int) -> dict | None:
+    def logprobs(self, items: list[Scored], offset: int) -> dict | None:
+        """OpenAI's `logprobs` of (token id, its logprobs) items: None logprobs for the
+        echoed prompt's first token, which has none."""
         if self.body.logprobs is None:
             return None
         text = self.server.token_text
-        tokens = [text(e.token_id) for e in entries]
+        tokens = [text(token_id) for token_id, _ in items]
         offsets, position = [], offset
         for token in tokens:
             offsets.append(position)
             position += len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [top_with_sampled(e, text) for e in entries],
+            "token_logprobs": [None if e is None else finite(e.logprob) for _, e in items],
+            "top_logprobs": [None if e is None else top_with_sampled(e, text) for _, e in items],
             "text_offset": offsets,
         }
 
+    def scored(
+        self,
+        prompt_ids: list[int] | None,
+        prompt_logprobs: list[TokenLogprobs | None] | None,
+        entries: list[TokenLogprobs],
+    ) -> list[Scored]:
+        """The tokens to score: the echoed prompt's (echo with prompt logprobs), then the
+        output's."""
+        output: list[Scored] = [(e.token_id, e) for e in entries]
+        if self.body.echo and prompt_ids is not None and prompt_logprobs is not None:
+            return [*zip(prompt_ids, prompt_logprobs), *output]
+        return output
+
     def full_choice(self, choice: Choice) -> dict:
         echo = self.echo_text(choice)
-        return {
+        items = self.scored(choice.prompt_token_ids, choice.prompt_logprobs, choice.logprobs)
+        offset = 0 if len(items) > len(choice.logprobs) else len(echo)  # scored prompt first?
+        body = {
             "index": choice.index,
             "text": echo + choice.text,
-            "logprobs": self.logprobs(choice.logprobs, len(echo)),
+            "logprobs": self.logprobs(items, offset),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
+        if self.body.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(choice.prompt_logprobs, self.server)
+        return body
 
     def delta_choice(self, choice: Choice, delta: RequestDelta) -> dict:
         first = delta.prompt_token_ids is not None
-        echo = self.echo_text(choice) if first else ""
-        offset = len(choice.text) - len(delta.text)
+        scoring = self.body.logprobs is not None  # its offsets count the echoed prompt
+        echo = self.echo_text(choice) if first or scoring else ""
+        items = self.scored(delta.prompt_token_ids, delta.prompt_logprobs, delta.logprobs or [])
+        offset = len(echo) + len(choice.text) - len(delta.text)
+        if len(items) > len(delta.logprobs or []):  # the scored prompt first
+            offset = 0
         return {
             "index": choice.index,
-            "text": echo + delta.text,
-            "logprobs": self.logprobs(delta.logprobs or [], offset),
+            "text": (echo if first else "") + delta.text,
+            "logprobs": self.logprobs(items, offset),
             "finish_reason": choice.finish_reason if delta.finish_reason is not None else None,
             "stop_reason": choice.stop_reason if delta.finish_reason is not None else None,
         }
@@ -153,10 +181,16 @@ class ChatRender(Render):
     def token_logprob(self, entry: TokenLogprobs) -> dict:
         def item(token_id: int, logprob: float) -> dict:
             token = self.server.token_text(token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+            return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode())}
 
         top = [item(t, lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)]
         return {**item(entry.token_id, entry.logprob), "top_logprobs": top}
+
+    def full(self, choices: list[Choice]) -> dict:
+        body = super().full(choices)
+        if self.body.prompt_logprobs is not None and choices:  # vLLM's, for the one prompt
+            body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs, self.server)
+        return body
 
     def opening(self) -> list[dict]:
         return [
@@ -197,6 +231,33 @@ class ChatRender(Render):
 def top_with_sampled(entry: TokenLogprobs, text: Callable[[int], str]) -> dict[str, float]:
     """A completions `top_logprobs` entry: the top k, plus the sampled token when it is not
     among them (as OpenAI and vLLM answer)."""
-    top = {text(t): lp for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
-    top.setdefault(text(entry.token_id), entry.logprob)
+    top = {text(t): finite(lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
+    top.setdefault(text(entry.token_id), finite(entry.logprob))
     return top
+
+
+def finite(logprob: float) -> float:
+    """A logprob JSON can carry (-inf: MIN_LOGPROB)."""
+    return max(logprob, MIN_LOGPROB)
+
+
+def vllm_prompt_logprobs(
+    entries: list[TokenLogprobs | None] | None, server: OpenAIServer
+) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), {token id: {logprob,
+    rank, decoded_token}} for the token and its top alternatives."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {
+                "logprob": finite(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": server.token_text(token_id),
+            }
+            for token_id, lp in logprob_dict(entry).items()
+        }
+        for entry in entries
+    ]

@@ -2,7 +2,7 @@
 # The one GPU script: install the carried wheels, check every kernel against its reference,
 # check full-engine parity, then run the benchmarks. Run on the device machine from the repo
 # root with `.whl` carried; results land in $OUT (or scripts/results/gpu when OUT is unset).
-#   bash scripts/gpu/run.sh [kernels] [splits] [probe] [anatomy] [parity] [quant]
+#   bash scripts/gpu/run.sh [kernels] [splits] [probe] [anatomy] [parity] [quant] [structured]
 #                           [workloads ARGS...]
 set -uo pipefail
 OUT=${OUT:-scripts/results/gpu}
@@ -37,6 +37,8 @@ while [ $# -gt 0 ]; do
     probe) python3 scripts/gpu/compile_parallelism.py > "$OUT/compile_probe.md" || status=1 ;;
     parity) python3 scripts/gpu/parity.py --jobs 6 --out "$OUT/parity.md" || status=1 ;;
     quant) python3 scripts/gpu/bench_quant.py --out "$OUT/quant.md" || status=1 ;;
+    structured)
+      python3 scripts/bench_structured_output.py --device cuda --out "$OUT/structured.md" || status=1 ;;
     workloads) shift; python3 scripts/gpu/bench_workloads.py --out "$OUT/workloads.md" "$@" || status=1; break ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac

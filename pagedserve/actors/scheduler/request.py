@@ -6,7 +6,13 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.actors.messages import AddRequest, FinishReason, Route, SamplingParams
+from pagedserve.actors.messages import (
+    AddRequest,
+    FinishReason,
+    Route,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 class RequestStatus(enum.IntEnum):
@@ -43,6 +49,10 @@ class Request:
     # step in flight verifies (num_computed_tokens counts them until the result says)
     draft_token_ids: list[int] = field(default_factory=list)
     num_drafts_in_flight: int = 0
+    # SamplingParams.prompt_logprobs: the prompt's logprobs so far (one per token from the
+    # first, which has None), until they go out with the first output; [] when not wanted.
+    # While it holds any, the request skips the prefix cache (every position needs logits).
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @classmethod
     def from_add(cls, msg: AddRequest, handle: int, seed: int) -> Request:
@@ -57,6 +67,7 @@ class Request:
             seed=seed,
             eos_token_ids=eos,
             arrival_time=msg.arrival_time,
+            prompt_logprobs=[] if msg.sampling.prompt_logprobs is None else [None],
         )
 
     @property
@@ -75,6 +86,20 @@ class Request:
     def num_tokens_with_inflight(self) -> int:
         """The tokens the worker will know when it runs the next plan."""
         return len(self.token_ids) + len(self.inflight_steps)
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
+        """Logprobs of prompt tokens start, start + 1, ...: the ones not held yet (a request
+        recomputed after preemption computes them again; once sent, none are held)."""
+        held = len(self.prompt_logprobs)
+        if 0 < held < self.num_prompt_tokens and start <= held < start + len(logprobs):
+            self.prompt_logprobs += logprobs[held - start :]
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """The prompt's logprobs once all are known (the first output), then never again."""
+        if not self.prompt_logprobs or len(self.prompt_logprobs) < self.num_prompt_tokens:
+            return None
+        taken, self.prompt_logprobs = self.prompt_logprobs, []
+        return taken
 
     def route(self) -> Route:
         """The detokenizer's view of the request, with every output token so far."""

@@ -177,7 +177,7 @@ class Scheduler:
                 return
             if req.inflight_steps:  # preempted with a token in flight: resume it later
                 continue
-            cached = self.block_manager.find_cached_prefix(req)
+            cached = [] if req.prompt_logprobs else self.block_manager.find_cached_prefix(req)
             num_hit = len(cached) * self.block_size
             n = min(req.num_tokens - num_hit, budget)
             slots = num_hit + self._slots(num_hit, n)
@@ -290,6 +290,10 @@ class Scheduler:
         outputs = []
         counts = result.num_sampled or [1] * len(result.handles)
         logprobs = result.logprobs or [None] * len(result.sampled_token_ids)
+        for chunk in result.prompt_logprobs:
+            if chunk.handle in self.requests:
+                self.requests[chunk.handle].add_prompt_logprobs(chunk.start, chunk.logprobs)
+        grammar_done = set(result.grammar_done)
         start = 0
         for i, (handle, count) in enumerate(zip(result.handles, counts)):
             tokens = result.sampled_token_ids[start : start + count]
@@ -299,16 +303,17 @@ class Scheduler:
             if req is None or not req.inflight_steps or req.inflight_steps[0] != result.step_id:
                 continue  # finished or aborted meanwhile (or a stale handle)
             req.inflight_steps.popleft()
-            outputs.append(self._append_tokens(req, tokens, token_logprobs))
+            outputs.append(self._append_tokens(req, tokens, token_logprobs, handle in grammar_done))
             if result.draft_token_ids and req.status is RequestStatus.RUNNING:
                 req.draft_token_ids = result.draft_token_ids[i]
         return outputs
 
     def _append_tokens(
-        self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs | None]
+        self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs | None], done: bool
     ) -> RequestOutput:
         """A step's tokens for `req` (one, or with speculation the accepted drafts and one
-        more), up to the first that finishes it."""
+        more), up to the first that finishes it; `done`: they complete its structured output
+        (the worker's grammar), which finishes it (stop)."""
         if req.num_drafts_in_flight:
             self._settle_drafts(req, len(tokens) - 1)
         kept: list[int] = []
@@ -320,6 +325,8 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
                 break
+        if done and req.status is not RequestStatus.FINISHED:
+            self._finish(req, FinishReason.STOP)
         if req.status is RequestStatus.RUNNING:
             self.block_manager.cache_full_blocks(req)  # the tokens may complete a block
         use_lp = req.sampling.logprobs is not None and all(lp is not None for lp in logprobs)
@@ -374,10 +381,6 @@ class Scheduler:
         self, req: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None
     ) -> RequestOutput:
         return RequestOutput(
-            req.handle,
-            new_token_ids,
-            logprobs,
-            req.finish_reason,
-            req.stop_reason,
-            max(req.num_cached_tokens, 0),
-        )
+            req.handle, new_token_ids, logprobs, req.finish_reason, req.stop_reason,
+            max(req.num_cached_tokens, 0), req.take_prompt_logprobs(),
+        )  # fmt: skip

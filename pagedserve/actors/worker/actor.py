@@ -108,6 +108,8 @@ class WorkerActor(Actor):
                 self.step_log.write(os.path.join(directory, "worker0.steps.json"))
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        if hasattr(self, "runner"):  # a worker that failed before making it has none
+            self.runner.close()
         super().close()
 
     async def run(self) -> None:

@@ -36,7 +36,8 @@ class _SamplingColumns:
     frequency: np.ndarray
     repetition: np.ndarray
     num_logprobs: np.ndarray  # -1: not asked
-    plain_greedy: np.ndarray  # bool: greedy, no penalties, no logprobs (the argmax is all)
+    plain_greedy: np.ndarray  # bool: greedy, no penalties, no logprobs, no grammar
+    num_prompt_logprobs: np.ndarray  # -1: not asked
 
     @classmethod
     def allocate(cls, rows: int) -> _SamplingColumns:
@@ -44,7 +45,7 @@ class _SamplingColumns:
         return cls(
             np.ones(rows, f32), np.zeros(rows, np.int64), np.ones(rows, f32), np.zeros(rows, f32),
             np.zeros(rows, f32), np.zeros(rows, f32), np.ones(rows, f32),
-            np.full(rows, -1, np.int64), np.ones(rows, bool),
+            np.full(rows, -1, np.int64), np.ones(rows, bool), np.full(rows, -1, np.int64),
         )  # fmt: skip
 
     def set_row(self, row: int, params: SamplingParams) -> None:
@@ -62,6 +63,10 @@ class _SamplingColumns:
             and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0
             and params.repetition_penalty == 1.0
+            and params.structured_outputs is None
+        )
+        self.num_prompt_logprobs[row] = (
+            -1 if params.prompt_logprobs is None else params.prompt_logprobs
         )
 
 

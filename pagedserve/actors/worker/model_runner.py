@@ -25,12 +25,15 @@ from pagedserve.actors.messages import StepPlan, StepResult
 from pagedserve.actors.worker.cpu_tuning import tune_cpu_malloc
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.input_batch import InputBatch
+from pagedserve.actors.worker.prompt_logprobs import PromptLogprobTensors
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
 from pagedserve.actors.worker.speculative import Proposer, make_proposer
 from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs, check_plan_fits
+from pagedserve.actors.worker.step_logits import StepLogits
+from pagedserve.actors.worker.structured import StructuredOutputs
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.actors.worker.verify_step import speculative_step
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, read_hf_config
 from pagedserve.kernels.attention_metadata import cdiv
 from pagedserve.models.layers import Attention
 from pagedserve.models.loader import load_model
@@ -48,6 +51,7 @@ class PendingStep:
     done: torch.cuda.Event | None = None  # recorded after the device-to-host copy
     logprobs: LogprobTensors | None = None
     result: StepResult | None = None  # a step already finished: its tokens are on the host
+    prompt_logprobs: PromptLogprobTensors | None = None
 
 
 def select_device(name: str, rank: int) -> torch.device:
@@ -77,6 +81,9 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.decode_step: DecodeStep | None = None  # decode steps' static path (startup.py)
         self.pending: PendingStep | None = None  # the step launched last, not yet finished
+        vocab_size = int(read_hf_config(config.model_path)["vocab_size"])
+        self.structured = StructuredOutputs(config, vocab_size, self.device)  # grammar masks
+        self.settled: StepResult | None = None  # the result of the step finished during launch
         # the last step's sampled ids, batch order: the next step takes its fed tokens here
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.uploader = Uploader(self.device)
@@ -90,6 +97,10 @@ class ModelRunner:
             torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
             for _ in range(2 if self.device.type == "cuda" else 0)
         ]
+
+    def close(self) -> None:
+        """Stop the threads the runner started (grammar compiles)."""
+        self.structured.close()
 
     # ------------------------------------------------------------------ model and cache
 
@@ -107,6 +118,7 @@ class ModelRunner:
         self.dtype = self.model.layer_config.cache_dtype  # the KV cache's element type
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.proposer = make_proposer(self.config, self.device)
+        self.logits = StepLogits(self.model.compute_logits, self.structured, self._settle_pending)
         self.timed("load_model", start)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -159,17 +171,22 @@ class ModelRunner:
         step first."""
         self._apply_plan(plan)
         speculative = self.proposer is not None and (plan.propose or any(plan.spec_token_ids))
-        previous = None
-        if self.pending is not None and (speculative or self._needs_host_tokens(plan)):
-            previous = self.finish()
+        self.settled = None
+        if speculative or self._needs_host_tokens(plan):
+            self._settle_pending()
         if speculative:  # run to completion: the next drafts need this step's tokens
             launched = PendingStep(plan.step_id, [], result=speculative_step(self, plan))
         else:
             launched = self._launch_step(plan)
-        if self.pending is not None:
-            previous = self.finish()
+        self._settle_pending()
         self.pending = launched
-        return previous
+        return self.settled
+
+    def _settle_pending(self) -> None:
+        """Finish the step in flight now (launch returns its result); a step whose grammar
+        masks need its tokens calls this once its own forward is queued (step_logits.py)."""
+        if self.pending is not None:
+            self.settled = self.finish()
 
     @torch.inference_mode()
     def finish(self) -> StepResult | None:
@@ -192,14 +209,21 @@ class ModelRunner:
             result.sampled_token_ids = sampled.tolist()
             if step.logprobs is not None:
                 result.logprobs = step.logprobs.to_list()
+            result.grammar_done = self.structured.accept_sampled(step.handles, rows, sampled)
+        if step.prompt_logprobs is not None:
+            result.prompt_logprobs = step.prompt_logprobs.to_wire()
         return result
 
     def _apply_plan(self, plan: StepPlan) -> None:
         batch = self.input_batch
         for handle in plan.finished:
+            if handle in batch.row_of:
+                self.structured.remove(batch.row_of[handle])
             batch.remove_request(handle)
         for new_request in plan.new_requests:
-            batch.add_request(new_request)
+            row = batch.add_request(new_request)
+            output_ids = new_request.token_ids[new_request.num_prompt_tokens :]
+            self.structured.add(row, new_request.sampling.structured_outputs, output_ids)
         cached = plan.cached_requests
         for handle, block_ids, num_computed in zip(
             cached.handles, cached.new_block_ids, cached.num_computed_tokens
@@ -236,9 +260,9 @@ class ModelRunner:
                 handles, plan.num_scheduled_tokens, rows, pending_index, no_drafts
             )
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-            if not inputs.sampling_handles:
+            output, step.prompt_logprobs = self.sample(hidden, inputs)
+            if output is None:
                 return step
-            output = self.sample(hidden, inputs)
             step.handles = inputs.sampling_handles
             step.logprobs = output.logprob_tensors
             token_ids = self.sampled[: len(step.handles)]
@@ -304,7 +328,7 @@ class ModelRunner:
         if batch.all_plain_greedy(rows):
             return token_ids, None
         metadata = batch.sampling_metadata(rows, seq_lens, self.vocab_size)
-        output = self.sampler(logits, metadata)
+        output = self.sampler(self.logits.constrain(logits, rows), metadata)
         token_ids.copy_(output.token_ids)
         return token_ids, output.logprob_tensors
 
@@ -322,12 +346,14 @@ class ModelRunner:
                     index[row] = i
         return index
 
-    def sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
-        assert self.model is not None
-        if inputs.attn_metadata.output_rows is None:  # else hidden holds just those rows
-            hidden = hidden.index_select(0, inputs.logits_indices)
-        logits = self.model.compute_logits(hidden)
+    def sample(
+        self, hidden: torch.Tensor, inputs: StepInputs
+    ) -> tuple[SamplerOutput | None, PromptLogprobTensors | None]:
+        """The step's samples (None: no request samples) and its prompt logprobs."""
+        logits, prompt = self.logits.run(hidden, inputs)
+        if logits is None:
+            return None, prompt
         metadata = self.input_batch.sampling_metadata(
             inputs.sampling_rows, inputs.sampling_positions, self.vocab_size
         )
-        return self.sampler(logits, metadata)
+        return self.sampler(logits, metadata), prompt

@@ -6,9 +6,9 @@ the host yet: it is copied on the device from that step's output), positions, KV
 attention metadata, and the rows whose logits are needed: the last token of every request whose
 scheduled tokens reach the end of the tokens the worker knows for it (it samples), and with
 speculative decoding the rows of its drafts too (it samples after each of its last 1 + drafts
-tokens). In a step with prefill tokens the model's last layer, past caching every token's k/v,
-runs only those sampling rows (AttentionMetadata.output_rows). Every array goes to the device
-in one upload.
+tokens), then the rows whose logits give prompt logprobs (prompt_logprobs.py). In a step with
+prefill tokens the model's last layer, past caching every token's k/v, runs only those rows
+(AttentionMetadata.output_rows). Every array goes to the device in one upload.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.actors.worker import prompt_logprobs
 from pagedserve.actors.worker.input_batch import InputBatch
+from pagedserve.actors.worker.prompt_logprobs import PromptLogprobRows
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.kernels.attention_metadata import (
     AttentionMetadata,
@@ -41,6 +43,8 @@ class StepInputs:
     sampling_positions: np.ndarray  # [num_logits] position of the token each one samples
     sampling_handles: list[int]  # the requests that sample
     sampling_counts: np.ndarray  # logits rows of each (1 + its drafts)
+    # rows whose logits give prompt logprobs: after the sampling rows in logits_indices
+    prompt_logprobs: PromptLogprobRows | None = None
 
 
 def _metadata_host(
@@ -49,6 +53,38 @@ def _metadata_host(
     """(query_lens, seq_lens, block_tables, slot_mapping) as CPU tensors sharing the arrays."""
     arrays = (query_lens, seq_lens, np.ascontiguousarray(block_tables), slots)
     return tuple(torch.from_numpy(a) for a in arrays)  # type: ignore[return-value]
+
+
+@dataclass
+class _LogitsRows:
+    """The step's token rows whose logits are needed, with each one's request (its index in
+    the step) and sequence length (its position + 1): the sampling rows, then others."""
+
+    samples: np.ndarray  # [requests] bool: the request samples
+    counts: np.ndarray  # [sampling requests] its logits rows (1 + its drafts)
+    sampling_positions: np.ndarray  # [sampling rows] position of the token each samples
+    indices: np.ndarray
+    requests: np.ndarray
+    seq_lens: np.ndarray
+
+    def add(self, indices: np.ndarray, requests: np.ndarray, seq_lens: np.ndarray) -> None:
+        self.indices = np.concatenate([self.indices, indices])
+        self.requests = np.concatenate([self.requests, requests])
+        self.seq_lens = np.concatenate([self.seq_lens, seq_lens])
+
+
+def _logits_rows(
+    samples: np.ndarray, num_drafts: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray
+) -> _LogitsRows:
+    """Each sampling request's last 1 + drafts token rows (it samples after each)."""
+    counts = num_drafts[samples] + 1
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    first = np.cumsum(query_lens)[samples] - counts  # each one's first logits row
+    positions = np.repeat(seq_lens[samples] - counts + 1, counts) + within
+    return _LogitsRows(
+        samples, counts, positions, np.repeat(first, counts) + within,
+        np.repeat(np.flatnonzero(samples), counts), positions,
+    )  # fmt: skip
 
 
 def check_plan_fits(
@@ -101,21 +137,19 @@ class StepInputBuilder:
         slot_mapping = blocks * block_size + positions % block_size
         block_tables = batch.block_table_np[rows, : cdiv(int(seq_lens.max()), block_size)]
         batch.num_computed_tokens[rows] = seq_lens
-        samples = seq_lens >= known
-        counts = num_drafts[samples] + 1
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        first = (query_starts + query_lens)[samples] - counts  # each one's first logits row
-        logits_indices = np.repeat(first, counts) + within
-        sampling_positions = np.repeat(seq_lens[samples] - counts + 1, counts) + within
+        out = _logits_rows(seq_lens >= known, num_drafts, query_lens, seq_lens)
+        prompt_rows = prompt_logprobs.select_rows(batch, handles, rows, computed, query_lens)
+        if prompt_rows is not None:  # their rows follow the sampling rows
+            out.add(prompt_rows.token_index, prompt_rows.request_index, prompt_rows.positions + 1)
         host = _metadata_host(query_lens, seq_lens, block_tables, slot_mapping)
-        arrays = [input_ids, positions, targets, sources, logits_indices]
+        arrays = [input_ids, positions, targets, sources, out.indices]
         arrays += [t.numpy() for t in metadata_inputs(*host)]
-        # prefill in the step: the last layer needs only the sampling rows past its k/v
+        # prefill in the step: the last layer needs only the logits rows past its k/v
         rows_host = None
-        if 0 < len(logits_indices) < len(slot_mapping):
+        if 0 < len(out.indices) < len(slot_mapping):
             rows_host = _metadata_host(
-                np.ones(len(logits_indices), np.int64), sampling_positions,
-                np.repeat(block_tables[samples], counts, axis=0), slot_mapping[logits_indices],
+                np.ones(len(out.indices), np.int64), out.seq_lens,
+                block_tables[out.requests], slot_mapping[out.indices],
             )  # fmt: skip
             arrays += [t.numpy() for t in metadata_inputs(*rows_host)]
         device_ids, device_positions, device_targets, device_sources, device_logits, *rest = (
@@ -132,10 +166,11 @@ class StepInputBuilder:
             positions=device_positions,
             attn_metadata=metadata,
             logits_indices=device_logits,
-            sampling_rows=np.repeat(rows[samples], counts),
-            sampling_positions=sampling_positions,
-            sampling_handles=[h for h, s in zip(handles, samples.tolist()) if s],
-            sampling_counts=counts,
+            sampling_rows=np.repeat(rows[out.samples], out.counts),
+            sampling_positions=out.sampling_positions,
+            sampling_handles=[h for h, s in zip(handles, out.samples.tolist()) if s],
+            sampling_counts=out.counts,
+            prompt_logprobs=prompt_rows,
         )
 
     def _assemble(self, device_inputs: list[torch.Tensor], host: HostMetadata) -> AttentionMetadata:

@@ -11,7 +11,10 @@ drafts), the step is a decode step of sum(1 + d) rows: row i of a request is its
 position C + i with C + i + 1 keys, so the paged decode kernels give causal attention within
 the drafts (the layer writes every row's k/v before attending) and the step replays a CUDA
 graph like any decode step. Otherwise (prefill chunks in the step) it takes the general path,
-and a draft model reads the step's tokens there.
+and a draft model reads the step's tokens there (prompt logprobs of its prefill chunks too).
+
+Constrained requests (structured outputs) are never speculated: their proposals are dropped,
+so they verify no drafts and sample one masked row each; their matchers advance here.
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
     if _decode_shaped(runner, plan, rows, num_drafts):
         samples = _verify_as_decode(runner, plan, rows, num_drafts)
     else:
-        samples = _verify_general(runner, plan, rows, num_drafts)
+        samples = _verify_general(runner, plan, rows, num_drafts, result)
     _accept(runner, result, samples, dict(zip(plan.scheduled, drafts)))
     if plan.propose and result.handles:
         assert runner.proposer is not None
         sampling_rows = np.fromiter((batch.row_of[h] for h in result.handles), np.int64)
-        result.draft_token_ids = runner.proposer.propose(batch, sampling_rows)
+        proposals = runner.proposer.propose(batch, sampling_rows)
+        result.draft_token_ids = runner.structured.without_drafts(sampling_rows, proposals)
     return result
 
 
@@ -82,7 +86,11 @@ def _verify_as_decode(
 
 
 def _verify_general(
-    runner: ModelRunner, plan: StepPlan, rows: np.ndarray, num_drafts: np.ndarray
+    runner: ModelRunner,
+    plan: StepPlan,
+    rows: np.ndarray,
+    num_drafts: np.ndarray,
+    result: StepResult,
 ) -> Samples:
     assert runner.model is not None and runner.proposer is not None
     no_pending = np.full(len(rows), -1, np.int64)
@@ -91,9 +99,11 @@ def _verify_general(
     )
     hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
     runner.proposer.observe(inputs)
-    if not inputs.sampling_handles:
+    output, prompt = runner.sample(hidden, inputs)
+    if prompt is not None:
+        result.prompt_logprobs = prompt.to_wire()
+    if output is None:
         return [], [], [], None
-    output = runner.sample(hidden, inputs)
     counts = inputs.sampling_counts.tolist()
     return inputs.sampling_handles, counts, output.token_ids.tolist(), output.logprobs
 
@@ -116,6 +126,8 @@ def _accept(
         batch.num_computed_tokens[row] -= len(drafts[handle]) - accepted
         result.sampled_token_ids += own[: accepted + 1]
         result.num_sampled.append(accepted + 1)
+        if runner.structured.accept(row, own[: accepted + 1]):
+            result.grammar_done.append(handle)
         if logprobs is not None:
             result.logprobs += logprobs[start : start + accepted + 1]  # type: ignore[operator]
         start += count
