@@ -20,7 +20,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from pagedserve.actors import bus
+from pagedserve.actors import bus, network
 from pagedserve.actors.messages import ActorFailed, ActorReady
 from pagedserve.config import EngineConfig, decode_config
 
@@ -94,11 +94,12 @@ async def _exit_on_sigterm(scope: anyio.CancelScope) -> None:
 
 
 def run_actor_process(
-    actor_cls: type[Actor], config_bytes: bytes, addresses: bus.Addresses, rank: int, epoch: int
+    actor_cls: type[Actor], config_bytes: bytes, run_dir: str, rank: int, epoch: int
 ) -> None:
     """Entry point of every actor process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = decode_config(config_bytes)
+    addresses = network.engine_addresses(run_dir, config.network)
     logging.basicConfig(
         level=config.log_level,
         format=f"%(asctime)s {actor_cls.name}[{rank}] %(levelname)s %(name)s: %(message)s",

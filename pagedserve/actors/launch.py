@@ -15,7 +15,6 @@ PROCESS_START = time.perf_counter()  # before the imports: an actor reports thei
 import importlib  # noqa: E402
 import sys  # noqa: E402
 
-from pagedserve.actors import bus  # noqa: E402
 from pagedserve.actors.actor import Actor, run_actor_process  # noqa: E402
 
 ACTORS = {
@@ -39,7 +38,7 @@ def command(name: str, rank: int, run_dir: str, epoch: int) -> list[str]:
 def main() -> None:
     name, rank, run_dir, epoch = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     config_bytes = sys.stdin.buffer.read()
-    run_actor_process(actor_class(name), config_bytes, bus.Addresses(run_dir), rank, epoch)
+    run_actor_process(actor_class(name), config_bytes, run_dir, rank, epoch)
 
 
 if __name__ == "__main__":

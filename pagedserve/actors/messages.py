@@ -16,7 +16,8 @@ Channels (see bus.py for addresses):
                                                     Welcome, Pong)
   tokenizer   -> scheduler   : SchedulerInbound    (AddRequest, AbortRequest, StatsRequest)
   detokenizer -> scheduler   : SchedulerInbound    (StopRequests)
-  worker 0    -> scheduler   : SchedulerInbound    (StepResult)
+  worker R    -> scheduler   : SchedulerInbound    (StepResult; R: the last pipeline stage's
+                                                    first tensor-parallel rank)
   scheduler   -> detokenizer : DetokenizerInbound  (EngineOutputs, SchedulerStats)
   tokenizer   -> detokenizer : DetokenizerInbound  (RequestError)
   supervisor  -> detokenizer : DetokenizerInbound  (EpochChanged)
@@ -309,6 +310,10 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     handles: list[int] = []
     new_block_ids: list[list[int]] = []  # blocks appended to each block table this step
     num_computed_tokens: list[int] = []
+    # Pipeline parallelism: the tokens each request gained since the workers last heard of it
+    # (the last stage samples them; every stage appends them from here). Empty otherwise:
+    # the workers append what they sample themselves.
+    new_token_ids: list[list[int]] = []
 
 
 class StepPlan(msgspec.Struct, tag=True, kw_only=True):

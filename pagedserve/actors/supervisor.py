@@ -1,6 +1,7 @@
 """Starts the actor topology, watches it, and tears it down without leaving anything behind.
 
-Start order: the workers (they load the model and report how many KV blocks fit) together
+Start order: the workers (they load the model and report how many KV blocks fit; one per rank
+of the TP x PP grid, started by the executor: here, or on the nodes of a Ray cluster) together
 with the tokenizer, the detokenizer and any extra actor (the HTTP server), then the scheduler,
 sized by the smallest worker's report. Every actor says `ActorReady` once its sockets are bound.
 `stop()` sends SIGTERM, waits, kills stragglers and removes the private run directory with its
@@ -26,7 +27,8 @@ import time
 import msgspec
 import zmq
 
-from pagedserve.actors import bus, launch
+from pagedserve.actors import bus, launch, network
+from pagedserve.actors.executors import worker_executor
 from pagedserve.actors.messages import ActorFailed, ActorReady, EpochChanged, SupervisorInbound
 from pagedserve.config import EngineConfig, encode_config
 
@@ -49,8 +51,10 @@ class EngineDeadError(RuntimeError):
 class Supervisor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.resolve()
+        self.executor = worker_executor(self.config)  # before any file or process is made
+        self.config = msgspec.structs.replace(self.config, network=self.executor.network)
         self.run_dir = tempfile.mkdtemp(prefix="pagedserve-", dir=config.run_dir)
-        self.addresses = bus.Addresses(self.run_dir)
+        self.addresses = network.engine_addresses(self.run_dir, self.config.network)
         self.processes: dict[str, subprocess.Popen] = {}
         self.num_kv_blocks = 0
         self.dead_reason: str | None = None
@@ -74,10 +78,7 @@ class Supervisor:
         """Start the engine; `extra_actors` names more actors (see launch.ACTORS), e.g. the
         HTTP server. The actors that need no KV-cache size start with the workers."""
         try:
-            workers = [
-                self._spawn("worker", self.config, r)
-                for r in range(self.config.tensor_parallel_size)
-            ]
+            workers = [self._spawn("worker", self.config, r) for r in range(self.config.world_size)]
             front = ("tokenizer", "detokenizer", *extra_actors)
             others = [self._spawn(name, self.config, 0) for name in front]
             readies = self._wait_ready(set(workers))
@@ -94,7 +95,10 @@ class Supervisor:
     def _spawn(self, name: str, config: EngineConfig, rank: int) -> str:
         label = name if rank == 0 else f"{name}-{rank}"
         command = launch.command(name, rank, self.run_dir, self.epoch)
-        process = subprocess.Popen(command, stdin=subprocess.PIPE)
+        if name == "worker":
+            process = self.executor.popen(rank, command)
+        else:
+            process = subprocess.Popen(command, stdin=subprocess.PIPE)
         assert process.stdin is not None
         process.stdin.write(encode_config(config))
         process.stdin.close()
@@ -199,4 +203,5 @@ class Supervisor:
                 process.wait()
         self._inbox.close(linger=0)
         self._ctx.term()
+        self.executor.shutdown()
         shutil.rmtree(self.run_dir, ignore_errors=True)

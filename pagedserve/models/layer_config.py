@@ -13,6 +13,7 @@ operands' shapes and strides.
     weight-streaming GEMM (kernels.triton_gemv) instead of cuBLAS.
   * attention: the attention backend's functions and cache layout (kernels.attention_backends).
   * tp: this rank's place in the tensor-parallel group and its collectives.
+  * stage: the pipeline stage this model is (the layers it builds: models.stages).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.kernels.attention_backends import AttentionBackend
+from pagedserve.layout import PipelineStage
 
 FusedOps = Literal["triton", "cpu", "torch"]
 
@@ -73,3 +75,4 @@ class LayerConfig:
     fused_ops: FusedOps = "torch"
     small_batch_gemm: bool = False
     tp: TensorParallel = field(default_factory=TensorParallel)
+    stage: PipelineStage = field(default_factory=PipelineStage)

@@ -16,7 +16,7 @@ import importlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -25,10 +25,17 @@ from torch import nn
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention_backends import resolve_attention_backend
 from pagedserve.kernels.cpu_kernels import load_cpu_kernels
-from pagedserve.models.layer_config import FusedOps, LayerConfig, tensor_parallel_of_process
+from pagedserve.layout import PipelineStage
+from pagedserve.models.layer_config import (
+    FusedOps,
+    LayerConfig,
+    TensorParallel,
+    tensor_parallel_of_process,
+)
 from pagedserve.models.linear import default_weight_loader
 from pagedserve.models.model_config import ModelConfig, load_model_config
 from pagedserve.models.registry import get_model_class
+from pagedserve.models.stages import checkpoint_names
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +74,17 @@ def _triton_importable() -> bool:
 
 
 def build_layer_config(
-    config: EngineConfig, hf_config: ModelConfig, device: torch.device
+    config: EngineConfig,
+    hf_config: ModelConfig,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+    stage: PipelineStage | None = None,
 ) -> LayerConfig:
     """The layers' settings for this engine on this machine: Triton's fused ops on CUDA (when
     triton imports), the C++ CPU kernels for float32 on the CPU (when config.cpu_kernels and
     they load here), else pure torch; the attention backend; the Triton small-batch GEMM for
-    CUDA fp16/bf16 (config.small_batch_gemm); this process's tensor-parallel rank."""
+    CUDA fp16/bf16 (config.small_batch_gemm); this rank's tensor-parallel group (tp; None:
+    the process's default group) and pipeline stage (None: the whole model)."""
     dtype = resolve_dtype(config.dtype, hf_config, device)
     cpu_kernels = device.type == "cpu" and config.cpu_kernels and load_cpu_kernels()
     fused_ops: FusedOps = "torch"
@@ -87,7 +99,8 @@ def build_layer_config(
         fused_ops=fused_ops,
         small_batch_gemm=config.small_batch_gemm and fused_ops == "triton"
         and dtype != torch.float32,
-        tp=tensor_parallel_of_process(config.tensor_parallel_size),
+        tp=tp if tp is not None else tensor_parallel_of_process(config.tensor_parallel_size),
+        stage=stage if stage is not None else PipelineStage(),
     )  # fmt: skip
 
 
@@ -115,7 +128,9 @@ def load_model(
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed)
         else:
-            load_weights(model, iterate_safetensors(config.model_path))
+            tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+            rename = checkpoint_names(layer_config.stage, tied)
+            load_weights(model, iterate_safetensors(config.model_path, rename))
     return model
 
 
@@ -132,11 +147,17 @@ def safetensors_files(model_path: str) -> list[str]:
     return files
 
 
-def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(
+    model_path: str, rename: Callable[[str], str | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor; with `rename`, (rename(name), tensor), and
+    the tensors it maps to None are not read (another pipeline stage's)."""
     for path in safetensors_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+                target = name if rename is None else rename(name)
+                if target is not None:
+                    yield target, f.get_tensor(name)
 
 
 def _target_name(
