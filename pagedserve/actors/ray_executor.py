@@ -21,7 +21,9 @@ cross Ray: the command, and the launch the worker reads from its standard input.
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -40,6 +42,7 @@ from pagedserve.config import EngineConfig
 
 PLACEMENT_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 5.0
 
 
 class WorkerHost:
@@ -231,6 +234,7 @@ def _connect() -> bool:
     if ray.is_initialized():
         return False
     try:
+        _check_reachable(os.environ.get("RAY_ADDRESS", ""))
         ray.init(address="auto")
     except ConnectionError as exc:
         raise ValueError(
@@ -239,3 +243,15 @@ def _connect() -> bool:
             f"or set RAY_ADDRESS ({exc})"
         ) from None
     return True
+
+
+def _check_reachable(address: str) -> None:
+    """ConnectionError unless a cluster's HOST:PORT accepts connections (Ray itself retries
+    an unreachable address for minutes)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return  # none given, "auto", or a Ray Client address: Ray's own checks
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConnectionError(f"RAY_ADDRESS={address} does not answer: {exc}") from None

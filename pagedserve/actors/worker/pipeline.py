@@ -54,7 +54,11 @@ class StageLink:
         return cls(groups, int(model.config.hidden_size), dtype, device)  # type: ignore[union-attr]
 
     def connect(self) -> None:
-        """Start-up is over: transfers are real from now on."""
+        """Start-up is over: transfers are real from now on. Every rank of the engine calls
+        this once: a barrier of the whole group (which NCCL initialises collectively) before
+        any transfer."""
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        dist.barrier(device_ids=device_ids)
         self.connected = True
 
     def receive(self, num_tokens: int) -> StageActivations:
@@ -86,9 +90,9 @@ class StageLink:
 
     @staticmethod
     def _exchange(operation, activations: StageActivations, peer: int) -> None:  # noqa: ANN001
-        """Both tensors in one batch; on a GPU the wait orders the stream, not the host."""
-        ops = [dist.P2POp(operation, t, peer) for t in (activations.hidden, activations.residual)]
-        for work in dist.batch_isend_irecv(ops):
+        """Hidden states, then residuals; on a GPU the waits order the stream, not the host."""
+        works = [operation(t, peer) for t in (activations.hidden, activations.residual)]
+        for work in works:
             work.wait()
 
 
