@@ -49,7 +49,12 @@ def build_tokenizer(vocab_size: int = 400) -> transformers.PreTrainedTokenizerFa
 
 
 def save_tiny_model(
-    arch: str, path: Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2
+    arch: str,
+    path: Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    tie_word_embeddings: bool = False,
 ) -> Path:
     """A random model of `arch` (2 layers unless told) with peaked logits (so greedy has no
     near-ties); 4 query heads of hidden_size / 4 dims, 2 kv heads."""
@@ -64,7 +69,7 @@ def save_tiny_model(
         num_key_value_heads=2,
         max_position_embeddings=512,
         initializer_range=0.15,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         **extra,

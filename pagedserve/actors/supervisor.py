@@ -59,7 +59,13 @@ class Supervisor:
         self.num_kv_blocks = 0
         self.dead_reason: str | None = None
         self._ctx = zmq.Context()
-        self._inbox = bus.pull_socket(self._ctx, self.addresses.supervisor)
+        try:
+            self._inbox = bus.pull_socket(self._ctx, self.addresses.supervisor)
+        except zmq.ZMQError:
+            self._ctx.term()
+            self.executor.shutdown()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         self._codec: bus.Codec[ActorReady | ActorFailed] = bus.Codec(
             SupervisorInbound, "supervisor"
         )

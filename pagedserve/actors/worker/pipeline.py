@@ -21,6 +21,8 @@ exactly the batch's rows, so stages agree whatever batch sizes they captured.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -89,10 +91,15 @@ class StageLink:
         self._exchange(dist.isend, outgoing, self.next)
 
     @staticmethod
-    def _exchange(operation, activations: StageActivations, peer: int) -> None:  # noqa: ANN001
+    def _exchange(
+        operation: Callable[[torch.Tensor, int], dist.Work | None],
+        activations: StageActivations,
+        peer: int,
+    ) -> None:
         """Hidden states, then residuals; on a GPU the waits order the stream, not the host."""
         works = [operation(t, peer) for t in (activations.hidden, activations.residual)]
         for work in works:
+            assert work is not None  # isend and irecv on a rank of the group
             work.wait()
 
 
