@@ -17,6 +17,9 @@ import msgspec
 from pagedserve.layout import check_layout
 
 DEFAULT_MODEL = "pagedserve/tiny-shakespeare"
+# vLLM's names (models/quantization/config.py says what each means)
+QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors", "int8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ASSETS_DIR = Path(__file__).parent / "assets"
 
 
@@ -102,10 +105,35 @@ class NetworkConfig(msgspec.Struct, kw_only=True):
     rendezvous_port: int
 
 
+class SupervisionConfig(msgspec.Struct, kw_only=True):
+    """How the supervisor watches and restarts actors (actors/supervisor.py)."""
+
+    heartbeat_interval_s: float = 1.0
+    # An actor whose heartbeats stop, or whose loop has not run, for this long is hung: the
+    # supervisor kills and restarts it ...
+    heartbeat_timeout_s: float = 20.0
+    # ... but a loop inside a declared blocking call (a worker's step, which may compile
+    # kernels) gets this long.
+    blocking_timeout_s: float = 600.0
+    # Restarts of one actor allowed within the window (a rate: a crash loop ends) ...
+    restart_budget: int = 20
+    restart_window_s: float = 60.0
+    # ... and starts in a row that may fail (die or time out before ready) before giving up.
+    max_failed_starts: int = 3
+    restart_ready_timeout_s: float = 120.0
+    # Keep one pre-started process per restartable actor with its imports done, so that a
+    # restart skips them (seconds for torch or transformers).
+    standby_processes: bool = True
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # the linear layers' weights: None (the checkpoint's own quantization_config, if any) or
+    # one of QUANTIZATION_METHODS
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (E4M3, per-tensor scales)
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0
     max_model_len: int | None = None
@@ -155,6 +183,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's
     generation_config: str = "auto"  # defaults from generation_config.json: auto | vllm | DIR
     trust_remote_code: bool = False  # accepted for vLLM compatibility: only local code runs
+    supervision: SupervisionConfig = msgspec.field(default_factory=SupervisionConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...})
@@ -180,6 +209,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("max_inflight_steps must be 1, 2 or 3")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; expected one of "
+                f"{', '.join(QUANTIZATION_METHODS)}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; expected one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
 
     @property
     def world_size(self) -> int:

@@ -323,7 +323,7 @@ def cmd_train(args) -> None:
         torch.set_num_threads(args.threads)
     if args.deterministic:  # the same weights for the same seed, also on a GPU (slower)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
     data = Path(args.data)
     train_ids = torch.from_numpy(np.load(data / "train.npy").astype(np.int64)).to(device)

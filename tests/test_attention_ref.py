@@ -152,6 +152,13 @@ def test_pure_prefill_batch(cases: list[tuple[int, int]], backend: str, cpu_kern
     run_case(cases, 16, 4, 2, seed=2, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_padded_group_as_large_as_the_step(backend: str, cpu_kernels: bool) -> None:
+    """Prefill chunks of 7 and 5 tokens padded to [2, 7] = 14 rows in a step of 14 tokens (two
+    decodes): the group still scatters its 12 real rows."""
+    run_case([(0, 7), (9, 1), (3, 5), (12, 1)], 4, 4, 2, seed=4, backend=backend)
+
+
 def test_prefill_buckets_bound_padding() -> None:
     """One long prompt and many short ones are not padded to one [B, 300, 300] block."""
     cases = [(0, 300)] + [(0, 5)] * 6 + [(50, 7), (2, 1)]

@@ -12,6 +12,7 @@ import zmq.asyncio
 
 from pagedserve.actors import bus
 from pagedserve.actors import messages as m
+from pagedserve.actors import supervision_messages as sm
 
 SAMPLING = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["\n"], logprobs=2)
 LOGPROBS = m.TokenLogprobs(7, -0.5, 1, [7, 8], [-0.5, -1.5])
@@ -58,7 +59,10 @@ EXAMPLES: list[msgspec.Struct] = [
         errors=[m.RequestError(seq=2, message="too long", client=b"c")],
     ),
     m.SchedulerStats(seq=3, client=b"c", num_running=2, num_free_blocks=9),
-    m.EpochChanged(4),
+    m.EpochChanged(4, drop_handles_below=4 << m.EPOCH_SHIFT),
+    m.EngineFailed("the worker could not be restarted"),
+    m.WorkersLost(5),
+    m.WorkersReady(6),
     m.StepPlan(
         step_id=4,
         new_requests=[m.NewRequestData(7, [1, 2, 3], 2, SAMPLING, 99, [0, 5], 0)],
@@ -66,11 +70,31 @@ EXAMPLES: list[msgspec.Struct] = [
         scheduled=[7, 8],
         num_scheduled_tokens=[3, 1],
         finished=[9],
+        reset=True,
     ),
     m.StepResult(step_id=4, handles=[7], sampled_token_ids=[9], logprobs=[None]),
     m.Shutdown("bye"),
     m.ActorReady(name="worker", pid=1, num_kv_blocks=100),
     m.ActorFailed("worker", "boom"),
+    sm.Heartbeat(
+        sm.ActorStats(
+            name="worker",
+            pid=1,
+            epoch=2,
+            uptime_s=3.0,
+            busy_s=1.0,
+            cpu_s=2.0,
+            rss_bytes=9,
+            messages_in=4,
+            messages_out=5,
+            rejected=1,
+            queues={"batch": 3},
+            stalled_s=0.5,
+            blocking="step",
+        )
+    ),  # fmt: skip
+    sm.StatusRequest(),
+    sm.EngineStatus(epoch=3, actors=[sm.ActorStatus(label="worker", state="running", restarts=2)]),
 ]
 
 CHANNEL_OF = {
@@ -88,11 +112,17 @@ CHANNEL_OF = {
     m.EngineOutputs: m.DetokenizerInbound,
     m.SchedulerStats: m.DetokenizerInbound,
     m.EpochChanged: m.DetokenizerInbound,
+    m.EngineFailed: m.DetokenizerInbound,
+    m.WorkersLost: m.SchedulerInbound,
+    m.WorkersReady: m.SchedulerInbound,
     m.StepPlan: m.WorkerInbound,
     m.StepResult: m.SchedulerInbound,
     m.Shutdown: m.WorkerInbound,
-    m.ActorReady: m.SupervisorInbound,
-    m.ActorFailed: m.SupervisorInbound,
+    m.ActorReady: sm.SupervisorInbound,
+    m.ActorFailed: sm.SupervisorInbound,
+    sm.Heartbeat: sm.SupervisorInbound,
+    sm.StatusRequest: sm.StatusRequest,
+    sm.EngineStatus: sm.EngineStatus,
 }
 
 
@@ -100,7 +130,7 @@ def tagged_messages() -> set[type]:
     """Every top-level message of the schema (the tagged Structs)."""
     return {
         value
-        for value in vars(m).values()
+        for value in [*vars(m).values(), *vars(sm).values()]
         if isinstance(value, type)
         and issubclass(value, msgspec.Struct)
         and value.__struct_config__.tag is not None

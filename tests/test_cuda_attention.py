@@ -428,3 +428,17 @@ def test_split_override_is_clamped_to_whole_tiles(tmp_path: Path) -> None:
     got = [tuple(int(x) for x in line.split()) for line in lines if line]
     # bf16, head_dim 128, group 4: 32-key tiles, as the first case
     assert got == [*expected.values(), (6, 704)]
+
+
+def test_an_arch_list_with_the_a_suffix_builds_what_the_engine_loads(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TORCH_CUDA_ARCH_LIST="9.0a" (as GPU images set it) builds the library that an sm_90
+    device loads, not an sm_90a one that nothing looks for."""
+    from pagedserve.kernels import build
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr("torch.utils.cpp_extension.CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    assert build.cuda_archs([]) == (["80", "90"], "")
+    assert cuda_attention.device_arch() == "90"

@@ -195,3 +195,34 @@ def test_compile_only_turns_triton_launches_into_compiles(monkeypatch: pytest.Mo
     kernel[(1,)]()
     assert calls == [(True, True), (False, False)]
     assert JITFunction.run is recording_run
+
+
+class _CapturingStep:
+    def __init__(self) -> None:
+        self.captured = 0
+        self.graphs: dict = {}
+
+    def capture(self) -> None:
+        self.captured += 1
+
+
+@pytest.mark.parametrize(("graph_safe", "enforce_eager", "captured"),
+                         [(True, False, 1), (False, False, 0), (True, True, 0)])  # fmt: skip
+def test_a_graph_safe_backend_on_a_gpu_captures_the_decode_step(
+    graph_safe: bool, enforce_eager: bool, captured: int
+) -> None:
+    """The decode step is captured as CUDA graphs exactly when the device is a GPU, the
+    attention backend (an object chosen at load) is graph-safe and enforce_eager is off."""
+    from types import SimpleNamespace
+
+    from pagedserve.kernels.attention_backends import AttentionBackend
+
+    step = _CapturingStep()
+    backend = AttentionBackend("triton", attend=None, write_kv_cache=None,  # type: ignore[arg-type]
+                               graph_safe=graph_safe)  # fmt: skip
+    runner = SimpleNamespace(
+        new_decode_step=lambda: step, attention_backend=backend, proposer=None,
+        device=torch.device("cuda"), config=SimpleNamespace(enforce_eager=enforce_eager),
+    )  # fmt: skip
+    startup._build_decode_step(runner)  # type: ignore[arg-type]
+    assert runner.decode_step is step and step.captured == captured

@@ -732,3 +732,45 @@ def test_fake_model_matches_worker_sampling() -> None:
     for _ in range(5):
         tokens.append(fake_model(tokens))
     assert solo(req).tokens == tokens[4:]
+
+
+def test_a_request_with_drafts_in_flight_waits_when_speculation_switches_off() -> None:
+    """disable_by_batch_size: the plan that verifies a's drafts admits two more requests
+    (3 running > 2); the next plan, made before a's result, does not speculate, and must not
+    schedule a: how many of its drafts the step in flight accepts is not known yet."""
+    from pagedserve.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=3, method="ngram", disable_by_batch_size=2)
+    sched = Scheduler(make_config(max_num_batched_tokens=64, speculative_config=spec), 64)
+    sched.add_request(add("a", [3, 4, 5, 6], max_tokens=20))
+    prefill = sched.schedule()
+    assert prefill is not None and prefill.propose
+    proposals = [7, 8, 9]
+    sched.update_from_result(
+        StepResult(
+            step_id=prefill.step_id,
+            handles=[handle_of(sched, "a")],
+            sampled_token_ids=[6],
+            draft_token_ids=[proposals],
+        )  # fmt: skip
+    )
+    sched.add_request(add("b", [5, 6, 7]))
+    sched.add_request(add("c", [6, 7, 8]))
+    verify = sched.schedule()
+    assert verify is not None and verify.spec_token_ids[0] == proposals
+    assert len(sched.running) == 3
+    after = sched.schedule()
+    assert after is not None and not after.propose
+    assert handle_of(sched, "a") not in after.scheduled
+    assert all(n > 0 for n in after.num_scheduled_tokens)
+    sched.update_from_result(
+        StepResult(
+            step_id=verify.step_id,
+            handles=verify.scheduled[:1],
+            sampled_token_ids=[7, 8, 2],
+            num_sampled=[3],
+        )  # fmt: skip
+    )
+    resumed = sched.schedule()
+    assert resumed is not None and handle_of(sched, "a") in resumed.scheduled
+    assert all(n > 0 for n in resumed.num_scheduled_tokens)

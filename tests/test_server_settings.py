@@ -79,7 +79,7 @@ async def test_health_and_models_are_503_while_no_engine_answers(tmp_path, model
         model=str(model_path), server=ServerConfig(health_check_timeout_s=0.2)
     ).resolve()
     nobody = f"ipc://{tmp_path}/nobody-listens"
-    async with AsyncClient(nobody, connect_timeout_s=None) as client:
+    async with AsyncClient(nobody, credentials="key", connect_timeout_s=None) as client:
         app = build_app(OpenAIServer(client, config, load_tokenizer(str(model_path)), {}))
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://server") as http:

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.api.client import Client
 from tests.tiny_models import random_prompts, save_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -89,6 +90,42 @@ def test_greedy_output_is_identical_with_speculation(
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
     elif proposer == "ngram":
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+LATE_ARRIVALS = PROMPTS[3:] + PROMPTS[:3]  # a copy-heavy prompt first: n-grams match
+
+
+def generate_with_late_arrivals(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
+    """The first prompt streams alone (speculating); once its first tokens are out, the
+    others arrive while its verify step is in flight."""
+    first: list[int] = []
+    with Client(llm.supervisor.addresses.engine_address) as client:
+        stream = client.generate(LATE_ARRIVALS[0], params[0])
+        while len(first) < 8:  # past the prefill: verify steps with drafts run
+            first += next(stream).token_ids
+        rest = token_ids(llm.generate(LATE_ARRIVALS[1:], params[1:], use_tqdm=False))
+        for delta in stream:
+            first += delta.token_ids
+    return [first, *rest]
+
+
+def test_speculation_switching_off_and_on_with_the_batch_size_keeps_greedy_output(
+    tiny: dict[str, Path],
+) -> None:
+    """disable_by_batch_size: speculation stops when requests arrive while one speculates
+    (its verify step in flight) and starts again as they finish (max_tokens differ); the
+    output is the plain engine's."""
+    spec = {"model": str(tiny["llama-draft"]), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 2}  # fmt: skip
+    params = [SamplingParams(temperature=0.0, max_tokens=60 - 9 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    outputs = {}
+    for name, extra in (("plain", {}), ("switching", {"speculative_config": spec})):
+        with LLM(str(tiny["llama"]), skip_tokenizer_init=True, num_kv_blocks=256, **extra) as llm:
+            outputs[name] = generate_with_late_arrivals(llm, params)
+            stats = llm.get_stats()
+    assert outputs["switching"] == outputs["plain"]
+    assert stats.spec_num_draft_tokens > 0
 
 
 SHAKESPEARE = [

@@ -8,19 +8,27 @@ Topology (same host: ipc:// sockets in a private run directory; `tcp://` works t
   clients  --DEALER/ROUTER-->  tokenizer      (requests in; the ROUTER names each sender)
   clients  <-DEALER/ROUTER-->  detokenizer    (deltas out by the client's identity; Hello/Ping)
   senders  --PUSH/PULL----->   each actor's inbox (bound by the inbox owner)
+  anyone      --DEALER/ROUTER-->  supervisor's status socket (the table of actors)
 A client reaches the engine by one *engine address*: `ipc://<run_dir>` or `tcp://host:port0`.
+
+Every socket is made from an engine context (`async_context` / `sync_context`), which carries
+the run's credentials (security.py: CURVE on every socket, ipc socket files 0600) and counts the
+frames its channels move (`Traffic`, reported in heartbeats).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.auth.thread
+
+from pagedserve.actors.security import Credentials, secure, start_authenticator
 
 logger = logging.getLogger(__name__)
 
@@ -33,19 +41,90 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
+@dataclass
+class Traffic:
+    """Frames moved by one process's channels."""
+
+    messages_in: int = 0
+    messages_out: int = 0
+    rejected: int = 0
+
+
+@dataclass
+class _Security:
+    credentials: Credentials | None = None
+    authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
+    traffic: Traffic = field(default_factory=Traffic)
+
+
+class EngineContext(zmq.asyncio.Context):
+    """An asyncio context whose sockets use the run's credentials and count their traffic."""
+
+    security: _Security
+
+    def destroy(self, linger: int | None = None) -> None:
+        _stop_authenticator(self)
+        super().destroy(linger)
+
+
+class SyncEngineContext(zmq.Context):
+    """The same for synchronous sockets (the supervisor, heartbeats, the sync client)."""
+
+    security: _Security
+
+    def destroy(self, linger: int | None = None) -> None:
+        _stop_authenticator(self)
+        super().destroy(linger)
+
+
+def _stop_authenticator(ctx: EngineContext | SyncEngineContext) -> None:
+    security = getattr(ctx, "security", None)
+    if security is not None and security.authenticator is not None:
+        security.authenticator.stop()
+        security.authenticator = None
+
+
+def async_context(credentials: Credentials | None) -> EngineContext:
+    """An asyncio engine context; one that holds the server key checks who connects."""
+    ctx = EngineContext()
+    ctx.security = _Security(credentials)
+    if credentials is not None and credentials.server_secret:
+        ctx.security.authenticator = start_authenticator(
+            zmq.Context.shadow(ctx.underlying), credentials
+        )
+    return ctx
+
+
+def sync_context(credentials: Credentials | None) -> SyncEngineContext:
+    ctx = SyncEngineContext()
+    ctx.security = _Security(credentials)
+    if credentials is not None and credentials.server_secret:
+        ctx.security.authenticator = start_authenticator(ctx, credentials)
+    return ctx
+
+
+def traffic_of(ctx: zmq.Context) -> Traffic:
+    security = ctx.__dict__.get("security")
+    return security.traffic if security is not None else Traffic()
+
+
 class Codec(Generic[T]):
     """Decodes frames of one channel type; rejects (and logs) what does not decode."""
 
-    def __init__(self, message_type: Any, channel: str) -> None:
+    def __init__(self, message_type: Any, channel: str, traffic: Traffic | None = None) -> None:
         self._decoder = msgspec.msgpack.Decoder(message_type)
         self.channel = channel
         self.num_rejected = 0
+        self.traffic = traffic if traffic is not None else Traffic()
 
     def decode(self, frame: bytes) -> T | None:
         try:
-            return self._decoder.decode(frame)
+            message = self._decoder.decode(frame)
+            self.traffic.messages_in += 1
+            return message
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.num_rejected += 1
+            self.traffic.rejected += 1
             logger.error(
                 "%s: rejected a malformed frame (%d bytes): %s", self.channel, len(frame), exc
             )
@@ -88,6 +167,11 @@ class Addresses:
         return self._address("supervisor.sock", 0)
 
     @property
+    def status(self) -> str:
+        """The supervisor's ROUTER: the table of actors (`pagedserve top`, /metrics)."""
+        return self._address("status.sock", 5)
+
+    @property
     def requests(self) -> str:
         """The tokenizer's ROUTER: clients send their requests here."""
         return self._address("requests.sock", 1)
@@ -116,8 +200,13 @@ def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    security = ctx.__dict__.get("security")
+    if security is not None and security.credentials is not None:
+        secure(sock, security.credentials, server=bind)
     if bind:
         sock.bind(address)
+        if address.startswith("ipc://"):  # only this user, whatever the umask
+            os.chmod(address.removeprefix("ipc://"), 0o600)
     else:
         sock.connect(address)
     return sock
@@ -128,8 +217,10 @@ class Sender(Generic[T]):
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, bind: bool = False) -> None:
         self.socket = _socket(ctx, zmq.PUSH, address, bind)
+        self.traffic = traffic_of(ctx)
 
     async def send(self, message: T) -> None:
+        self.traffic.messages_out += 1
         await self.socket.send(encode(message), copy=False)  # type: ignore[arg-type]
 
     def close(self) -> None:
@@ -143,7 +234,7 @@ class Receiver(Generic[T]):
         self, ctx: zmq.asyncio.Context, address: str, message_type: Any, bind: bool = True
     ) -> None:
         self.socket = _socket(ctx, zmq.PULL, address, bind)
-        self.codec: Codec[T] = Codec(message_type, address)
+        self.codec: Codec[T] = Codec(message_type, address, traffic_of(ctx))
 
     async def recv(self) -> T:
         while True:
@@ -180,7 +271,7 @@ class Router(Generic[T]):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, message_type: Any) -> None:
         self.socket = _socket(ctx, zmq.ROUTER, address, bind=True)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.codec: Codec[T] = Codec(message_type, address)
+        self.codec: Codec[T] = Codec(message_type, address, traffic_of(ctx))
 
     async def recv(self) -> tuple[bytes, T]:
         while True:
@@ -207,6 +298,7 @@ class Router(Generic[T]):
                 messages.append((frames[0], message))
 
     async def send(self, identity: bytes, message: msgspec.Struct) -> None:
+        self.codec.traffic.messages_out += 1
         await self.socket.send_multipart([identity, encode(message)], copy=False)
 
     def close(self) -> None:
@@ -220,7 +312,17 @@ def dealer_socket(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    security = ctx.__dict__.get("security")
+    if security is not None and security.credentials is not None:
+        secure(sock, security.credentials, server=False)
     sock.connect(address)
+    return sock
+
+
+def router_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """A synchronous bound ROUTER (the supervisor's status socket)."""
+    sock = _socket(ctx, zmq.ROUTER, address, bind=True)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     return sock
 
 

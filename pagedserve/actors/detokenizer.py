@@ -13,7 +13,9 @@ answers carry the supervisor's epoch, which changes when an actor was restarted:
 resubmits the requests it still waits for (see api/client.py). A route for a request the
 detokenizer does not know yet, with output already generated (such a resubmission, or a restart
 of this actor), replays that output from its start; deltas carry their offsets in the output,
-so a client keeps only what it lacks.
+so a client keeps only what it lacks. After a scheduler restart it forgets the old scheduler's
+handles. When the engine is dead (`EngineFailed`), every request it streams ends with a 503 at
+once, and every later Welcome or Pong carries the reason, so clients fail fast.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pagedserve.actors.messages import (
     ClientControl,
     DeltaBatch,
     DetokenizerInbound,
+    EngineFailed,
     EngineOutputs,
     EpochChanged,
     FinishReason,
@@ -128,7 +131,11 @@ class DetokenizerActor(Actor):
             self.ctx, self.addresses.scheduler_inbox
         )
         self.streams: dict[int, OutputStream] = {}  # by handle
+        self.failure = ""  # why the engine is dead, once it is
         return {}
+
+    def queue_depths(self) -> dict[str, int]:
+        return {"streams": len(self.streams)}
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -140,7 +147,8 @@ class DetokenizerActor(Actor):
         """Hello -> Welcome, Ping -> Pong: connection and liveness, with the epoch."""
         while True:
             client, message = await self.clients.recv()
-            reply = Welcome(self.epoch) if isinstance(message, Hello) else Pong(self.epoch)
+            kind = Welcome if isinstance(message, Hello) else Pong
+            reply = kind(self.epoch, self.failure)
             await self.clients.send(client, reply)
 
     async def serve_engine(self) -> None:
@@ -152,8 +160,20 @@ class DetokenizerActor(Actor):
                 await self.on_outputs(message)
             elif isinstance(message, EpochChanged):
                 self.epoch = message.epoch
+                for handle in [h for h in self.streams if h < message.drop_handles_below]:
+                    del self.streams[handle]
+            elif isinstance(message, EngineFailed):
+                await self.fail_all(message.message)
             else:
                 await self.forward(message)
+
+    async def fail_all(self, failure: str) -> None:
+        """The engine is dead: a 503 for every request streamed now."""
+        self.failure = failure
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            error = RequestError(seq=stream.seq, message=failure, status_code=503)
+            await self.clients.send(stream.client, error)
 
     async def forward(self, message: RequestError | SchedulerStats) -> None:
         """A refusal or a stats reply, to the client it names."""

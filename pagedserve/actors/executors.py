@@ -3,8 +3,9 @@
 "mp" (the default): child processes of the supervisor on this machine. "ray": processes on the
 nodes of an existing Ray cluster, one per placement-group bundle (actors/ray_executor.py; Ray
 is imported only then). Either way a worker is the same `python -m pagedserve.actors.launch`
-process reading its launch on standard input, and the supervisor holds a `subprocess.Popen`
-or an object with the same methods (poll, wait, terminate, kill, pid, returncode, stdin).
+process reading its ActorLaunch and ActorStart frames on standard input (launch.py), and
+ActorProcesses holds a `subprocess.Popen` or an object with the same methods (poll, wait,
+terminate, kill, pid, returncode, stdin).
 """
 
 from __future__ import annotations

@@ -3,26 +3,23 @@
 Rules: add fields only at the end; enums are IntEnum; every top-level message is a tagged
 Struct so that each channel decodes a typed union with one decoder. No pickle anywhere.
 
-Names. A client numbers its own requests (`seq`, unique per client for its lifetime) and may
-give each a label (`request_id`, never interpreted by the engine). (client identity, seq) is a
-request's *route*. The scheduler, which owns every request's state, gives each accepted
-request a *handle*: an integer assigned once and never reused (its epoch in the high bits), by
-which the workers and the detokenizer know it.
+Names. A client numbers its requests (`seq`) and may label them (`request_id`, never read by
+the engine); (client identity, seq) is a request's *route*. The scheduler gives each accepted
+request a *handle*, assigned once and never reused, by which workers and detokenizer know it.
 
 Channels (see bus.py for addresses):
   client      -> tokenizer   : ClientRequests      (GenerateRequest, AbortRequest, StatsRequest)
   client      -> detokenizer : ClientControl       (Hello, Ping)
-  detokenizer -> client      : ClientOutbound      (DeltaBatch, RequestError, SchedulerStats,
-                                                    Welcome, Pong)
+  detokenizer -> client      : ClientOutbound      (DeltaBatch, RequestError, Stats, Pong...)
   tokenizer   -> scheduler   : SchedulerInbound    (AddRequest, AbortRequest, StatsRequest)
   detokenizer -> scheduler   : SchedulerInbound    (StopRequests)
-  worker R    -> scheduler   : SchedulerInbound    (StepResult; R: the last pipeline stage's
-                                                    first tensor-parallel rank)
+  worker R    -> scheduler   : SchedulerInbound    (StepResult; R: last stage's TP rank 0)
   scheduler   -> detokenizer : DetokenizerInbound  (EngineOutputs, SchedulerStats)
   tokenizer   -> detokenizer : DetokenizerInbound  (RequestError)
-  supervisor  -> detokenizer : DetokenizerInbound  (EpochChanged)
-  scheduler   -> worker k    : WorkerInbound       (StepPlan, Shutdown)
-  actor       -> supervisor  : SupervisorInbound   (ActorReady, ActorFailed)
+  supervisor  -> detokenizer : DetokenizerInbound  (EpochChanged, EngineFailed)
+  supervisor  -> scheduler   : SchedulerInbound    (WorkersLost, WorkersReady)
+  scheduler   -> worker k    : WorkerInbound       (StepPlan, Shutdown; the scheduler binds)
+  actor       -> supervisor  : SupervisorInbound   (supervision_messages.py)
 """
 
 from __future__ import annotations
@@ -30,6 +27,8 @@ from __future__ import annotations
 import enum
 
 import msgspec
+
+EPOCH_SHIFT = 40  # handles and step ids carry the scheduler's epoch above this bit
 
 
 class FinishReason(enum.IntEnum):
@@ -170,10 +169,12 @@ class Ping(msgspec.Struct, tag=True):
 
 class Welcome(msgspec.Struct, tag=True):
     epoch: int  # bumped by the supervisor whenever it restarts an actor
+    failure: str = ""  # set when the engine is dead: why (every request gets a 503)
 
 
 class Pong(msgspec.Struct, tag=True):
     epoch: int
+    failure: str = ""
 
 
 class RequestDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -282,9 +283,19 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
 
 
 class EpochChanged(msgspec.Struct, tag=True):
-    """Supervisor -> detokenizer: an actor was restarted; clients resubmit what they wait for."""
+    """Supervisor -> detokenizer: an actor was restarted; clients resubmit what they wait for.
+    After a scheduler restart the handles of the old scheduler are gone: the detokenizer
+    forgets its streams with a handle below `drop_handles_below`."""
 
     epoch: int
+    drop_handles_below: int = 0
+
+
+class EngineFailed(msgspec.Struct, tag=True):
+    """Supervisor -> detokenizer: the engine cannot be restarted; every route it holds ends
+    with this error (503) at once, and it answers every later ping with it."""
+
+    message: str
 
 
 # ---------------------------------------------------------------- scheduler <-> workers
@@ -310,10 +321,7 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     handles: list[int] = []
     new_block_ids: list[list[int]] = []  # blocks appended to each block table this step
     num_computed_tokens: list[int] = []
-    # Pipeline parallelism: the tokens each request gained since the workers last heard of it
-    # (the last stage samples them; every stage appends them from here). Empty otherwise:
-    # the workers append what they sample themselves.
-    new_token_ids: list[list[int]] = []
+    new_token_ids: list[list[int]] = []  # pipeline parallelism: tokens new to the stages
 
 
 class StepPlan(msgspec.Struct, tag=True, kw_only=True):
@@ -332,6 +340,9 @@ class StepPlan(msgspec.Struct, tag=True, kw_only=True):
     finished: list[int] = []  # handles to drop from the persistent batch before this step
     spec_token_ids: list[list[int]] = []  # per scheduled request (empty: no speculation)
     propose: bool = False  # the workers propose drafts for the next step (speculative decoding)
+    # The first plan of a scheduler, or the first after the workers were restarted: the worker
+    # drops every request and step it holds first, and ignores plans until it sees one.
+    reset: bool = False
 
 
 class StepResult(msgspec.Struct, tag=True, kw_only=True):
@@ -345,6 +356,20 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
 
 class Shutdown(msgspec.Struct, tag=True):
     reason: str = ""
+
+
+class WorkersLost(msgspec.Struct, tag=True):
+    """Supervisor -> scheduler: a worker died (or hung) and every worker is being restarted;
+    the steps in flight are lost. The scheduler takes every running request back to waiting
+    and plans nothing until WorkersReady."""
+
+    epoch: int
+
+
+class WorkersReady(msgspec.Struct, tag=True):
+    """Supervisor -> scheduler: the restarted workers are ready; the next plan resets them."""
+
+    epoch: int
 
 
 # ---------------------------------------------------------------- actors -> supervisor
@@ -365,7 +390,11 @@ class ActorFailed(msgspec.Struct, tag=True):
 ClientRequests = GenerateRequest | AbortRequest | StatsRequest
 ClientControl = Hello | Ping
 ClientOutbound = DeltaBatch | RequestError | SchedulerStats | Welcome | Pong
-SchedulerInbound = AddRequest | AbortRequest | StatsRequest | StopRequests | StepResult | Shutdown
-DetokenizerInbound = EngineOutputs | SchedulerStats | RequestError | EpochChanged | Shutdown
+SchedulerInbound = (
+    AddRequest | AbortRequest | StatsRequest | StopRequests | StepResult | Shutdown
+    | WorkersLost | WorkersReady
+)  # fmt: skip
+DetokenizerInbound = (
+    EngineOutputs | SchedulerStats | RequestError | EpochChanged | EngineFailed | Shutdown
+)  # fmt: skip
 WorkerInbound = StepPlan | Shutdown
-SupervisorInbound = ActorReady | ActorFailed

@@ -7,16 +7,18 @@ reserves one bundle per worker (a GPU each on CUDA, a CPU each on the CPU), pack
 nodes as possible; ranks follow the bundles ordered by node, this machine's first, so the ranks
 of a tensor-parallel group (consecutive: layout.py) share a node where they fit.
 
-Each bundle holds a `WorkerHost`, a small Ray actor that runs the worker's process on its node
-(`python -m pagedserve.actors.launch`, the node's own interpreter, its launch written to its
-standard input as on one machine) and reports its exit; Ray gives the host the bundle's GPU
+Each bundle holds a `WorkerHost`, a small Ray actor that runs the worker processes of its rank
+on its node (`python -m pagedserve.actors.launch worker`, the node's own interpreter, its
+ActorLaunch and ActorStart frames written to its standard input as on one machine: the
+running worker and its standby) and reports their exits; Ray gives the host the bundle's GPU
 (CUDA_VISIBLE_DEVICES), which the process inherits, and the process ends with its host. The
 supervisor holds each worker as a `RayProcess`, which has subprocess.Popen's methods, so it
 watches, restarts and stops workers on other machines as it does local ones.
 
 The workers reach the engine over tcp on this machine (network.py: the bus's bound sockets and
 the torch.distributed rendezvous store that the executor hosts here). Only bytes and strings
-cross Ray: the command, and the launch the worker reads from its standard input.
+cross Ray: the command, and the frames the worker reads from its standard input (its launch
+holds the run's client keys only, never the server's secret: a worker binds no socket).
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ class _RemoteStdin:
 
     def _send(self, close: bool) -> None:
         data, self._pending = self._pending, b""
-        if not ray.get(self.host.write.remote(self.pid, data, close), timeout=CALL_TIMEOUT_S):
+        try:
+            written = ray.get(self.host.write.remote(self.pid, data, close), timeout=CALL_TIMEOUT_S)
+        except RayError:  # the host is gone (its node with it)
+            written = False
+        if not written:
             raise BrokenPipeError(f"worker process {self.pid} is gone")
 
 
@@ -204,7 +210,9 @@ class RayExecutor:
             .options(
                 num_cpus=0 if self.on_gpu else 1,
                 num_gpus=1 if self.on_gpu else 0,
-                max_concurrency=4,  # wait() blocks while the supervisor writes or signals
+                # wait() blocks for the running process and for its standby while the
+                # supervisor writes or signals
+                max_concurrency=8,
                 scheduling_strategy=strategy,
             )
             .remote()

@@ -106,7 +106,7 @@ def longest_token_chars(tokenizer: object | None) -> int:
 class TokenizerActor(Actor):
     name = "tokenizer"
 
-    async def setup(self) -> dict:
+    def prepare(self) -> None:
         tokenizer = None
         if self.config.skip_tokenizer_init:
             vocab_size = int(read_hf_config(self.config.model_path)["vocab_size"])
@@ -115,6 +115,11 @@ class TokenizerActor(Actor):
             vocab_size = len(tokenizer)
         self.eos_token_ids = eos_token_ids(self.config.model_path, tokenizer)
         self.encoder = PromptEncoder(tokenizer, vocab_size, self.config.max_model_len or 0)
+
+    def queue_depths(self) -> dict[str, int]:
+        return {"encoding": len(self.encoding)}
+
+    async def setup(self) -> dict:
         self.clients: bus.Router[ClientRequests] = bus.Router(
             self.ctx, self.addresses.requests, ClientRequests
         )

@@ -189,7 +189,8 @@ def latency_pagedserve(
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     tpots, ttfts = [], []
     try:
-        with Client(supervisor.addresses.engine_address) as client:
+        credentials = supervisor.credentials.for_clients()
+        with Client(supervisor.addresses.engine_address, credentials=credentials) as client:
             for i in range(iters + 1):
                 prompt = random_workload(1, (input_len, input_len), (1, 1), 1000, seed=i)[0][0]
                 start = time.perf_counter()

@@ -3,7 +3,9 @@
 
 Requests are streamed `/v1/completions` calls with token-id prompts from the seeded synthetic
 workload (`bench.random_workload`) and `ignore_eos`, so each produces exactly its output length.
-Arrival gaps are exponential with mean 1 / request_rate (seeded); rate `inf` sends all at once.
+Every chunk that carries a choice is one inter-token arrival (as `vllm bench serve` counts
+them); the output token count comes from the stream's final usage chunk. Arrival gaps are
+exponential with mean 1 / request_rate (seeded); rate `inf` sends all at once.
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ async def stream_one(
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "ignore_eos": True,
         "temperature": 0.0,
-        "logprobs": 0,
     }
     timing = RequestTiming(start=time.perf_counter())
     try:
@@ -65,13 +67,11 @@ async def stream_one(
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                choices = json.loads(line[6:]).get("choices") or []
-                tokens = (
-                    len((choices[0].get("logprobs") or {}).get("tokens") or []) if choices else 0
-                )
-                if tokens:
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
                     timing.stamps.append(time.perf_counter())
-                    timing.num_tokens += tokens
+                if chunk.get("usage"):
+                    timing.num_tokens = chunk["usage"]["completion_tokens"]
     except (httpx.HTTPError, ValueError) as exc:
         timing.error = str(exc)
     return timing

@@ -10,7 +10,10 @@ import time
 from typing import Any
 
 from pagedserve.actors.messages import SamplingParams
+from pagedserve.api.top import add_top_parser
 from pagedserve.config import DEFAULT_MODEL, ServerConfig
+
+DEAD_LINGER_S = 10.0  # a dead engine's server answers 503s this long before it exits
 
 ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "tokenizer": (str, "tokenizer directory or cached hub id (default: the model's)"),
@@ -47,6 +50,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
         "sampling defaults for fields a request leaves unset: auto (the model's "
         "generation_config.json), vllm (none) or a directory holding one",
     ),
+    "quantization": (str, "fp8, gptq, awq, compressed-tensors or int8 (default: the checkpoint's)"),
+    "kv_cache_dtype": (str, "auto (the model's dtype) or fp8 (E4M3, per-tensor scales)"),
 }
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 ENGINE_SWITCHES = {  # vLLM's on/off flags; unset leaves the engine's default
@@ -185,15 +190,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pagedserve: error: the engine did not start: {exc}", file=sys.stderr)
         return 1
     name = args.served_model_name or config.model
+    keys = supervisor.credentials_path or "derived from --api-key"
     print(
         f"pagedserve: serving {name} on http://{args.host}:{args.port}/v1 "
-        f"(ZeroMQ clients: {supervisor.addresses.engine_address})",
+        f"(ZeroMQ clients: {supervisor.addresses.engine_address}, credentials: {keys})",
         flush=True,
     )
     try:
         while supervisor.dead_reason is None:
             time.sleep(0.5)
         print(f"pagedserve: engine died: {supervisor.dead_reason}", file=sys.stderr)
+        time.sleep(DEAD_LINGER_S)  # /health answers 503 meanwhile
         return 1
     finally:
         supervisor.stop()
@@ -216,7 +223,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     supervisor.start()
     history: list[ChatMessage] = []
     try:
-        with Client(supervisor.addresses.engine_address) as client:
+        credentials = supervisor.credentials.for_clients()
+        with Client(supervisor.addresses.engine_address, credentials=credentials) as client:
             while True:
                 try:
                     line = input("you> ")
@@ -410,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
     add_bench_parser(sub)
+    add_top_parser(sub)
     return parser
 
 

@@ -15,6 +15,10 @@ under one identity). Connecting waits for the engine's Welcome (EngineUnavailabl
 engine stays silent for `liveness_timeout_s`, every waiting request ends with a 503 error: no
 call waits without a deadline (silence is measured from the oldest ping still unanswered).
 Resubmission after an engine restart: see client_core.py.
+
+Every engine socket is authenticated (actors/security.py): `credentials` is the run's
+`Credentials`, or the API key the engine was started with; for an ipc:// engine it defaults to
+the credentials file its supervisor wrote in the run directory.
 """
 
 from __future__ import annotations
@@ -26,8 +30,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import zmq
-import zmq.asyncio
 
 from pagedserve.actors import bus
 from pagedserve.actors.messages import (
@@ -43,6 +45,7 @@ from pagedserve.actors.messages import (
     StatsRequest,
     Welcome,
 )
+from pagedserve.actors.security import Credentials, client_credentials
 from pagedserve.api.client_core import (
     CONNECT_TIMEOUT_S,
     LIVENESS_TIMEOUT_S,
@@ -61,6 +64,13 @@ __all__ = ["AsyncClient", "Client", "EngineRequestError", "EngineUnavailableErro
 
 def _unreachable(address: str, seconds: float) -> EngineUnavailableError:
     return EngineUnavailableError(f"no pagedserve engine answered at {address} in {seconds:g} s")
+
+
+def _credentials(address: str, credentials: Credentials | str | None) -> Credentials:
+    try:
+        return client_credentials(address, credentials)
+    except PermissionError as exc:
+        raise EngineUnavailableError(f"no pagedserve engine answered at {address}: {exc}") from None
 
 
 def _silent_engine_errors(core: ClientCore, seconds: float) -> list[Event]:
@@ -82,11 +92,12 @@ class Client:
         address: str,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
+        credentials: Credentials | str | None = None,
     ) -> None:
         self.address, self.liveness_timeout_s = address, liveness_timeout_s
         addresses = bus.Addresses.from_engine_address(address)
         self.core = ClientCore()
-        self._ctx = zmq.Context()
+        self._ctx = bus.sync_context(_credentials(address, credentials))
         self._requests = bus.dealer_socket(self._ctx, addresses.requests, self.core.identity)
         self._outputs = bus.dealer_socket(self._ctx, addresses.outputs, self.core.identity)
         self._codec: bus.Codec[Any] = bus.Codec(ClientOutbound, "client")
@@ -111,7 +122,11 @@ class Client:
     def submit(self, prompt: Prompt, sampling: SamplingParams, label: str | None = None) -> int:
         """Send a request; returns its seq (deltas and errors name it)."""
         request = self.core.track(prompt, sampling, label)
-        self._send(request)
+        refusal = self.core.refusal(request.seq)
+        if refusal is not None:
+            self._pending.append(refusal)
+        else:
+            self._send(request)
         return request.seq
 
     def abort(self, labels: list[str]) -> None:
@@ -175,7 +190,10 @@ class Client:
 
     def _accept(self, message: Any) -> None:
         self._unanswered_since = None
-        if isinstance(message, (Welcome, Pong)):
+        if isinstance(message, (Welcome, Pong)) and message.failure:
+            self._pending.extend(self.core.on_failure(message.failure))
+            self.core.epoch = message.epoch
+        elif isinstance(message, (Welcome, Pong)):
             for request in self.core.on_epoch(message):
                 self._send(request)
         elif message is not None:
@@ -195,7 +213,7 @@ class Client:
     def close(self) -> None:
         self._requests.close(linger=0)
         self._outputs.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     def __enter__(self) -> Client:
         return self
@@ -213,6 +231,7 @@ class AsyncClient:
         address: str,
         connect_timeout_s: float | None = CONNECT_TIMEOUT_S,
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
+        credentials: Credentials | str | None = None,
     ) -> None:
         """connect_timeout_s None: do not wait for the engine on entering (a server that must
         answer its own health checks while the engine is away)."""
@@ -220,7 +239,7 @@ class AsyncClient:
         self.connect_timeout_s, self.liveness_timeout_s = connect_timeout_s, liveness_timeout_s
         addresses = bus.Addresses.from_engine_address(address)
         self.core = ClientCore()
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = bus.async_context(_credentials(address, credentials))
         self._requests = bus.dealer_socket(self._ctx, addresses.requests, self.core.identity)
         self._outputs = bus.dealer_socket(self._ctx, addresses.outputs, self.core.identity)
         self._codec: bus.Codec[Any] = bus.Codec(ClientOutbound, "async-client")
@@ -250,13 +269,18 @@ class AsyncClient:
         await self._task_group.__aexit__(None, None, None)
         self._requests.close(linger=0)
         self._outputs.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     async def _read_loop(self) -> None:
         while True:
             message = self._codec.decode(await self._outputs.recv())
             self._unanswered_since = None
-            if isinstance(message, (Welcome, Pong)):
+            if isinstance(message, (Welcome, Pong)) and message.failure:
+                for event in self.core.on_failure(message.failure):
+                    self._deliver(event)
+                self.core.epoch = message.epoch
+                self._connected.set()
+            elif isinstance(message, (Welcome, Pong)):
                 for request in self.core.on_epoch(message):
                     await self._requests.send(bus.encode(request))
                 self._connected.set()
@@ -300,6 +324,7 @@ class AsyncClient:
         """Stream one request's deltas (`request_id`: a label for them); leaving the loop early
         aborts the request."""
         request = self.core.track(prompt, sampling or SamplingParams(), request_id)
+        raise_if_error(self.core.refusal(request.seq))
         receive = self._open(request.seq)
         finished = False
         try:

@@ -6,7 +6,9 @@ restart) is trimmed to what the client lacks. Each detokenizer answer (Welcome, 
 the supervisor's epoch; when it changes, an actor was restarted and a request of ours may have
 been lost in it, so the client resubmits every unfinished request with the tokens it already
 holds: the engine either finds it live and resends its route, or continues it after those
-tokens (for greedy and seeded sampling, the same tokens an undisturbed run gives).
+tokens (for greedy and seeded sampling, the same tokens an undisturbed run gives). A Welcome or
+Pong that carries a failure means the engine is dead: every waiting request ends with a 503,
+and so does every later one, at once.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ Event = RequestDelta | RequestError | SchedulerStats
 
 CONNECT_TIMEOUT_S = 10.0  # the engine must answer a new client's Hello within this
 PING_INTERVAL_S = 1.0
-LIVENESS_TIMEOUT_S = 10.0  # an engine silent this long while requests wait is gone
+# An engine silent this long while requests wait is gone. Longer than the supervisor takes to
+# find a hung actor and restart it (SupervisionConfig.heartbeat_timeout_s).
+LIVENESS_TIMEOUT_S = 45.0
 
 
 class EngineRequestError(ValueError):
@@ -89,6 +93,7 @@ class ClientCore:
         self._seqs = itertools.count()
         self.requests: dict[int, TrackedRequest] = {}  # unfinished, by seq
         self.epoch: int | None = None
+        self.failure = ""  # why the engine is dead, once it said so
 
     def next_seq(self) -> int:
         return next(self._seqs)
@@ -108,6 +113,22 @@ class ClientCore:
     def seqs_labelled(self, labels: list[str]) -> list[int]:
         wanted = set(labels)
         return [seq for seq, t in self.requests.items() if t.label in wanted]
+
+    def on_failure(self, failure: str) -> list[Event]:
+        """The engine is dead: a 503 for every waiting request (and for later ones)."""
+        self.failure = failure
+        errors: list[Event] = [
+            RequestError(seq=seq, message=failure, status_code=503) for seq in self.requests
+        ]
+        self.requests.clear()
+        return errors
+
+    def refusal(self, seq: int) -> RequestError | None:
+        """A dead engine's 503 for a request about to be sent (which is then not tracked)."""
+        if not self.failure:
+            return None
+        self.forget(seq)
+        return RequestError(seq=seq, message=self.failure, status_code=503)
 
     def on_epoch(self, message: Welcome | Pong) -> list[GenerateRequest]:
         """The requests to resubmit: all unfinished ones when the epoch moved."""
@@ -167,6 +188,6 @@ class ClientCore:
         return delta
 
 
-def raise_if_error(event: Event) -> None:
+def raise_if_error(event: Event | None) -> None:
     if isinstance(event, RequestError):
         raise EngineRequestError(event.message, event.status_code)

@@ -39,7 +39,10 @@ class LLM:
         self.default_sampling_params = SamplingParams(**sampling_defaults(self.config))
         self.supervisor = Supervisor(self.config)
         self.supervisor.start()
-        self.client = Client(self.supervisor.addresses.engine_address)
+        self.client = Client(
+            self.supervisor.addresses.engine_address,
+            credentials=self.supervisor.credentials.for_clients(),
+        )
         self._request_counter = itertools.count()
         atexit.register(self.shutdown)
 

@@ -27,6 +27,7 @@ import pagedserve
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.chat import apply_chat_template, load_tokenizer
 from pagedserve.actors.messages import ChatMessage, SamplingParams
+from pagedserve.api.actor_status import AsyncStatusClient, render_prometheus
 from pagedserve.api.auth import APIKeyGuard
 from pagedserve.api.body import read_json
 from pagedserve.api.client import AsyncClient
@@ -71,6 +72,7 @@ class OpenAIServer:
         self.metrics = Metrics()
         self.created = int(time.time())
         self.tokenizer_lock = anyio.Lock()  # one tokenizer call at a time, off the event loop
+        self.actor_status: AsyncStatusClient | None = None  # the supervisor's view of actors
 
     def routes(self) -> list[Route]:
         return [
@@ -99,7 +101,8 @@ class OpenAIServer:
         return False
 
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200 if await self.engine_ready() else 503)
+        ready = not self.client.core.failure and await self.engine_ready()
+        return Response(status_code=200 if ready else 503)
 
     async def models(self, request: Request) -> Response:
         await self.require_engine()
@@ -134,7 +137,11 @@ class OpenAIServer:
             stats = await self.client.stats(timeout_s=self.limits.health_check_timeout_s)
         except TimeoutError:
             stats = None
-        return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        body = self.metrics.render(stats)
+        status = await self.actor_status.fetch() if self.actor_status is not None else None
+        if status is not None:
+            body += render_prometheus(status)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": pagedserve.__version__})
@@ -255,35 +262,51 @@ def build_app(server: OpenAIServer) -> Starlette:
 
 
 class APIServerActor(Actor):
-    """Runs uvicorn inside the actor's anyio loop; the listening socket is bound in setup(),
-    so the server accepts connections as soon as the supervisor hears it is ready."""
+    """Runs uvicorn inside the actor's anyio loop on the listening socket the supervisor bound
+    once (`listen_fd`): connections made while this actor restarts wait in its backlog."""
 
     name = "api-server"
+
+    def prepare(self) -> None:
+        self.tokenizer = None
+        if not self.config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
 
     async def setup(self) -> dict:
         server_config = self.config.server
         assert server_config is not None, "serve needs a ServerConfig"
-        self.listener = socket.create_server(
-            (server_config.host, server_config.port), reuse_port=False
-        )
+        if self.listen_fd >= 0:  # bound once by the supervisor: restarts keep the backlog
+            self.listener = socket.socket(fileno=self.listen_fd)
+        else:
+            self.listener = socket.create_server((server_config.host, server_config.port))
         # Accepted connections inherit it. asyncio sets it only on sockets whose protocol
         # number is TCP's, which create_server's (0) is not: without it, a response's headers
         # and body (two writes) wait 40 ms for the client's delayed ACK (Nagle's algorithm).
         self.listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server_config = server_config
+        self.engine_client: AsyncClient | None = None
         return {}
 
+    def queue_depths(self) -> dict[str, int]:
+        client = self.engine_client
+        return {"requests": len(client.core.requests)} if client is not None else {}
+
     async def run(self) -> None:
-        tokenizer = None
-        if not self.config.skip_tokenizer_init:
-            tokenizer = load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
         defaults = sampling_defaults(self.config)
-        async with AsyncClient(self.addresses.engine_address, connect_timeout_s=None) as client:
-            handler = OpenAIServer(client, self.config, tokenizer, defaults)
+        credentials = self.credentials.for_clients() if self.credentials else None
+        async with AsyncClient(
+            self.addresses.engine_address, connect_timeout_s=None, credentials=credentials
+        ) as client:
+            self.engine_client = client
+            handler = OpenAIServer(client, self.config, self.tokenizer, defaults)
+            handler.actor_status = AsyncStatusClient(self.addresses.engine_address, credentials)
             config = uvicorn.Config(
                 build_app(handler),
                 log_level=self.server_config.uvicorn_log_level,
                 lifespan="off",
                 timeout_graceful_shutdown=1,
             )
-            await uvicorn.Server(config).serve(sockets=[self.listener])
+            try:
+                await uvicorn.Server(config).serve(sockets=[self.listener])
+            finally:
+                handler.actor_status.close()

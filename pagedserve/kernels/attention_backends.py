@@ -28,12 +28,16 @@ from pagedserve.kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-# paged_attention(q, k_cache, v_cache, metadata, scale) -> out like q
+# paged_attention(q, k_cache, v_cache, metadata, scale, k_scale, v_scale) -> out like q; the
+# scales are the fp8 cache's (kernels.kv_quant), 1.0 for a cache of the model's dtype
 AttentionFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float, float, float],
+    torch.Tensor,
 ]
-# write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-KvWriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+KvWriteFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], None
+]
 
 
 @dataclass(frozen=True)
@@ -104,9 +108,11 @@ _LOADED_BACKENDS = {"triton": triton_backend, "cuda": cuda_backend}
 
 
 def resolve_attention_backend(name: str, use_cpu_kernels: bool = False) -> AttentionBackend:
-    """The backend `name`; 'cuda' that cannot load falls back to 'triton' on a CUDA machine,
-    and any backend that cannot load to 'torch' (with a warning). use_cpu_kernels: the 'torch'
-    backend's C++ kernels are loaded and on."""
+    """The backend `name` ('auto': 'cuda' on a CUDA machine, else 'torch'); 'cuda' that cannot
+    load falls back to 'triton' on a CUDA machine, and any backend that cannot load to 'torch'
+    (with a warning). use_cpu_kernels: the 'torch' backend's C++ kernels are loaded and on."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "torch"
     if name == "torch_ref":
         return torch_ref_backend()
     if name in _LOADED_BACKENDS:

@@ -26,6 +26,8 @@ real row and their outputs are dropped). Decode folds the G query heads of a kv 
 query rows ([B, Hkv, G, D] against [B, Hkv, C, D]); prefill uses SDPA's enable_gqa, and a lone
 prompt with no earlier context uses is_causal instead of a mask. The groups are built once per
 step and shared by every layer; `write_kv_cache` must run before `paged_attention` in a layer.
+An fp8 cache (kernels.kv_quant) is read as q's dtype, k_scale folded into the softmax scale and
+v_scale into the output.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.attention_metadata import AttentionMetadata, cdiv
+from pagedserve.kernels.kv_quant import is_fp8, raw, to_cache_values
 from pagedserve.kernels.workspace import Workspace
 
 PADDING_WASTE_LIMIT = 1.5  # a prefill bucket's padded area <= this x its real q_len * seq_len
@@ -121,7 +124,7 @@ def _build_group(metadata: AttentionMetadata, rows: torch.Tensor) -> AttentionGr
         output_rows = (offsets[None, :] < query_lens[:, None]).reshape(-1).nonzero().squeeze(1)
         output_tokens = output_tokens[output_rows]
     num_tokens = metadata.num_tokens
-    no_padding = len(rows) * max_query_len == num_tokens
+    no_padding = len(rows) * max_query_len == num_tokens == len(output_tokens)
     whole = no_padding and bool((output_tokens == torch.arange(num_tokens)).all())
     causal_len = None
     if len(rows) == 1 and int(query_lens[0]) == int(seq_lens[0]) > 1:
@@ -155,13 +158,17 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim]; cache[slot_mapping[i]] = k[i] (and v);
-    rows with a negative slot (padding) are skipped."""
+    """k, v: [num_tokens, num_kv_heads, head_dim]; cache[slot_mapping[i]] = k[i] (and v; fp8
+    caches: divided by the scale and rounded); rows with a negative slot (padding) are
+    skipped."""
     k, v, slot_mapping = real_rows(k, v, slot_mapping)
+    k, v = to_cache_values(k, k_cache, k_scale), to_cache_values(v, v_cache, v_scale)
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    raw(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, raw(k))
+    raw(v_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, raw(v))
 
 
 def paged_attention(
@@ -170,18 +177,22 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> the same shape (see the module doc)."""
     groups = torch_groups(metadata)
+    scale *= k_scale
     if len(groups) == 1 and groups[0].is_whole_batch:
-        return _attend_group(q, k_cache, v_cache, groups[0], scale)
-    out = torch.empty_like(q)
-    for group in groups:
-        group_out = _attend_group(q, k_cache, v_cache, group, scale)
-        if group.output_rows is not None:
-            group_out = group_out.index_select(0, group.output_rows)
-        out.index_copy_(0, group.output_tokens, group_out)
-    return out
+        out = _attend_group(q, k_cache, v_cache, groups[0], scale)
+    else:
+        out = torch.empty_like(q)
+        for group in groups:
+            group_out = _attend_group(q, k_cache, v_cache, group, scale)
+            if group.output_rows is not None:
+                group_out = group_out.index_select(0, group.output_rows)
+            out.index_copy_(0, group.output_tokens, group_out)
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 def _attend_group(
@@ -197,8 +208,8 @@ def _attend_group(
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_ctx = group.num_blocks * block_size
     queries = q.index_select(0, group.query_index.reshape(-1))
-    keys = _gather_context(k_cache, group.block_ids, batch, max_ctx, "keys")
-    values = _gather_context(v_cache, group.block_ids, batch, max_ctx, "values")
+    keys = _gather_context(k_cache, group.block_ids, batch, max_ctx, "keys", q.dtype)
+    values = _gather_context(v_cache, group.block_ids, batch, max_ctx, "values", q.dtype)
     if group.is_decode:  # [B, Hkv, G, D]: the G heads of a kv head are its query rows
         queries = queries.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         mask = group.additive_mask(q.dtype)
@@ -219,14 +230,22 @@ def _attend_group(
 
 
 def _gather_context(
-    cache: torch.Tensor, block_ids: torch.Tensor, batch: int, max_ctx: int, buffer: str
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    batch: int,
+    max_ctx: int,
+    buffer: str,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """[B, num_kv_heads, max_ctx, head_dim] (a transposed view): each request's blocks, in
-    order, gathered block by block into a reused workspace buffer. SDPA reads the strided view
-    directly (on CPU ~3x faster than a contiguous copy, and no fresh pages to fault in)."""
+    """[B, num_kv_heads, max_ctx, head_dim] (a transposed view) of `dtype`: each request's
+    blocks, in order, gathered block by block into a reused workspace buffer (an fp8 cache's
+    then converted). SDPA reads the strided view directly (on CPU ~3x faster than a contiguous
+    copy, and no fresh pages to fault in)."""
     num_kv_heads, head_dim = cache.shape[-2:]
     out = _WORKSPACE.get(buffer, (len(block_ids), *cache.shape[1:]), cache.dtype, cache.device)
     torch.index_select(cache, 0, block_ids, out=out)
+    if is_fp8(cache):
+        out = out.to(dtype)
     return out.view(batch, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
 
 

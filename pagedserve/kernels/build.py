@@ -38,7 +38,11 @@ def cuda_archs(requested: list[str]) -> tuple[list[str], str]:
     if requested:
         return sorted(set(requested)), ""
     listed = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-    archs = [a.split("+")[0].replace(".", "") for a in listed.replace(";", " ").split()]
+    # "9.0a" builds as "90": the kernel uses no arch-specific features, and the engine loads
+    # the library of the device's plain sm (cuda_attention.device_arch)
+    archs = [
+        a.split("+")[0].replace(".", "").removesuffix("a") for a in listed.replace(";", " ").split()
+    ]
     if not archs and torch.cuda.is_available():
         archs = [
             "{}{}".format(*torch.cuda.get_device_capability(i))

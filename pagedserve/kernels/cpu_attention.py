@@ -17,7 +17,8 @@ Prefill chunks (q_len > 1) go one request at a time through SDPA over their own 
 blocks: is_causal when the chunk starts the prompt, else a causal mask offset by the context.
 
 Whether the C++ kernels run is decided once, at load (`use_kernel`, from the LayerConfig);
-a shape the kernel is not built for takes the pure-torch path.
+a shape the kernel is not built for, and an fp8 cache (kernels.kv_quant: read as q's dtype,
+k_scale folded into the softmax scale, v_scale into the output), take the pure-torch path.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.attention_metadata import AttentionMetadata, cdiv
 from pagedserve.kernels.attention_ref import real_rows
+from pagedserve.kernels.kv_quant import is_fp8, raw, to_cache_values
 from pagedserve.kernels.workspace import Workspace
 
 _WORKSPACE = Workspace()
@@ -197,11 +199,15 @@ def write_kv_cache_head_major(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
     use_kernel: bool = False,
 ) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim] (any strides); caches [num_kv_heads,
-    num_blocks, block_size, head_dim]: cache[h].flat[slot_mapping[i]] = k[i, h] (and v).
-    use_kernel: the C++ kernel (loaded) takes float32 CPU rows."""
+    num_blocks, block_size, head_dim]: cache[h].flat[slot_mapping[i]] = k[i, h] (and v; fp8
+    caches: divided by the scale and rounded). use_kernel: the C++ kernel (loaded) takes
+    float32 CPU rows into a float32 cache."""
     if (
         use_kernel
         and k.device.type == "cpu"
@@ -213,9 +219,11 @@ def write_kv_cache_head_major(
         torch.ops.pagedserve_cpu.write_kv_head_major(k, v, k_cache, v_cache, slot_mapping)
         return
     k, v, slot_mapping = real_rows(k, v, slot_mapping)
+    k, v = to_cache_values(k, k_cache, k_scale), to_cache_values(v, v_cache, v_scale)
     num_kv_heads, _, _, head_dim = k_cache.shape
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        rows = raw(new).transpose(0, 1)  # [num_kv_heads, num_tokens, head_dim]
+        raw(cache).view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, rows)
 
 
 def paged_attention_head_major(
@@ -224,13 +232,17 @@ def paged_attention_head_major(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
     use_kernel: bool = False,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] (any strides) -> [num_tokens, num_heads, head_dim];
     head-major caches. use_kernel: the C++ decode kernel (loaded) takes the decode rows of the
-    shapes it is built for."""
+    shapes it is built for (float32 caches)."""
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    use_kernel = use_kernel and cpu_decode_kernel_applies(q, num_kv_heads)
+    use_kernel = use_kernel and not is_fp8(k_cache) and cpu_decode_kernel_applies(q, num_kv_heads)
+    scale *= k_scale
     plan = head_major_plan(metadata, num_kv_heads, num_blocks, q.dtype, not use_kernel)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.decode is not None and use_kernel:
@@ -248,7 +260,17 @@ def paged_attention_head_major(
         v_rows = v_cache.view(num_kv_heads * num_blocks, block_size, head_dim)
         for chunk in plan.prefill:
             _prefill_chunk(q, k_rows, v_rows, out, chunk, num_kv_heads, block_size, scale)
-    return out
+    return out if v_scale == 1.0 else out.mul_(v_scale)
+
+
+def _gather_blocks(
+    rows: torch.Tensor, block_ids: torch.Tensor, buffer: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """rows[block_ids] as `dtype`: into a workspace buffer, or converted from an fp8 cache."""
+    if is_fp8(rows):
+        return rows.index_select(0, block_ids).to(dtype)
+    out = _WORKSPACE.get(buffer, (len(block_ids), *rows.shape[1:]), dtype, rows.device)
+    return torch.index_select(rows, 0, block_ids, out=out)
 
 
 def _decode_bucket(
@@ -270,16 +292,13 @@ def _decode_bucket(
     queries = q[bucket.tokens] if sliced else q.index_select(0, bucket.tokens)
     q_t = _WORKSPACE.get("q", (num_kv_heads, batch, group, head_dim), dtype, device)
     torch.mul(queries.view(batch, num_kv_heads, group, head_dim).transpose(0, 1), scale, out=q_t)
-    shape = (rows * bucket.num_blocks, block_size, head_dim)
-    keys = _WORKSPACE.get("keys", shape, dtype, device)
-    torch.index_select(k_rows, 0, bucket.block_ids, out=keys)
+    keys = _gather_blocks(k_rows, bucket.block_ids, "keys", dtype)
     scores = _WORKSPACE.get("scores", (rows, group, ctx), dtype, device)
     torch.bmm(q_t.view(rows, group, head_dim), keys.view(rows, ctx, head_dim).mT, out=scores)
     if bucket.mask is not None:
         scores.view(num_kv_heads, batch, group, ctx).add_(bucket.mask)
     probs = torch.softmax(scores, dim=-1)
-    values = _WORKSPACE.get("values", shape, dtype, device)
-    torch.index_select(v_rows, 0, bucket.block_ids, out=values)
+    values = _gather_blocks(v_rows, bucket.block_ids, "values", dtype)
     result = _WORKSPACE.get("out", (num_kv_heads, batch, group, head_dim), dtype, device)
     torch.bmm(probs, values.view(rows, ctx, head_dim), out=result.view(rows, group, head_dim))
     result = result.transpose(0, 1)  # [B, Hkv, G, D]
@@ -301,8 +320,8 @@ def _prefill_chunk(
 ) -> None:
     head_dim = q.shape[-1]
     shape = (num_kv_heads, chunk.num_blocks * block_size, head_dim)
-    keys = k_rows.index_select(0, chunk.block_ids).view(shape)[:, : chunk.seq_len]
-    values = v_rows.index_select(0, chunk.block_ids).view(shape)[:, : chunk.seq_len]
+    keys = k_rows.index_select(0, chunk.block_ids).view(shape)[:, : chunk.seq_len].to(q.dtype)
+    values = v_rows.index_select(0, chunk.block_ids).view(shape)[:, : chunk.seq_len].to(q.dtype)
     queries = q[chunk.start : chunk.end].transpose(0, 1)  # [H, L, D]
     result = F.scaled_dot_product_attention(
         queries.unsqueeze(0),

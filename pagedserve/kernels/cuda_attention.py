@@ -163,12 +163,14 @@ def planned_num_splits(
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None) -> bool:
-    """The shapes the kernel is instantiated for (see HEAD_DIMS, DTYPES, GROUPS), with cache
-    rows it can copy in 16-byte pieces (base pointer and strides 16-byte aligned)."""
+    """The shapes the kernel is instantiated for (see HEAD_DIMS, DTYPES, GROUPS; caches of q's
+    dtype: an fp8 cache is Triton's), with cache rows it can copy in 16-byte pieces (base
+    pointer and strides 16-byte aligned)."""
     group = q.shape[1] // k_cache.shape[2]
     return (
         q.shape[-1] in HEAD_DIMS
         and q.dtype in DTYPES
+        and k_cache.dtype == q.dtype
         and group in GROUPS
         and q.shape[1] == group * k_cache.shape[2]
         and all(_rows_aligned(c) for c in (k_cache, v_cache) if c is not None)
@@ -190,12 +192,17 @@ def paged_attention_backend(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Decode-only steps run the CUDA kernel; steps with prefill chunks run Triton's."""
+    """Decode-only steps run the CUDA kernel; steps with prefill chunks, and fp8 caches, run
+    Triton's."""
     from pagedserve.kernels import triton_attention
 
     if metadata.max_query_len != 1 or not supported(q, k_cache, v_cache):
-        return triton_attention.paged_attention_backend(q, k_cache, v_cache, metadata, scale)
+        return triton_attention.paged_attention_backend(
+            q, k_cache, v_cache, metadata, scale, k_scale, v_scale
+        )
     return decode(
         q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, metadata.max_seq_len
     )
@@ -207,7 +214,9 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     from pagedserve.kernels import triton_attention
 
-    triton_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    triton_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -32,6 +32,10 @@ seq_lens [batch] int32, query_start_loc [batch + 1] int32, the host ints max_que
 only on shapes and those host ints, so the launchers can be captured in CUDA graphs (the
 decode split count derives from max_seq_len, else the block-table width: keep it fixed per
 captured graph). Padding requests (q_len 0, seq_len 0) are skipped / give zeros.
+
+FP8 caches (float8_e4m3fn, kernels.kv_quant): the write stores clamp(x / scale, +-448) rounded
+to fp8; attention loads the fp8 keys and values, converts them to q's dtype (exact) and folds
+k_scale into qk_scale and v_scale into the output.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.attention_metadata import AttentionMetadata
+from pagedserve.kernels.triton_ops import _round_fp8
 
 __all__ = [
     "paged_attention",
@@ -52,6 +57,7 @@ __all__ = [
 
 LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE_DTYPES = (*_FLOAT_DTYPES, torch.float8_e4m3fn)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_HEAD_DIM = 256
 _MAX_SPLITS = 64
@@ -85,14 +91,18 @@ def _write_kv_cache_kernel(
     stride_vcb,
     stride_vco,
     stride_vch,
+    inv_k_scale,
+    inv_v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEADS_P: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = key[t] (and v) with slot = slot[t];
-    nothing when slot < 0. Program t copies token t's [num_kv_heads, head_dim] rows."""
+    nothing when slot < 0. Program t copies token t's [num_kv_heads, head_dim] rows; FP8:
+    stores clamp(key * inv_k_scale, +-448) (and v), rounded to the cache's fp8."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -105,10 +115,13 @@ def _write_kv_cache_kernel(
     token64 = token.to(tl.int64)
     k = tl.load(key_ptr + token64 * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token64 * stride_vt + heads * stride_vh + dims, mask=mask)
+    if FP8:
+        k = _round_fp8(k.to(tl.float32) * inv_k_scale)
+        v = _round_fp8(v.to(tl.float32) * inv_v_scale)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kco + heads * stride_kch + dims
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + heads * stride_vch + dims
-    tl.store(k_dst, k, mask=mask)
-    tl.store(v_dst, v, mask=mask)
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -157,6 +170,7 @@ def _attend_tile(
     in_block = offs_n % BLOCK_SIZE
     k_ptrs = k_base + block[None, :] * stride_kb + in_block[None, :] * stride_kt + offs_d[:, None]
     k = tl.load(k_ptrs, mask=dim_mask[:, None] & kv_mask[None, :], other=0.0)  # [D, TILE_N]
+    k = k.to(q.dtype)  # an fp8 cache's values, exactly
     s = _dot(q, k, PRECISION, UPCAST) * qk_scale
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= query_pos[:, None], s, float("-inf"))
@@ -169,6 +183,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v_ptrs = v_base + block[:, None] * stride_vb + in_block[:, None] * stride_vt + offs_d[None, :]
     v = tl.load(v_ptrs, mask=kv_mask[:, None] & dim_mask[None, :], other=0.0)  # [TILE_N, D]
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
     return acc, m_new, l_i
 
@@ -200,6 +215,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     qk_scale,
+    v_scale,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -275,7 +291,7 @@ def _prefill_kernel(
             BLOCK_SIZE, TILE_N, True, PRECISION, UPCAST,
         )  # fmt: skip
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
@@ -304,6 +320,7 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
+    v_scale,
     tiles_per_split,
     num_splits,
     num_heads,
@@ -369,7 +386,7 @@ def _decode_kernel(
             BLOCK_SIZE, TILE_N, False, PRECISION, UPCAST,
         )  # fmt: skip
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     mask = row_mask[:, None] & dim_mask[None, :]
     if DIRECT:
         o_ptrs = out_ptr + token64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -439,18 +456,23 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """k_cache.view(-1, kv_heads, dim)[slot_mapping[i]] = key[i] (and v) for slot >= 0.
 
     key, value: [num_tokens, num_kv_heads, head_dim] (token/head strides free, dim contiguous);
-    caches: [num_blocks, block_size, num_kv_heads, head_dim], same dtype; slot_mapping:
-    [num_tokens] int32/int64, negative = skip (padding)."""
+    caches: [num_blocks, block_size, num_kv_heads, head_dim], key's dtype or float8_e4m3fn
+    (stored divided by k_scale / v_scale); slot_mapping: [num_tokens] int32/int64, negative =
+    skip (padding)."""
     _check_cache_pair(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     for name, t in (("key", key), ("value", value)):
         _check(t.dim() == 3, f"{name} must be [num_tokens, num_kv_heads, head_dim]")
         _check(t.shape[1:] == (num_kv_heads, head_dim), f"{name} {tuple(t.shape)} vs cache")
-        _check(t.dtype == k_cache.dtype, f"{name} dtype {t.dtype} != cache {k_cache.dtype}")
+        _check(t.dtype in _FLOAT_DTYPES, f"{name} dtype {t.dtype} unsupported")
+        _check(t.dtype == k_cache.dtype or _is_fp8(k_cache),
+               f"{name} dtype {t.dtype} != cache {k_cache.dtype}")  # fmt: skip
         _check(t.device == k_cache.device, f"{name} is on {t.device}, cache on {k_cache.device}")
         _check(t.stride(-1) == 1, f"{name} must be contiguous in head_dim")
     _check(key.shape[0] == value.shape[0], "key and value token counts differ")
@@ -463,10 +485,10 @@ def write_kv_cache(
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P=_head_dim_padded(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        FP8=_is_fp8(k_cache), num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )  # fmt: skip
 
 
@@ -483,6 +505,8 @@ def paged_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Varlen causal paged attention over a mixed batch; returns out [num_tokens, heads, dim].
 
@@ -493,7 +517,7 @@ def paged_attention(
     Otherwise the prefill kernel takes the requests with more than one query and the decode
     kernels (token query_start_loc[b]) those with one. max_seq_len (host int, optional)
     bounds the context to size the splits, else max_blocks * block_size does; num_splits
-    forces the split count (tests, tuning)."""
+    forces the split count (tests, tuning); k_scale / v_scale: an fp8 cache's scales."""
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check(max_query_len >= 1, "max_query_len must be >= 1")
     if out is None:
@@ -503,12 +527,13 @@ def paged_attention(
     if q.shape[0] == 0:
         return out
     mixed = max_query_len > 1
+    scales = (scale * k_scale, v_scale)
     if not mixed:
         _check(q.shape[0] == seq_lens.shape[0], "decode (max_query_len 1): one token a request")
     else:
         _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        max_query_len, out, scale)  # fmt: skip
-    _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale,
+                        max_query_len, out, scales)  # fmt: skip
+    _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scales,
                    max_seq_len, num_splits, mixed)  # fmt: skip
     return out
 
@@ -519,6 +544,8 @@ def paged_attention_backend(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The backends' common signature (attention_backends.AttentionFn)."""
     return paged_attention(
@@ -531,6 +558,8 @@ def paged_attention_backend(
         metadata.max_query_len,
         scale,
         max_seq_len=metadata.max_seq_len,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -543,8 +572,9 @@ def _launch_prefill(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     out: torch.Tensor,
-    scale: float,
+    scales: tuple[float, float],
 ) -> None:
+    """scales: (softmax scale * k_scale, v_scale)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -556,7 +586,7 @@ def _launch_prefill(
         else (64, 4, 2)  # fmt: skip
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2E, batch,
+        scales[0] * LOG2E, scales[1], batch,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -576,12 +606,13 @@ def _launch_decode(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     out: torch.Tensor,
-    scale: float,
+    scales: tuple[float, float],
     max_seq_len: int | None,
     num_splits: int | None,
     mixed: bool,
 ) -> None:
-    """Flash-decoding for the one-query requests (all of them unless `mixed`)."""
+    """Flash-decoding for the one-query requests (all of them unless `mixed`); scales:
+    (softmax scale * k_scale, v_scale)."""
     _, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -604,7 +635,7 @@ def _launch_decode(
         part_out = part_lse = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        scale * LOG2E, tiles_per_split, num_splits, num_heads,
+        scales[0] * LOG2E, scales[1], tiles_per_split, num_splits, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -663,6 +694,10 @@ def _upcast(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.bfloat16
 
 
+def _is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -672,7 +707,7 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     _check(k_cache.dim() == 4, "caches must be [num_blocks, block_size, num_kv_heads, head_dim]")
     _check(k_cache.shape == v_cache.shape, "k_cache and v_cache shapes differ")
     _check(k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ")
-    _check(k_cache.dtype in _FLOAT_DTYPES, f"cache dtype {k_cache.dtype} unsupported")
+    _check(k_cache.dtype in _CACHE_DTYPES, f"cache dtype {k_cache.dtype} unsupported")
     _check(k_cache.device == v_cache.device, "k_cache and v_cache devices differ")
     _check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches: dim contiguous")
     _check(k_cache.shape[-1] <= _MAX_HEAD_DIM, f"head_dim > {_MAX_HEAD_DIM} unsupported")
@@ -692,7 +727,9 @@ def _check_attention_args(
     num_kv_heads = k_cache.shape[2]
     _check(head_dim == k_cache.shape[3], f"q head_dim {head_dim} != cache {k_cache.shape[3]}")
     _check(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
-    _check(q.dtype == k_cache.dtype, f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    _check(q.dtype in _FLOAT_DTYPES, f"q dtype {q.dtype} unsupported")
+    _check(q.dtype == k_cache.dtype or _is_fp8(k_cache),
+           f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")  # fmt: skip
     _check(q.stride(-1) == 1, "q must be contiguous in head_dim")
     _check(block_tables.dim() == 2 and block_tables.dtype == torch.int32,
            "block_tables must be [batch, max_blocks] int32")  # fmt: skip

@@ -54,6 +54,21 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _round_fp8(x):
+    """x (fp32) saturated to +-448 and rounded to the nearest float8_e4m3fn value (ties to
+    even), still fp32: normal values keep 3 mantissa bits (integer ops on the bits), those
+    below 2^-6 become multiples of 2^-9 (adding and removing 1.5 * 2^14, whose fp32 spacing is
+    2^-9). The final cast to fp8 is then exact on every backend (the CPU interpreter's own
+    rounding errs where the mantissa carries into the exponent)."""
+    x = tl.clamp(x, -448.0, 448.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,

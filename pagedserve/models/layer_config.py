@@ -14,18 +14,25 @@ operands' shapes and strides.
   * attention: the attention backend's functions and cache layout (kernels.attention_backends).
   * tp: this rank's place in the tensor-parallel group and its collectives.
   * stage: the pipeline stage this model is (the layers it builds: models.stages).
+  * quantization: the linear layers' quantization scheme (models.quantization), which gives
+    each linear layer its linear method; None: float weights.
+  * kv_cache_dtype: the paged KV cache's element type (float8_e4m3fn: fp8 with per-tensor
+    scales); None: the model's dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 
 from pagedserve.kernels.attention_backends import AttentionBackend
 from pagedserve.layout import PipelineStage
+
+if TYPE_CHECKING:
+    from pagedserve.models.quantization.config import QuantizationConfig
 
 FusedOps = Literal["triton", "cpu", "torch"]
 
@@ -76,3 +83,10 @@ class LayerConfig:
     small_batch_gemm: bool = False
     tp: TensorParallel = field(default_factory=TensorParallel)
     stage: PipelineStage = field(default_factory=PipelineStage)
+    quantization: QuantizationConfig | None = None
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type."""
+        return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype

@@ -28,7 +28,9 @@ from pagedserve.kernels.ops import (
     silu_and_mul,
 )
 from pagedserve.models.layer_config import FusedOps, LayerConfig
-from pagedserve.models.linear import default_weight_loader
+from pagedserve.models.weights import ParamLayout, default_weight_loader, new_parameter
+
+SCALAR = ParamLayout(output_dim=None, input_dim=None)
 
 
 @functools.cache
@@ -234,7 +236,9 @@ class SiluAndMul(nn.Module):
 class Attention(nn.Module):
     """Writes this step's k/v into the layer's paged cache, then paged attention over it, by
     the config's attention backend. The model runner assigns `k_cache` / `v_cache` (one
-    layer's caches in the backend's layout)."""
+    layer's caches in the backend's layout, of config.cache_dtype). An fp8 cache has a scale
+    for k and one for v (kernels.kv_quant): parameters `k_scale` / `v_scale` that a checkpoint
+    may fill (1.0 otherwise), read once after loading into `kv_scales`."""
 
     def __init__(
         self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, config: LayerConfig
@@ -243,8 +247,19 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.backend = config.attention
-        # the q/k rotary launch writes the cache (Triton ops, a backend with Triton's write)
-        self.fuses_kv_write = config.fused_ops == "triton" and self.backend.fuses_kv_write
+        fp8_cache = config.cache_dtype == torch.float8_e4m3fn
+        # the q/k rotary launch writes the cache (Triton ops, a backend with Triton's write, a
+        # cache of the model's dtype)
+        self.fuses_kv_write = (
+            config.fused_ops == "triton" and self.backend.fuses_kv_write and not fp8_cache
+        )
+        self.kv_scales = (1.0, 1.0)
+        if fp8_cache:
+            for name in ("k_scale", "v_scale"):
+                param = new_parameter(loader=default_weight_loader, dtype=torch.float32,
+                                      layout=SCALAR, optional=True)  # fmt: skip
+                self.register_parameter(name, param)
+                param.data.fill_(1.0)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -255,6 +270,10 @@ class Attention(nn.Module):
             return None
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return triton_ops_module().KVWrite(v, self.k_cache, self.v_cache, metadata.slot_mapping)
+
+    def process_weights_after_loading(self) -> None:
+        if hasattr(self, "k_scale"):
+            self.kv_scales = (float(self.k_scale), float(self.v_scale))
 
     def forward(
         self,
@@ -272,8 +291,11 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if not kv_written:
-            self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
+            self.backend.write_kv_cache(
+                k, v, self.k_cache, self.v_cache, metadata.slot_mapping, *self.kv_scales
+            )
         if output_rows is not None:
             q, metadata = q.index_select(0, output_rows.indices), output_rows.metadata
-        out = self.backend.attend(q, self.k_cache, self.v_cache, metadata, self.scale)
+        out = self.backend.attend(q, self.k_cache, self.v_cache, metadata, self.scale,
+                                  *self.kv_scales)  # fmt: skip
         return out.reshape(-1, self.num_heads * self.head_dim)

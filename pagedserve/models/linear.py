@@ -1,28 +1,39 @@
 """The linear layers and the vocabulary-parallel embedding / LM head.
 
 Tensor parallelism (LayerConfig.tp): every parallel layer allocates only its shard and carries a
-`weight_loader` on each parameter that takes the full Hugging Face tensor and copies its slice.
-Column-parallel layers shard the output dim (no communication); row-parallel layers shard the
-input dim and all-reduce their output; the vocabulary is sharded by rows (embedding: masked
-lookup + all-reduce; LM head: local logits + all-gather).
+`weight_loader` on each parameter that takes the full Hugging Face tensor and copies its slice
+(models.weights.load_shard, for any parameter layout). Column-parallel layers shard the output
+dim (no communication); row-parallel layers shard the input dim and all-reduce their output;
+the vocabulary is sharded by rows (embedding: masked lookup + all-reduce; LM head: local logits +
+all-gather).
 
-A linear layer's weights and product belong to its linear method (`UnquantizedLinearMethod`
-here): the method registers the parameters on the layer, may convert them once after loading,
-and computes x W^T + b.
+A linear layer's weights and product belong to its linear method: `UnquantizedLinearMethod`
+here, or the one the LayerConfig's quantization gives (models.quantization). The method
+registers the parameters on the layer (the checkpoint's form of the weights), converts them
+once after loading (`process_weights_after_loading`: to the engine's form) and computes
+x W^T + b (`apply`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.models.layer_config import LayerConfig
+from pagedserve.models.weights import (
+    VECTOR,
+    OutputShard,
+    default_weight_loader,
+    divide,
+    load_shard,
+    new_parameter,
+)
 
 # Rows up to which the Triton weight-streaming GEMM replaces cuBLAS (LayerConfig
 # small_batch_gemm): on the H200 it beats cuBLAS at 1 row (1.46x per Qwen3-0.6B layer, 1.11x
@@ -31,28 +42,15 @@ from pagedserve.models.layer_config import LayerConfig
 SMALL_BATCH_GEMM_MAX_ROWS = 1
 
 
-def divide(numerator: int, denominator: int) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{numerator} is not divisible by {denominator}")
-    return numerator // denominator
+class LinearMethod(Protocol):
+    def create_weights(self, layer: LinearBase, bias: bool) -> None:
+        """Register the checkpoint's parameters on the layer (and the bias, VECTOR layout)."""
 
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Turn the loaded parameters into the form `apply` reads."""
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(
-            f"shape mismatch: parameter {tuple(param.shape)}, loaded {tuple(loaded.shape)}"
-        )
-    param.data.copy_(loaded)
-
-
-def new_parameter(
-    *shape: int, loader: Callable[..., None], dtype: torch.dtype | None = None
-) -> nn.Parameter:
-    """An uninitialised frozen parameter (default dtype and device unless given) filled by
-    `loader(param, checkpoint_tensor[, shard_id])`."""
-    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-    param.weight_loader = loader  # type: ignore[attr-defined]
-    return param
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., input_per_rank] -> x W^T + bias [..., output_per_rank], x's dtype."""
 
 
 def _mkldnn_linear_available() -> bool:
@@ -121,14 +119,23 @@ class UnquantizedLinearMethod:
         layer.weight = new_parameter(
             layer.output_size, layer.input_size, loader=layer.weight_loader
         )
-        layer.bias = new_parameter(layer.output_size, loader=layer.weight_loader) if bias else None
+        layer.bias = (
+            new_parameter(layer.output_size, loader=layer.weight_loader, layout=VECTOR)
+            if bias
+            else None
+        )
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        pass
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.matmul(x, layer.weight, bias)
 
 
 class LinearBase(nn.Module):
-    """y = x W^T + b with W [output_per_rank, input_per_rank], by the config's linear method."""
+    """y = x W^T + b with W [output_per_rank, input_per_rank], by the config's linear method.
+    Subclasses say how checkpoint tensors map onto this rank: `output_shard(shard_id)` (None:
+    every output channel) and `input_range()` (None: every input channel)."""
 
     bias: nn.Parameter | None
 
@@ -136,11 +143,31 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp = config.tp
         self.input_size, self.output_size = input_size, output_size
-        self.method = UnquantizedLinearMethod(config)
+        self.method: LinearMethod = (
+            config.quantization.linear_method(config)
+            if config.quantization is not None
+            else UnquantizedLinearMethod(config)
+        )
         self.method.create_weights(self, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, loaded)
+    @property
+    def local_output_sizes(self) -> list[int]:
+        """This rank's output channels of each fused part, in order."""
+        return [self.output_size]
+
+    def output_shard(self, shard_id: str | int | None) -> OutputShard | None:
+        return None
+
+    def input_range(self) -> tuple[int, int] | None:
+        return None
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        load_shard(param, loaded, self.output_shard(shard_id), self.input_range())
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
@@ -154,9 +181,9 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         super().__init__(input_size, divide(output_size, config.tp.size), bias, config)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        size = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, self.tp.rank * size, size))
+    def output_shard(self, shard_id: str | int | None) -> OutputShard | None:
+        size = self.output_size
+        return OutputShard(0, self.tp.rank * size, size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -168,11 +195,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), config, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        size = self.output_sizes[shard_id] // self.tp.size
-        target = param.data.narrow(0, offset, size)
-        default_weight_loader(target, loaded.narrow(0, self.tp.rank * size, size))
+    @property
+    def local_output_sizes(self) -> list[int]:
+        return [size // self.tp.size for size in self.output_sizes]
+
+    def output_shard(self, shard_id: str | int | None) -> OutputShard | None:
+        assert isinstance(shard_id, int)
+        sizes = self.local_output_sizes
+        size = sizes[shard_id]
+        return OutputShard(sum(sizes[:shard_id]), self.tp.rank * size, size, shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -206,14 +237,16 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    @property
+    def local_output_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def output_shard(self, shard_id: str | int | None) -> OutputShard | None:
         if shard_id == "q":
-            offset, size, head_start = 0, self.q_size, self.tp.rank * self.num_heads
-        else:
-            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, head_start = self.kv_size, (self.tp.rank // self.kv_replicas) * self.num_kv_heads
-        source = loaded.narrow(0, head_start * self.head_dim, size)
-        default_weight_loader(param.data.narrow(0, offset, size), source)
+            return OutputShard(0, self.tp.rank * self.q_size, self.q_size, 0)
+        head_start = (self.tp.rank // self.kv_replicas) * self.num_kv_heads
+        start = self.q_size + (self.kv_size if shard_id == "v" else 0)
+        return OutputShard(start, head_start * self.head_dim, self.kv_size, 1 + (shard_id == "v"))
 
 
 class RowParallelLinear(LinearBase):
@@ -224,12 +257,8 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         super().__init__(divide(input_size, config.tp.size), output_size, bias, config)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param.dim() == 1:  # bias: replicated
-            default_weight_loader(param, loaded)
-            return
-        size = param.shape[1]
-        default_weight_loader(param, loaded.narrow(1, self.tp.rank * size, size))
+    def input_range(self) -> tuple[int, int] | None:
+        return self.tp.rank * self.input_size, self.input_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)

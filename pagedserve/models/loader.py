@@ -5,7 +5,10 @@ Weights come from `model.safetensors`, a sharded `model.safetensors.index.json`,
 distribution (benchmarks). HF names map onto the fused parameters through each model's
 `packed_modules_mapping` (q/k/v -> qkv_proj, gate/up -> gate_up_proj); each parameter's
 `weight_loader` slices its tensor-parallel shard. How the layers run (kernels, attention backend,
-tensor parallelism) is decided here, once, in the model's LayerConfig (`build_layer_config`).
+tensor parallelism, quantization, the KV cache's dtype) is decided here, once, in the model's
+LayerConfig (`build_layer_config`). After loading, every module that has one runs its
+`process_weights_after_loading` (quantized layers convert the checkpoint's form of their
+weights to the engine's; a float weight is quantized there).
 """
 
 from __future__ import annotations
@@ -32,10 +35,15 @@ from pagedserve.models.layer_config import (
     TensorParallel,
     tensor_parallel_of_process,
 )
-from pagedserve.models.linear import default_weight_loader
 from pagedserve.models.model_config import ModelConfig, load_model_config
+from pagedserve.models.quantization.config import (
+    check_supported,
+    resolve_kv_cache_dtype,
+    resolve_quantization,
+)
 from pagedserve.models.registry import get_model_class
 from pagedserve.models.stages import checkpoint_names
+from pagedserve.models.weights import default_weight_loader
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +92,11 @@ def build_layer_config(
     triton imports), the C++ CPU kernels for float32 on the CPU (when config.cpu_kernels and
     they load here), else pure torch; the attention backend; the Triton small-batch GEMM for
     CUDA fp16/bf16 (config.small_batch_gemm); this rank's tensor-parallel group (tp; None:
-    the process's default group) and pipeline stage (None: the whole model)."""
+    the process's default group) and pipeline stage (None: the whole model); the quantization
+    (models.quantization.config) and the KV cache's dtype."""
     dtype = resolve_dtype(config.dtype, hf_config, device)
+    quantization = resolve_quantization(config.quantization, config.load_format, hf_config)
+    check_supported(quantization, device, dtype)
     cpu_kernels = device.type == "cpu" and config.cpu_kernels and load_cpu_kernels()
     fused_ops: FusedOps = "torch"
     if device.type == "cuda" and _triton_importable():
@@ -101,6 +112,8 @@ def build_layer_config(
         and dtype != torch.float32,
         tp=tp if tp is not None else tensor_parallel_of_process(config.tensor_parallel_size),
         stage=stage if stage is not None else PipelineStage(),
+        quantization=quantization,
+        kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
     )  # fmt: skip
 
 
@@ -131,6 +144,9 @@ def load_model(
             tied = bool(getattr(hf_config, "tie_word_embeddings", False))
             rename = checkpoint_names(layer_config.stage, tied)
             load_weights(model, iterate_safetensors(config.model_path, rename))
+        for module in model.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
     return model
 
 
@@ -160,9 +176,34 @@ def iterate_safetensors(
                     yield target, f.get_tensor(name)
 
 
+# an fp8 KV cache's scales as checkpoints name them (vLLM's fp8, compressed-tensors) -> ours
+_KV_SCALES = {
+    ".self_attn.k_scale": ".self_attn.attn.k_scale",
+    ".self_attn.v_scale": ".self_attn.attn.v_scale",
+    ".self_attn.k_proj.output_scale": ".self_attn.attn.k_scale",
+    ".self_attn.v_proj.output_scale": ".self_attn.attn.v_scale",
+}
+
+
+def _skipped(name: str, model: nn.Module) -> bool:
+    """Checkpoint tensors with no parameter on purpose: rotary tables, a tied LM head, what the
+    quantization does not read, KV-cache scales without an fp8 KV cache."""
+    layer_config: LayerConfig = model.layer_config  # type: ignore[assignment]
+    quantization = layer_config.quantization
+    return (
+        "rotary_emb.inv_freq" in name
+        or (getattr(model, "tie_word_embeddings", False) and name == "lm_head.weight")
+        or (quantization is not None and quantization.ignores_checkpoint_tensor(name))
+        or (layer_config.kv_cache_dtype is None and name.endswith(tuple(_KV_SCALES)))
+    )
+
+
 def _target_name(
     name: str, mapping: dict[str, tuple[str, str | int]]
 ) -> tuple[str, str | int | None]:
+    for suffix, ours in _KV_SCALES.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + ours, None
     for hf_part, (fused_part, shard_id) in mapping.items():
         if f".{hf_part}." in name:
             return name.replace(f".{hf_part}.", f".{fused_part}."), shard_id
@@ -170,13 +211,13 @@ def _target_name(
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into the model; every parameter must be filled exactly."""
+    """Copy HF-named tensors into the model; every parameter must be filled exactly (the
+    optional ones may be left out)."""
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
-    tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
     for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+        if _skipped(name, model):
             continue
         target, shard_id = _target_name(name, mapping)
         if target not in params:
@@ -188,15 +229,21 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         else:
             weight_loader(param, tensor, shard_id)
         loaded.add(target)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(
+        name for name, param in params.items()
+        if name not in loaded and not getattr(param, "optional", False)
+    )  # fmt: skip
     if missing:
         raise KeyError(f"parameters missing from the checkpoint: {missing}")
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Deterministic random weights: N(0, 0.02) matrices, unit norms, zero biases."""
+    """Deterministic random weights: N(0, 0.02) matrices, unit norms, zero biases (optional
+    parameters keep their values)."""
     generator: torch.Generator | None = None
     for name, param in model.named_parameters():
+        if getattr(param, "optional", False):
+            continue
         if generator is None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
         if name.endswith("norm.weight"):

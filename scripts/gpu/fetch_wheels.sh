@@ -10,6 +10,6 @@ download() {
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$@"
 }
-download msgspec==0.23.0 pyzmq==27.3.0 starlette==1.10.0 uvicorn==0.54.0
+download msgspec==0.23.0 pyzmq==27.3.0 starlette==1.10.0 uvicorn==0.54.0 setproctitle==1.3.7
 download flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2 nvidia-cudnn-frontend==1.32.0
 ls -la .whl

@@ -2,7 +2,8 @@
 # The one GPU script: install the carried wheels, check every kernel against its reference,
 # check full-engine parity, then run the benchmarks. Run on the device machine from the repo
 # root with `.whl` carried; results land in $OUT (or scripts/results/gpu when OUT is unset).
-#   bash scripts/gpu/run.sh [kernels] [splits] [probe] [anatomy] [parity] [workloads ARGS...]
+#   bash scripts/gpu/run.sh [kernels] [splits] [probe] [anatomy] [parity] [quant]
+#                           [workloads ARGS...]
 set -uo pipefail
 OUT=${OUT:-scripts/results/gpu}
 mkdir -p "$OUT"
@@ -35,6 +36,7 @@ while [ $# -gt 0 ]; do
     splits) python3 scripts/gpu/sweep_decode_splits.py --out "$OUT/splits.md" || status=1 ;;
     probe) python3 scripts/gpu/compile_parallelism.py > "$OUT/compile_probe.md" || status=1 ;;
     parity) python3 scripts/gpu/parity.py --jobs 6 --out "$OUT/parity.md" || status=1 ;;
+    quant) python3 scripts/gpu/bench_quant.py --out "$OUT/quant.md" || status=1 ;;
     workloads) shift; python3 scripts/gpu/bench_workloads.py --out "$OUT/workloads.md" "$@" || status=1; break ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac

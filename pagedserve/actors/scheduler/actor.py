@@ -6,6 +6,11 @@ pipeline parallelism, enough for every stage (layout.plans_in_flight). It binds 
 plan channels (a worker may run on another machine: it connects).
 Everything a step produced for the clients (new routes, tokens, refusals) leaves in one
 `EngineOutputs` frame to the detokenizer.
+
+It tracks the ids of the steps in flight: a result for any other step (of a previous
+scheduler, or of workers that were lost) is ignored. When the supervisor says the workers are
+lost, it takes every running request back to waiting and plans nothing until they are ready
+again; its next plan then resets them (as a new scheduler's first plan does).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from pagedserve.actors.messages import (
     StepResult,
     StopRequests,
     WorkerInbound,
+    WorkersLost,
+    WorkersReady,
 )
 from pagedserve.actors.scheduler.scheduler import Scheduler
 from pagedserve.layout import plans_in_flight
@@ -51,9 +58,17 @@ class SchedulerActor(Actor):
             bus.Sender(self.ctx, self.addresses.worker_inbox(rank), bind=True)
             for rank in range(self.config.world_size)
         ]
-        self.num_inflight = 0
+        self.inflight: set[int] = set()  # ids of the steps at the workers
         self.max_inflight = plans_in_flight(self.config)
+        self.workers_ready = True
         return {}
+
+    def queue_depths(self) -> dict[str, int]:
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "inflight_steps": len(self.inflight),
+        }
 
     async def run(self) -> None:
         while True:
@@ -78,13 +93,25 @@ class SchedulerActor(Actor):
 
     async def handle(
         self,
-        message: AddRequest | AbortRequest | StatsRequest | StopRequests | StepResult,
+        message: AddRequest
+        | AbortRequest
+        | StatsRequest
+        | StopRequests
+        | StepResult
+        | WorkersLost
+        | WorkersReady,
         outputs: EngineOutputs,
     ) -> None:
         scheduler = self.scheduler
         if isinstance(message, StepResult):
-            self.num_inflight -= 1
-            outputs.outputs += scheduler.update_from_result(message)
+            if message.step_id in self.inflight:  # else a lost step's, or an old scheduler's
+                self.inflight.remove(message.step_id)
+                outputs.outputs += scheduler.update_from_result(message)
+        elif isinstance(message, (WorkersLost, WorkersReady)):
+            self.workers_ready = isinstance(message, WorkersReady)
+            if not self.workers_ready:
+                self.inflight.clear()
+                scheduler.forget_workers()
         elif isinstance(message, AddRequest):
             accepted = scheduler.add_request(message)
             if isinstance(accepted, RequestError):
@@ -101,12 +128,12 @@ class SchedulerActor(Actor):
             await self.to_detokenizer.send(stats)
 
     async def plan_ahead(self) -> None:
-        while self.num_inflight < self.max_inflight:
+        while self.workers_ready and len(self.inflight) < self.max_inflight:
             plan = self.scheduler.schedule()
             if plan is None:
                 return
             await self.broadcast(plan)
-            self.num_inflight += 1
+            self.inflight.add(plan.step_id)
 
     async def broadcast(self, plan: StepPlan) -> None:
         for sender in self.to_workers:

@@ -1,7 +1,14 @@
-"""How many requests the scheduler lets wait (admission control)."""
+"""Which requests the scheduler accepts: refusals before anything is scheduled.
+
+A prompt (with the tokens a resubmitting client holds) that can never fit is a 400: it must
+leave room for output within max_model_len and within what the KV cache holds for one request.
+Beyond the waiting limit the engine is overloaded: a 503, which HTTP clients get with
+Retry-After (admission control keeps the waiting queue, and memory, bounded).
+"""
 
 from __future__ import annotations
 
+from pagedserve.actors.messages import AddRequest
 from pagedserve.config import EngineConfig
 
 
@@ -10,3 +17,22 @@ def default_max_waiting(config: EngineConfig, num_kv_blocks: int) -> int:
     with the KV cache (a cache that holds more requests drains a longer queue as fast)."""
     tokens_per_request = min(config.max_model_len or 1024, 1024)
     return max(4 * config.max_num_seqs, 2 * num_kv_blocks * config.block_size // tokens_per_request)
+
+
+def refusal(
+    msg: AddRequest, max_len: int, max_model_len: int | None, num_waiting: int, max_waiting: int
+) -> tuple[str, int] | None:
+    """Why a request cannot be accepted (message, HTTP status), or None."""
+    num_tokens = len(msg.prompt_token_ids) + len(msg.resume_token_ids)
+    if not msg.prompt_token_ids:
+        return "the prompt is empty", 400
+    if num_tokens >= max_len:
+        limit = (
+            f"This model's maximum context length is {max_len} tokens"
+            if max_len == max_model_len
+            else f"The KV cache holds at most {max_len} tokens of one request"
+        )
+        return f"{limit}; the prompt has {num_tokens} tokens, which leaves no room for output.", 400
+    if num_waiting >= max_waiting:
+        return f"the engine is overloaded ({num_waiting} requests waiting); retry later", 503
+    return None

@@ -105,15 +105,18 @@ class BlockManager:
     # ------------------------------------------------------------------ running requests
 
     def num_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
-        total = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size)
+        total = -((req.num_computed_tokens + num_new_tokens) // -self.block_size)  # cdiv
         return max(0, total - len(req.block_table))
 
     def can_append(self, req: Request, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(req, num_new_tokens) <= self.num_free_blocks
+        return self.num_blocks_needed(req, num_new_tokens) <= len(self.free_queue)
 
     def append_slots(self, req: Request, num_new_tokens: int) -> list[int]:
         """Grow `req`'s block table to hold `num_new_tokens` more; returns the new block ids."""
-        new = [self._pop_free() for _ in range(self.num_blocks_needed(req, num_new_tokens))]
+        num_new = self.num_blocks_needed(req, num_new_tokens)
+        if not num_new:  # the usual decode step: the last block has room
+            return []
+        new = [self._pop_free() for _ in range(num_new)]
         req.block_table.extend(new)
         return new
 
@@ -122,7 +125,9 @@ class BlockManager:
         ids are all known."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        num_full = min(req.num_computed_tokens, len(req.token_ids)) // self.block_size
+        if num_full <= req.num_cached_blocks:  # the usual step: no block completed
+            return
         num_full = min(num_full, len(req.block_table))
         self._compute_hashes(req, num_full)
         for i in range(req.num_cached_blocks, num_full):
@@ -131,6 +136,12 @@ class BlockManager:
                 block.hash = h
                 self.cached[h] = block.block_id
         req.num_cached_blocks = max(req.num_cached_blocks, num_full)
+
+    def forget_cached_blocks(self) -> None:
+        """The KV cache's contents are lost (the workers restarted): no block is findable."""
+        self.cached.clear()
+        for block in self.blocks:
+            block.hash = None
 
     # ------------------------------------------------------------------ helpers
 

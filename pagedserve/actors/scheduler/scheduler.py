@@ -22,6 +22,7 @@ from collections import deque
 import msgspec
 
 from pagedserve.actors.messages import (
+    EPOCH_SHIFT,
     AddRequest,
     CachedRequestData,
     FinishReason,
@@ -34,14 +35,12 @@ from pagedserve.actors.messages import (
     StepResult,
     TokenLogprobs,
 )
-from pagedserve.actors.scheduler.admission import default_max_waiting
+from pagedserve.actors.scheduler import admission
 from pagedserve.actors.scheduler.block_manager import BlockManager
 from pagedserve.actors.scheduler.request import Request, RequestStatus
 from pagedserve.actors.scheduler.routes import RouteTable
 from pagedserve.config import EngineConfig
 from pagedserve.layout import plan_capacity
-
-EPOCH_SHIFT = 40  # handles and step ids carry the scheduler's epoch above this bit
 
 
 class Scheduler:
@@ -50,7 +49,9 @@ class Scheduler:
         self.block_size = config.block_size
         # A request never outgrows the whole cache, so it can always run alone.
         self.max_len = min(config.max_model_len or sys.maxsize, num_kv_blocks * self.block_size)
-        self.max_waiting = config.max_waiting_requests or default_max_waiting(config, num_kv_blocks)
+        self.max_waiting = config.max_waiting_requests or admission.default_max_waiting(
+            config, num_kv_blocks
+        )
         self.block_manager = BlockManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -62,6 +63,7 @@ class Scheduler:
         self._handles = itertools.count(epoch << EPOCH_SHIFT)
         self._seeds = random.Random(config.seed + (epoch << 32))  # RNG keys of unseeded requests
         self.next_step_id = epoch << EPOCH_SHIFT
+        self.reset_workers = True  # the next plan tells the workers to drop what they hold
         self.counters = SchedulerStats(num_total_blocks=num_kv_blocks)
         self.spec = config.speculative_config
         # KV slots a step's proposer writes past the step's tokens (a draft model's decodes)
@@ -76,7 +78,9 @@ class Scheduler:
         known = self.routes.find((msg.client, msg.seq))
         if known is not None:
             return known.route()
-        refusal = self._refusal(msg)
+        refusal = admission.refusal(
+            msg, self.max_len, self.config.max_model_len, len(self.waiting), self.max_waiting
+        )
         if refusal is not None:
             return RequestError(seq=msg.seq, message=refusal[0], status_code=refusal[1],
                                 client=msg.client)  # fmt: skip
@@ -90,28 +94,6 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
         return request.route()
-
-    def _refusal(self, msg: AddRequest) -> tuple[str, int] | None:
-        """Why a request cannot be accepted (message, HTTP status), or None."""
-        num_tokens = len(msg.prompt_token_ids) + len(msg.resume_token_ids)
-        if not msg.prompt_token_ids:
-            return "the prompt is empty", 400
-        if num_tokens >= self.max_len:
-            limit = (
-                f"This model's maximum context length is {self.max_len} tokens"
-                if self.max_len == self.config.max_model_len
-                else f"The KV cache holds at most {self.max_len} tokens of one request"
-            )
-            return (
-                f"{limit}; the prompt has {num_tokens} tokens, which leaves no room for output.",
-                400,
-            )
-        if len(self.waiting) >= self.max_waiting:
-            return (
-                f"the engine is overloaded ({len(self.waiting)} requests waiting); retry later",
-                503,
-            )
-        return None
 
     def abort_requests(self, client: bytes, seqs: list[int]) -> list[RequestOutput]:
         """Finish the client's live requests among `seqs`; their final (abort) outputs."""
@@ -160,6 +142,7 @@ class Scheduler:
         for handle in plan.scheduled:
             self.block_manager.cache_full_blocks(self.requests[handle])
         plan.finished, self.finished_handles = self.finished_handles, []
+        plan.reset, self.reset_workers = self.reset_workers, False
         self.next_step_id += 1
         self.counters.num_steps += 1
         return plan
@@ -177,8 +160,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(plan.scheduled) < cap:
             req = self.running[i]
             i += 1
-            if req.inflight_steps and (plan.propose or self.pipelined):
-                continue  # its next drafts, or (pipeline) its token, come with its result
+            if req.inflight_steps and (plan.propose or req.num_drafts_in_flight or self.pipelined):
+                # its next drafts, how many of its drafts hold, or (pipeline) its token, come
+                # with its result
+                continue
             n = self._num_to_schedule(req, budget)
             drafts = self._drafts(req, n, budget) if plan.propose else []
             slots = self._slots(req.num_computed_tokens, n + len(drafts))
@@ -226,18 +211,14 @@ class Scheduler:
     def _num_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens to compute for `req` now, or 0 where the chunk would sample a token that
         could only land past max_tokens / max_model_len."""
-        need = req.num_tokens_with_inflight - req.num_computed_tokens
-        n = min(need, budget)
-        if n == need and not self._can_sample(req):
-            return 0
-        return n
-
-    def _can_sample(self, req: Request) -> bool:
-        num_tokens = req.num_tokens_with_inflight
+        num_tokens = len(req.token_ids) + len(req.inflight_steps)
+        need = num_tokens - req.num_computed_tokens
+        if need > budget:
+            return budget
         max_tokens = req.sampling.max_tokens
         if max_tokens is not None and num_tokens - req.num_prompt_tokens >= max_tokens:
-            return False
-        return num_tokens < self.max_len
+            return 0
+        return need if num_tokens < self.max_len else 0
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts a decode of `req` verifies: its proposals, as many as the budget and the
@@ -301,6 +282,20 @@ class Scheduler:
         self._drop_from_worker(req)
         self.counters.num_preemptions += 1
 
+    def forget_workers(self) -> None:
+        """The workers are being restarted: their batches and KV cache are gone. Every
+        running request goes back to waiting (a preemption: recomputed from its tokens so
+        far), tokens in flight are forgotten, and so is the prefix cache."""
+        while self.running:
+            self._preempt(self.running.pop())
+        for req in self.requests.values():
+            req.inflight_steps.clear()
+            req.in_worker = False
+            req.num_drafts_in_flight = 0
+        self.finished_handles = []
+        self.block_manager.forget_cached_blocks()
+        self.reset_workers = True
+
     # ------------------------------------------------------------------ results
 
     def update_from_result(self, result: StepResult) -> list[RequestOutput]:
@@ -355,16 +350,18 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         sampling = req.sampling
-        if req.num_output_tokens >= sampling.min_tokens:
+        num_tokens = len(req.token_ids)
+        num_output = num_tokens - req.num_prompt_tokens
+        if num_output >= sampling.min_tokens:
             if token in req.eos_token_ids:
                 return FinishReason.STOP
             if sampling.stop_token_ids and token in sampling.stop_token_ids:
                 req.stop_reason = token
                 return FinishReason.STOP
         max_tokens = sampling.max_tokens
-        if max_tokens is not None and req.num_output_tokens >= max_tokens:
+        if max_tokens is not None and num_output >= max_tokens:
             return FinishReason.LENGTH
-        if req.num_tokens >= self.max_len:
+        if num_tokens >= self.max_len:
             return FinishReason.LENGTH
         return None
 

@@ -3,7 +3,13 @@ first tensor-parallel rank (rank 0 without pipeline parallelism) reports samples
 
 Steps are pipelined: a plan is launched on the device before the previous step's sampled
 tokens reach the host (the model runner feeds them to the new step on the device), so the
-device always has the next step queued while the host prepares the one after."""
+device always has the next step queued while the host prepares the one after.
+
+A plan with `reset` (a new scheduler's first, or the first after the workers were restarted)
+drops every request and step the worker holds; a new worker ignores plans until one resets it
+(plans of a lost incarnation may still be queued), and plans of an older scheduler than the
+one that reset it are ignored. A step is a declared blocking call for the heartbeat (it may
+compile kernels)."""
 
 from __future__ import annotations
 
@@ -12,8 +18,9 @@ import sys
 import time
 
 from pagedserve.actors import bus
-from pagedserve.actors.actor import Actor
+from pagedserve.actors.actor import Actor, process_title
 from pagedserve.actors.messages import (
+    EPOCH_SHIFT,
     SchedulerInbound,
     Shutdown,
     StepPlan,
@@ -38,6 +45,10 @@ class WorkerActor(Actor):
     profiler: StepProfiler | None = None
     step_log: StepLog | None = None
     timer = LoopTimer()
+
+    @property
+    def title(self) -> str:
+        return process_title(f"worker{self.rank}")  # every rank numbered: worker0, worker1...
 
     async def setup(self) -> dict:
         imports_s = _seconds_since_process_start()
@@ -67,6 +78,7 @@ class WorkerActor(Actor):
         self.inbox: bus.Receiver[WorkerInbound] = bus.Receiver(
             self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound, bind=False
         )
+        self.scheduler_epoch: int | None = None  # of the plans accepted: since the last reset
         self.to_scheduler: bus.Sender[SchedulerInbound] | None = None
         if self.rank == groups.layout.reporting_rank:
             self.to_scheduler = bus.Sender(self.ctx, self.addresses.scheduler_inbox)
@@ -92,13 +104,32 @@ class WorkerActor(Actor):
         on the device behind it, or as soon as no plan is waiting."""
         while True:
             if self.runner.pending is not None and not self.inbox.has_ready():
-                with self.timer.phase("finish"):
-                    await self.report(self.runner.finish())
+                with self.timer.phase("finish"), self.liveness.blocking("step"):
+                    result = self.runner.finish()
+                await self.report(result)
             with self.timer.phase("wait_for_plan"):
                 message = await self.inbox.recv()
             if isinstance(message, Shutdown):
                 return
-            await self.report(self.launch(message))
+            if self.accept(message):
+                with self.liveness.blocking("step"):  # with the profiler's trace export
+                    result = self.launch(message)
+                await self.report(result)
+
+    def accept(self, plan: StepPlan) -> bool:
+        """Whether to run `plan` (see the module docstring); a reset plan resets first."""
+        epoch = plan.step_id >> EPOCH_SHIFT
+        if plan.reset and (self.scheduler_epoch is None or epoch >= self.scheduler_epoch):
+            self.scheduler_epoch = epoch
+            with self.liveness.blocking("reset"):
+                self.runner.finish()  # the step in flight belongs to the plans dropped now
+            for handle in list(self.runner.input_batch.row_of):
+                self.runner.input_batch.remove_request(handle)
+            return True
+        return not plan.reset and epoch == self.scheduler_epoch
+
+    def queue_depths(self) -> dict[str, int]:
+        return {"batch": len(self.runner.input_batch.row_of)}
 
     def launch(self, plan: StepPlan) -> StepResult | None:
         """runner.launch, inside the profiling hooks when they are on."""

@@ -29,9 +29,10 @@ from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.parallel_groups import WorkerGroups, stage_layer_config
 from pagedserve.actors.worker.pipeline import StageDecodeStep, StageLink, run_stage
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
-from pagedserve.actors.worker.speculative import Proposer, make_proposer, num_accepted
+from pagedserve.actors.worker.speculative import Proposer, make_proposer
 from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs, check_plan_fits
 from pagedserve.actors.worker.uploader import Uploader
+from pagedserve.actors.worker.verify_step import speculative_step
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention_metadata import cdiv
 from pagedserve.models.layers import Attention
@@ -112,7 +113,7 @@ class ModelRunner:
         self.model = load_model(self.config, self.device, layer_config)
         self.attention_backend = self.model.layer_config.attention
         self.vocab_size = int(self.model.config.vocab_size)
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = self.model.layer_config.cache_dtype  # the KV cache's element type
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.proposer = make_proposer(self.config, self.device)
         self.link = StageLink.of(self.groups, self.model, self.device)
@@ -173,7 +174,10 @@ class ModelRunner:
         speculative = self.proposer is not None and (plan.propose or any(plan.spec_token_ids))
         if self.pending is not None and (speculative or self._needs_host_tokens(plan)):
             previous = self.finish()
-        launched = self._speculative_step(plan) if speculative else self._launch_step(plan)
+        if speculative:  # run to completion: the next drafts need this step's tokens
+            launched = PendingStep(plan.step_id, [], result=speculative_step(self, plan))
+        else:
+            launched = self._launch_step(plan)
         if self.pending is not None:
             previous = self.finish()
         self.pending = launched
@@ -240,7 +244,7 @@ class ModelRunner:
         rows = np.fromiter((row_of[h] for h in handles), np.int64, len(handles))
         pending_index = self._pending_index()[rows]
         if self._is_decode_step(plan, rows, pending_index):
-            decoded = self._run_decode(rows, pending_index)
+            decoded = self._decode_step_inputs(rows, pending_index)
             if decoded is None:  # a pipeline stage before the last
                 return step
             step.handles = plan.scheduled
@@ -254,7 +258,7 @@ class ModelRunner:
             hidden = run_stage(model, self.link, inputs.input_ids, inputs.positions, metadata)  # type: ignore[arg-type]
             if hidden is None or not inputs.sampling_handles:
                 return step
-            output = self._sample(hidden, inputs)
+            output = self.sample(hidden, inputs)
             step.handles = inputs.sampling_handles
             step.logprobs = output.logprob_tensors
             token_ids = self.sampled[: len(step.handles)]
@@ -277,23 +281,36 @@ class ModelRunner:
         known = batch.num_tokens[rows] + (pending_index >= 0)
         return bool((batch.num_computed_tokens[rows] + 1 >= known).all())
 
-    def _run_decode(
+    def _decode_step_inputs(
         self, rows: np.ndarray, pending_index: np.ndarray
     ) -> tuple[torch.Tensor, LogprobTensors | None] | None:
-        """Write the step's inputs into the static buffers' staging views, run the step, and
-        sample unless every row is plain greedy (the step's argmax). Returns the sampled ids
-        (a view of `sampled`) and the logprob tensors (None: a stage before the last)."""
+        """A decode step's rows: each at its next position, fed from the step in flight where
+        the host does not know its token yet."""
+        batch = self.input_batch
+        positions = batch.num_computed_tokens[rows]
+        num_tokens = batch.num_tokens[rows]
+        known = num_tokens + (pending_index >= 0)
+        check_plan_fits(batch, rows, positions + 1, known, self.block_size)
+        feed = np.where(positions == num_tokens, pending_index, -1)
+        batch.num_computed_tokens[rows] = positions + 1
+        return self.run_decode(rows, positions, feed)
+
+    def run_decode(
+        self, rows: np.ndarray, positions: np.ndarray, feed_index: np.ndarray
+    ) -> tuple[torch.Tensor, LogprobTensors | None] | None:
+        """Run one token of each of `rows` (a row may repeat: a verify step's positions) at
+        `positions` through the static decode path, and sample unless every row is plain
+        greedy (the step's argmax). feed_index: the index of the row's token in the previous
+        step's sampled ids, or -1 (the host's token). Returns the sampled ids (a view of
+        `sampled`) and the logprob tensors; None on a pipeline stage before the last."""
         step, batch, block_size = self.decode_step, self.input_batch, self.block_size
         assert step is not None
         num_rows = len(rows)
-        positions = batch.num_computed_tokens[rows]
         seq_lens = positions + 1
-        num_tokens = batch.num_tokens[rows]
-        check_plan_fits(batch, rows, seq_lens, num_tokens + (pending_index >= 0), block_size)
         size = step.padded_size(num_rows)
         host = step.buffers.staging()
         host.token_ids[:num_rows] = batch.token_ids[rows, positions]
-        host.feed_index[:num_rows] = np.where(positions == num_tokens, pending_index, -1)
+        host.feed_index[:num_rows] = feed_index
         host.positions[:num_rows] = positions
         blocks = batch.block_table_np[rows, positions // block_size]
         host.slot_mapping[:num_rows] = blocks * block_size + positions % block_size
@@ -302,7 +319,6 @@ class ModelRunner:
         width = cdiv(max_seq_len, block_size)
         host.block_tables[:num_rows, :width] = batch.block_table_np[rows, :width]
         host.pad(num_rows, size)
-        batch.num_computed_tokens[rows] = seq_lens
         logits = step.run(num_rows, size, max_seq_len, host)
         if logits is None:
             return None
@@ -328,7 +344,7 @@ class ModelRunner:
                     index[row] = i
         return index
 
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
+    def sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
         assert self.model is not None
         if inputs.attn_metadata.output_rows is None:  # else hidden holds just those rows
             hidden = hidden.index_select(0, inputs.logits_indices)
@@ -337,63 +353,3 @@ class ModelRunner:
             inputs.sampling_rows, inputs.sampling_positions, self.vocab_size
         )
         return self.sampler(logits, metadata)
-
-    # ------------------------------------------------------------------ speculative decoding
-
-    def _speculative_step(self, plan: StepPlan) -> PendingStep:
-        """Run a step that verifies drafts (or whose requests need new ones) to completion:
-        the target samples after every draft, each request keeps the drafts equal to those
-        samples plus the sample after them, and the proposer drafts its next step."""
-        assert self.model is not None and self.proposer is not None
-        batch, handles = self.input_batch, plan.scheduled
-        step = PendingStep(plan.step_id, [])
-        if not handles:
-            return step
-        rows = np.fromiter((batch.row_of[h] for h in handles), np.int64, len(handles))
-        drafts = dict(zip(handles, plan.spec_token_ids or [[] for _ in handles]))
-        num_drafts = np.array([len(drafts[h]) for h in handles], np.int64)
-        no_pending = np.full(len(rows), -1, np.int64)
-        inputs = self.inputs.build(handles, plan.num_scheduled_tokens, rows, no_pending, num_drafts)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        self.proposer.observe(inputs)
-        if inputs.sampling_handles:
-            output = self._sample(hidden, inputs)
-            step.result = self._accept(plan, inputs, output, drafts)
-        else:
-            step.result = StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
-        return step
-
-    def _accept(
-        self,
-        plan: StepPlan,
-        inputs: StepInputs,
-        output: SamplerOutput,
-        drafts: dict[int, list[int]],
-    ) -> StepResult:
-        """Each sampling request's tokens (accepted drafts, then the target's own), appended to
-        the persistent batch; their logprobs; the next drafts."""
-        batch = self.input_batch
-        sampled, logprobs = output.token_ids.tolist(), output.logprobs
-        tokens: list[int] = []
-        kept_logprobs: list = []
-        counts: list[int] = []
-        start = 0
-        for handle, count in zip(inputs.sampling_handles, inputs.sampling_counts.tolist()):
-            own = sampled[start : start + count]
-            accepted = num_accepted(drafts[handle], own)
-            row = batch.row_of[handle]
-            batch.append_tokens(row, own[: accepted + 1])
-            batch.num_computed_tokens[row] -= len(drafts[handle]) - accepted
-            tokens += own[: accepted + 1]
-            counts.append(accepted + 1)
-            if logprobs is not None:
-                kept_logprobs += logprobs[start : start + accepted + 1]
-            start += count
-        result = StepResult(
-            step_id=plan.step_id, handles=inputs.sampling_handles, sampled_token_ids=tokens,
-            logprobs=kept_logprobs if logprobs is not None else None, num_sampled=counts,
-        )  # fmt: skip
-        if plan.propose:
-            rows = np.fromiter((batch.row_of[h] for h in result.handles), np.int64)
-            result.draft_token_ids = self.proposer.propose(batch, rows)  # type: ignore[union-attr]
-        return result

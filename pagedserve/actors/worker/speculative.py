@@ -85,7 +85,7 @@ class DraftModelProposer:
         self.model: nn.Module = load_model(draft_config, device)
         self.k = spec.num_speculative_tokens
         self.layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = self.model.layer_config.cache_dtype  # its KV cache's element type
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
         self.step = DecodeStep(
             self.model, self.sampled, config.max_num_seqs, config.max_model_len, config.block_size
@@ -110,22 +110,36 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
-        """k greedy decodes of the draft from each row's last token (not yet in any cache)."""
-        drafts = []
-        for i in range(self.k):
-            self._decode(batch, rows, batch.num_tokens[rows] - 1 + i, feed=i > 0)
-            drafts.append(self.sampled[: len(rows)].clone())
+        """k greedy decodes of the draft from each row's last token. The first reads the last
+        two known tokens (the draft never read a fully accepted step's last draft), which also
+        fills the draft's KV where a verify step ran on the decode path."""
+        num_rows, last = len(rows), batch.num_tokens[rows] - 1
+        if 2 * num_rows <= self.step.max_batch:
+            pairs = np.stack([last - 1, last], axis=1).reshape(-1)
+            self._decode(batch, np.repeat(rows, 2), pairs, None)
+            feed = 2 * np.arange(num_rows) + 1  # each pair's second row
+        else:
+            self._decode(batch, rows, last - 1, None)
+            self._decode(batch, rows, last, None)
+            feed = np.arange(num_rows)
+        drafts = [self.sampled[feed].clone()]
+        for i in range(1, self.k):
+            self._decode(batch, rows, last + i, feed)
+            feed = np.arange(num_rows)
+            drafts.append(self.sampled[:num_rows].clone())
         return torch.stack(drafts, dim=1).tolist()
 
-    def _decode(self, batch: InputBatch, rows: np.ndarray, positions: np.ndarray, feed: bool):
-        """One draft decode step at `positions`: the row's known token, or (feed) the draft's
-        previous output; KV past the row's blocks is not written."""
+    def _decode(
+        self, batch: InputBatch, rows: np.ndarray, positions: np.ndarray, feed: np.ndarray | None
+    ) -> None:
+        """One draft decode step at `positions`: the row's known token, or the draft's output
+        at index feed[i] of the previous step; KV past the row's blocks is not written."""
         step, block_size, num_rows = self.step, self.block_size, len(rows)
         size = step.padded_size(num_rows)
         host = step.buffers.staging()
         known = np.minimum(positions, batch.token_capacity - 1)
         host.token_ids[:num_rows] = batch.token_ids[rows, known]
-        host.feed_index[:num_rows] = np.arange(num_rows) if feed else -1
+        host.feed_index[:num_rows] = -1 if feed is None else feed
         host.positions[:num_rows] = positions
         block_index = np.minimum(positions // block_size, batch.num_blocks[rows] - 1)
         blocks = batch.block_table_np[rows, block_index]

@@ -160,9 +160,7 @@ def _build_decode_step(runner: ModelRunner) -> None:
     graph-safe backend (unless enforce_eager); a capture failure is logged and decode steps run
     the same path eagerly."""
     step = runner.decode_step = runner.new_decode_step()
-    graphs_apply = (
-        runner.attention_backend in ("triton", "cuda") and not runner.config.enforce_eager
-    )
+    graphs_apply = runner.attention_backend.graph_safe and not runner.config.enforce_eager
     if runner.device.type != "cuda" or not graphs_apply:
         return
     steps = [step]

@@ -1,0 +1,123 @@
+"""The step of speculative decoding: verify each request's drafts, keep what the target agrees
+with, propose the next drafts. Run to completion (its tokens are on the host when it returns).
+
+A request with d drafts runs 1 + d tokens: its last known token, then the drafts. The target
+samples after each of them; the accepted drafts are the longest prefix equal to those samples
+(speculative.py explains why that is exact), and the sample after the last accepted draft is
+the request's own next token.
+
+When every request of the step sits at its last known token (the usual decode step with
+drafts), the step is a decode step of sum(1 + d) rows: row i of a request is its token at
+position C + i with C + i + 1 keys, so the paged decode kernels give causal attention within
+the drafts (the layer writes every row's k/v before attending) and the step replays a CUDA
+graph like any decode step. Otherwise (prefill chunks in the step) it takes the general path,
+and a draft model reads the step's tokens there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedserve.actors.messages import StepPlan, StepResult, TokenLogprobs
+from pagedserve.actors.worker.speculative import num_accepted
+from pagedserve.actors.worker.step_inputs import check_plan_fits
+
+if TYPE_CHECKING:
+    from pagedserve.actors.worker.model_runner import ModelRunner
+
+# (the requests that sample, how many tokens each samples, the samples, their logprobs)
+Samples = tuple[list[int], list[int], list[int], list[TokenLogprobs | None] | None]
+
+
+def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
+    batch = runner.input_batch
+    result = StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
+    if not plan.scheduled:
+        return result
+    rows = np.fromiter((batch.row_of[h] for h in plan.scheduled), np.int64)
+    drafts = plan.spec_token_ids or [[] for _ in plan.scheduled]
+    num_drafts = np.array([len(d) for d in drafts], np.int64)
+    if _decode_shaped(runner, plan, rows, num_drafts):
+        samples = _verify_as_decode(runner, plan, rows, num_drafts)
+    else:
+        samples = _verify_general(runner, plan, rows, num_drafts)
+    _accept(runner, result, samples, dict(zip(plan.scheduled, drafts)))
+    if plan.propose and result.handles:
+        assert runner.proposer is not None
+        sampling_rows = np.fromiter((batch.row_of[h] for h in result.handles), np.int64)
+        result.draft_token_ids = runner.proposer.propose(batch, sampling_rows)
+    return result
+
+
+def _decode_shaped(
+    runner: ModelRunner, plan: StepPlan, rows: np.ndarray, num_drafts: np.ndarray
+) -> bool:
+    """Every request runs its last known token and its drafts, within the decode graphs."""
+    batch, step = runner.input_batch, runner.decode_step
+    if step is None or int((1 + num_drafts).sum()) > step.max_batch:
+        return False
+    one_each = np.asarray(plan.num_scheduled_tokens) == 1 + num_drafts
+    at_last_token = batch.num_computed_tokens[rows] == batch.num_tokens[rows] - 1
+    return bool(one_each.all() and at_last_token.all())
+
+
+def _verify_as_decode(
+    runner: ModelRunner, plan: StepPlan, rows: np.ndarray, num_drafts: np.ndarray
+) -> Samples:
+    batch = runner.input_batch
+    counts = 1 + num_drafts
+    total = int(counts.sum())
+    within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    computed = batch.num_computed_tokens[rows]
+    positions = np.repeat(computed, counts) + within
+    expanded = np.repeat(rows, counts)
+    known = np.repeat(batch.num_tokens[rows] + num_drafts, counts)
+    check_plan_fits(batch, expanded, positions + 1, known, runner.block_size)
+    batch.num_computed_tokens[rows] = computed + counts
+    decoded = runner.run_decode(expanded, positions, np.full(total, -1, np.int64))
+    assert decoded is not None, "speculative decoding runs without pipeline stages"
+    tokens, logprobs = decoded
+    as_list = None if logprobs is None else logprobs.to_list()
+    return list(plan.scheduled), counts.tolist(), tokens.tolist(), as_list
+
+
+def _verify_general(
+    runner: ModelRunner, plan: StepPlan, rows: np.ndarray, num_drafts: np.ndarray
+) -> Samples:
+    assert runner.model is not None and runner.proposer is not None
+    no_pending = np.full(len(rows), -1, np.int64)
+    inputs = runner.inputs.build(
+        plan.scheduled, plan.num_scheduled_tokens, rows, no_pending, num_drafts
+    )
+    hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+    runner.proposer.observe(inputs)
+    if not inputs.sampling_handles:
+        return [], [], [], None
+    output = runner.sample(hidden, inputs)
+    counts = inputs.sampling_counts.tolist()
+    return inputs.sampling_handles, counts, output.token_ids.tolist(), output.logprobs
+
+
+def _accept(
+    runner: ModelRunner, result: StepResult, samples: Samples, drafts: dict[int, list[int]]
+) -> None:
+    """Each sampling request's tokens (accepted drafts, then the target's own) into the
+    persistent batch and the result; the KV of rejected drafts rolled back."""
+    batch = runner.input_batch
+    handles, counts, sampled, logprobs = samples
+    result.handles = handles
+    result.logprobs = [] if logprobs is not None else None
+    start = 0
+    for handle, count in zip(handles, counts):
+        own = sampled[start : start + count]
+        accepted = num_accepted(drafts[handle], own)
+        row = batch.row_of[handle]
+        batch.append_tokens(row, own[: accepted + 1])
+        batch.num_computed_tokens[row] -= len(drafts[handle]) - accepted
+        result.sampled_token_ids += own[: accepted + 1]
+        result.num_sampled.append(accepted + 1)
+        if logprobs is not None:
+            result.logprobs += logprobs[start : start + accepted + 1]  # type: ignore[operator]
+        start += count

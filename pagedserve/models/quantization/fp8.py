@@ -1,0 +1,95 @@
+"""The FP8 (E4M3) W8A8 linear method (math: kernels.quant_ref).
+
+After loading, a layer holds `qweight` [N, K] float8_e4m3fn and `weight_scale` [N] float32 (per
+output channel; an FP8 checkpoint's per-tensor scales, one per fused part, are spread over that
+part's channels) and, for static activation scales, one host float (the largest of the parts',
+as every part reads the same input).
+
+The product, chosen at construction:
+  * Triton path (CUDA): batches of at most WQ_GEMV_MAX_ROWS rows (decode) through the Triton
+    weight-streaming GEMV on the fp8 weight, the activations kept in bf16/fp16 (W8A16: the
+    weight read is the cost, and quantizing the activations would add launches); larger
+    batches quantize the activations per token (or by the static scale) in one Triton launch
+    and multiply on the FP8 tensor cores (torch._scaled_mm, row-wise scales, bf16/fp16 out).
+  * Otherwise (the CPU): the pure-torch W8A8 reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels import quant_ref
+from pagedserve.kernels.quant_ref import FP8_DTYPE
+from pagedserve.models.layer_config import LayerConfig
+from pagedserve.models.linear import LinearBase
+from pagedserve.models.quantization.config import Fp8Scheme
+from pagedserve.models.weights import VECTOR, ParamLayout, new_parameter, replace_with_buffer
+
+PER_SHARD = ParamLayout(per_shard=True)
+PER_CHANNEL = ParamLayout(output_dim=0, input_dim=None)
+
+
+class Fp8LinearMethod:
+    def __init__(self, scheme: Fp8Scheme, config: LayerConfig) -> None:
+        self.scheme = scheme
+        self.use_triton = config.fused_ops == "triton"
+        self.static_input_scale: float | None = None
+
+    def create_weights(self, layer: LinearBase, bias: bool) -> None:
+        n, k, loader = layer.output_size, layer.input_size, layer.weight_loader
+        dtype = None if self.scheme.source == "float" else FP8_DTYPE  # None: the model's
+        layer.weight = new_parameter(n, k, loader=loader, dtype=dtype)
+        if self.scheme.source == "per_tensor":
+            parts = len(layer.local_output_sizes)
+            layer.weight_scale = new_parameter(
+                parts, loader=loader, dtype=torch.float32, layout=PER_SHARD
+            )
+        elif self.scheme.source == "per_channel":
+            layer.weight_scale = new_parameter(
+                n, 1, loader=loader, dtype=torch.float32, layout=PER_CHANNEL
+            )
+        if self.scheme.static_input:
+            parts = len(layer.local_output_sizes)
+            layer.input_scale = new_parameter(
+                parts, loader=loader, dtype=torch.float32, layout=PER_SHARD
+            )
+        layer.bias = new_parameter(n, loader=loader, layout=VECTOR) if bias else None
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if self.scheme.source == "float":
+            qweight, scale = quant_ref.quantize_fp8_rows(layer.weight.data)
+            scale = scale.squeeze(1)
+        else:
+            qweight, scale = layer.weight.data, self._channel_scales(layer)
+        replace_with_buffer(layer, "weight", None)
+        layer.register_buffer("qweight", qweight.contiguous())
+        if hasattr(layer, "weight_scale"):
+            delattr(layer, "weight_scale")
+        layer.register_buffer("weight_scale", scale.float().contiguous())
+        if self.scheme.static_input:
+            self.static_input_scale = float(layer.input_scale.data.max())
+            replace_with_buffer(layer, "input_scale", None)
+
+    def _channel_scales(self, layer: LinearBase) -> torch.Tensor:
+        scale = layer.weight_scale.data
+        if self.scheme.source == "per_channel":
+            return scale.reshape(-1)
+        sizes = torch.tensor(layer.local_output_sizes, device=scale.device)
+        return scale.repeat_interleave(sizes)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qweight, scale = layer.qweight, layer.weight_scale
+        if not self.use_triton:
+            return quant_ref.fp8_linear(x, qweight, scale, bias, self.static_input_scale)
+        from pagedserve.kernels import triton_quant
+
+        rows = x.numel() // x.shape[-1]
+        if rows <= triton_quant.WQ_GEMV_MAX_ROWS:
+            return triton_quant.fp8_weight_gemv(x, qweight, scale, bias)
+        xq, x_scale = triton_quant.quantize_fp8_rows(x, self.static_input_scale)
+        out = torch._scaled_mm(
+            xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype
+        )
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], qweight.shape[0])

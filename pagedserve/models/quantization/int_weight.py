@@ -1,0 +1,169 @@
+"""The weight-only integer linear method (W4A16 / W8A16; math and layout: kernels.quant_ref).
+
+The layer's parameters are the checkpoint's (formats.py: GPTQ, AWQ, compressed-tensors) or a
+float weight quantized after loading (int8; dummy weights of any integer scheme). After
+loading it holds the engine's layout as buffers: `qweight`, `scales`, `zeros` and `perm`
+(act-order only, else None).
+
+The product, chosen at construction:
+  * Triton path (CUDA): batches of at most WQ_GEMV_MAX_ROWS rows (decode) through the
+    dequantize-in-the-GEMV kernel (the weight read once, in its packed form); larger batches
+    dequantize the weight to the activations' dtype (one Triton launch) for a cuBLAS matmul.
+  * Otherwise (the CPU): the pure-torch reference (dequantize, F.linear).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import quant_ref
+from pagedserve.kernels.quant_ref import IntWeight
+from pagedserve.models.layer_config import LayerConfig
+from pagedserve.models.linear import LinearBase, RowParallelLinear
+from pagedserve.models.quantization import formats
+from pagedserve.models.quantization.config import IntScheme, QuantizationError
+from pagedserve.models.weights import VECTOR, ParamLayout, new_parameter, replace_with_buffer
+
+# each source's parameters: name -> (shape, dtype, layout) for a layer, made by _param_specs
+ParamSpecs = dict[str, tuple[tuple[int, ...], torch.dtype | None, ParamLayout]]
+_SOURCE_PARAMS = {
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx"),
+    "float": ("weight",),
+}
+
+
+class IntWeightLinearMethod:
+    def __init__(self, scheme: IntScheme, config: LayerConfig) -> None:
+        self.scheme = scheme
+        self.use_triton = config.fused_ops == "triton"
+        self.dtype = config.dtype
+        self.group_size = 0  # per layer, set by create_weights
+
+    def create_weights(self, layer: LinearBase, bias: bool) -> None:
+        self.group_size = self._layer_group_size(layer)
+        for name, (shape, dtype, layout) in self._param_specs(layer).items():
+            optional = name in ("g_idx", "weight_g_idx") and not self.scheme.act_order
+            param = new_parameter(
+                *shape, loader=layer.weight_loader, dtype=dtype, layout=layout, optional=optional
+            )
+            if optional:
+                param.data.zero_()
+            layer.register_parameter(name, param)
+        layer.bias = new_parameter(layer.output_size, loader=layer.weight_loader, layout=VECTOR) \
+            if bias else None  # fmt: skip
+
+    def _layer_group_size(self, layer: LinearBase) -> int:
+        """Input channels a group: the scheme's; per channel for -1 (and for a float weight
+        whose input size the scheme's groups do not divide)."""
+        k, group = layer.input_size, self.scheme.group_size
+        if group <= 0 or (self.scheme.source == "float" and k % group):
+            return k
+        if k % group:
+            raise QuantizationError(f"group size {group} does not divide the input size {k}")
+        if self.scheme.act_order and isinstance(layer, RowParallelLinear) and layer.tp.size > 1:
+            raise QuantizationError("act-order (g_idx) with tensor parallelism is not supported")
+        return group
+
+    def _param_specs(self, layer: LinearBase) -> ParamSpecs:
+        """The checkpoint's parameters of this layer (none but a float weight for "float")."""
+        if self.scheme.source == "float":
+            return {"weight": ((layer.output_size, layer.input_size), None, ParamLayout())}
+        shapes = _Shapes(layer, self.scheme.bits, self.group_size, self.scheme.group_size <= 0)
+        if self.scheme.source == "gptq":
+            return _gptq_params(shapes)
+        if self.scheme.source == "awq":
+            return _awq_params(shapes)
+        return _compressed_tensors_params(shapes, self.scheme.symmetric)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        weight = self._int_weight(layer)
+        for name in _SOURCE_PARAMS[self.scheme.source]:
+            if hasattr(layer, name):
+                replace_with_buffer(layer, name, None)
+        layer.register_buffer("qweight", weight.qweight)
+        layer.register_buffer("scales", weight.scales)
+        layer.register_buffer("zeros", weight.zeros)
+        layer.register_buffer("perm", weight.perm)
+
+    def _int_weight(self, layer: LinearBase) -> IntWeight:
+        scheme, group, dtype = self.scheme, self.group_size, self.dtype
+        p = {name: getattr(layer, name).data for name in _SOURCE_PARAMS[scheme.source]
+             if hasattr(layer, name)}  # fmt: skip
+        if scheme.source == "float":
+            return quant_ref.quantize_int_weight(p["weight"], scheme.bits, group, scheme.symmetric)
+        if scheme.source == "gptq":
+            return formats.from_gptq(p["qweight"], p["qzeros"], p["scales"], p["g_idx"], scheme,
+                                     group, dtype)  # fmt: skip
+        if scheme.source == "awq":
+            return formats.from_awq(p["qweight"], p["qzeros"], p["scales"], scheme, group, dtype)
+        return formats.from_compressed_tensors(
+            p["weight_packed"], p["weight_scale"], p.get("weight_zero_point"),
+            p["weight_g_idx"], scheme, group, dtype,
+        )  # fmt: skip
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight = IntWeight(layer.qweight, layer.scales, layer.zeros, self.scheme.bits,
+                           self.group_size, layer.perm)  # fmt: skip
+        if not self.use_triton:
+            return quant_ref.int_linear(x, weight, bias)
+        from pagedserve.kernels import triton_quant
+
+        if x.numel() <= triton_quant.WQ_GEMV_MAX_ROWS * x.shape[-1]:
+            return triton_quant.int_weight_gemv(x, weight, bias)
+        if weight.perm is not None:
+            x = x.index_select(-1, weight.perm)
+        return F.linear(x, triton_quant.dequantize(weight, x.dtype), bias)
+
+
+class _Shapes:
+    """A layer's sizes as the packed layouts need them."""
+
+    def __init__(self, layer: LinearBase, bits: int, group_size: int, per_channel: bool) -> None:
+        self.n, self.k, self.group = layer.output_size, layer.input_size, group_size
+        self.per_word = 32 // bits
+        self.groups = self.k // group_size
+        # the dim of group scales / zeros along K is sliced by a row-parallel layer's rank,
+        # unless the scheme is per channel (the checkpoint holds one group for all of K)
+        self.groups_sliced = not (per_channel and isinstance(layer, RowParallelLinear))
+
+
+def _gptq_params(s: _Shapes) -> ParamSpecs:
+    along_k = 0 if s.groups_sliced else None
+    i32 = torch.int32
+    return {
+        "qweight": ((s.k // s.per_word, s.n), i32, ParamLayout(1, 0, 1, s.per_word)),
+        "qzeros": (
+            (s.groups, s.n // s.per_word),
+            i32,
+            ParamLayout(1, along_k, s.per_word, s.group),
+        ),
+        "scales": ((s.groups, s.n), None, ParamLayout(1, along_k, 1, s.group)),
+        "g_idx": ((s.k,), i32, ParamLayout(output_dim=None, input_dim=0)),
+    }
+
+
+def _awq_params(s: _Shapes) -> ParamSpecs:
+    along_k = 0 if s.groups_sliced else None
+    i32 = torch.int32
+    return {
+        "qweight": ((s.k, s.n // 8), i32, ParamLayout(1, 0, 8, 1)),
+        "qzeros": ((s.groups, s.n // 8), i32, ParamLayout(1, along_k, 8, s.group)),
+        "scales": ((s.groups, s.n), None, ParamLayout(1, along_k, 1, s.group)),
+    }
+
+
+def _compressed_tensors_params(s: _Shapes, symmetric: bool) -> ParamSpecs:
+    along_k = 1 if s.groups_sliced else None
+    i32 = torch.int32
+    specs: ParamSpecs = {
+        "weight_packed": ((s.n, s.k // s.per_word), i32, ParamLayout(0, 1, 1, s.per_word)),
+        "weight_scale": ((s.n, s.groups), None, ParamLayout(0, along_k, 1, s.group)),
+        "weight_g_idx": ((s.k,), i32, ParamLayout(output_dim=None, input_dim=0)),
+    }
+    if not symmetric:
+        zero_layout = ParamLayout(0, along_k, s.per_word, s.group)
+        specs["weight_zero_point"] = ((s.n // s.per_word, s.groups), i32, zero_layout)
+    return specs

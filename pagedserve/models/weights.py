@@ -1,0 +1,115 @@
+"""Parameters filled from a checkpoint: how a parameter's dims map onto its layer's output and
+input channels, so that one loader slices any tensor of a layer (a float weight, packed integer
+codes, group scales, per-shard fp8 scales) for its tensor-parallel shard and fused part.
+
+A layer loads a checkpoint tensor into a parameter through `load_shard(param, loaded, output,
+input)`: `output` says where the tensor's output channels go in this rank's parameter (a fused
+layer's part: q, k or v of qkv_proj, gate or up of gate_up_proj) and where they start in the
+checkpoint tensor; `input` says which input channels this rank keeps (row-parallel layers).
+`ParamLayout` tells which dim indexes those channels and how many channels one index covers
+(8 for 4-bit codes packed along it, the group size for per-group scales).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    output_dim: int | None = 0  # the dim indexing output channels (None: not along them)
+    input_dim: int | None = 1  # the dim indexing input channels (None: not along them)
+    outputs_per_index: int = 1  # output channels one index along output_dim covers
+    inputs_per_index: int = 1  # input channels one index along input_dim covers
+    per_shard: bool = False  # one value per fused part (fp8 per-tensor scales): [num_shards]
+
+
+MATRIX = ParamLayout()  # a float weight [output channels, input channels]
+VECTOR = ParamLayout(output_dim=0, input_dim=None)  # a bias: one value an output channel
+
+
+@dataclass(frozen=True)
+class OutputShard:
+    """A loaded tensor's output channels: `size` of them, from `source_start` in the checkpoint
+    tensor to `start` in this rank's parameter; `index`: the fused part they are."""
+
+    start: int
+    source_start: int
+    size: int
+    index: int = 0
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, loaded {tuple(loaded.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+def new_parameter(
+    *shape: int,
+    loader: Callable[..., None],
+    dtype: torch.dtype | None = None,
+    layout: ParamLayout = MATRIX,
+    optional: bool = False,
+) -> nn.Parameter:
+    """An uninitialised frozen parameter (default dtype and device unless given) filled by
+    `loader(param, checkpoint_tensor[, shard_id])`; optional: a checkpoint may leave it out
+    (it keeps the value it is given here)."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.shard_layout = layout  # type: ignore[attr-defined]
+    param.optional = optional  # type: ignore[attr-defined]
+    return param
+
+
+def load_shard(
+    param: nn.Parameter,
+    loaded: torch.Tensor,
+    output: OutputShard | None,
+    input_range: tuple[int, int] | None,
+) -> None:
+    """Copy this rank's part of `loaded` into `param` (see the module doc). output None: all
+    output channels; input_range (start, size) None: all input channels."""
+    layout: ParamLayout = param.shard_layout  # type: ignore[attr-defined]
+    if layout.per_shard:
+        index = 0 if output is None else output.index
+        default_weight_loader(param.data[index], loaded.reshape(()))
+        return
+    target, source = param.data, loaded
+    if output is not None and layout.output_dim is not None:
+        dim, per = layout.output_dim, layout.outputs_per_index
+        target = target.narrow(dim, divide(output.start, per), divide(output.size, per))
+        source = source.narrow(dim, divide(output.source_start, per), divide(output.size, per))
+    if input_range is not None and layout.input_dim is not None:
+        dim, per = layout.input_dim, layout.inputs_per_index
+        start, size = input_range
+        source = source.narrow(dim, divide(start, per), divide(size, per))
+    if layout.output_dim is None and output is not None:  # one tensor every fused part shares
+        parts: set[int] = param.__dict__.setdefault("loaded_parts", set())
+        if parts and not torch.equal(target, source.to(target.dtype)):
+            raise ValueError(
+                f"the parts of a fused layer disagree on a tensor they share ({tuple(target.shape)}"
+                ", per input channel: act-order g_idx?)"
+            )
+        parts.add(output.index)
+    default_weight_loader(target, source)
+
+
+def replace_with_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    """Drop the parameter `name` (a checkpoint's form of a weight) and keep `tensor` (the
+    engine's form) as a buffer of that name; None drops it only."""
+    delattr(module, name)
+    if tensor is not None:
+        module.register_buffer(name, tensor)

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Serving under load through `pagedserve serve` with a real tokenizer (issue 16's benchmark).
+
+Starts `pagedserve serve` on Qwen3-0.6B shapes (dummy weights) with the tokenizer of
+scripts/gpu/make_tokenizer.py (a real byte-level BPE tokenizer at Qwen3's vocabulary size: the
+tokenizer and detokenizer actors do their real work), waits for /health, then sends 1,000
+streamed requests of 512 input / 256 output tokens at once (`pagedserve bench serve`'s client,
+ignore_eos) and prints TTFT / TPOT / ITL percentiles and the output throughput.
+
+    python scripts/gpu/bench_serve_load.py --out FILE [--num-prompts 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+
+from make_tokenizer import build  # noqa: E402
+
+from pagedserve.api import bench, bench_serve  # noqa: E402
+
+QWEN = ROOT / "scripts" / "gpu" / "configs" / "qwen3-0.6b"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, server: subprocess.Popen, timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the server did not become healthy")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    args = parser.parse_args()
+    model_dir = build(QWEN, Path(tempfile.mkdtemp()) / "qwen3-0.6b-served")
+    port = free_port()
+    command = [sys.executable, "-m", "pagedserve.api.cli", "serve", str(model_dir), "--port",
+               str(port), "--load-format", "dummy", "--max-model-len", "2048",
+               "--served-model-name", "qwen3", "--generation-config", "vllm",
+               "--max-num-seqs", "256"]  # fmt: skip
+    server = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        ready_s = wait_healthy(base, server, 300)
+        lengths = (args.input_len, args.input_len), (args.output_len, args.output_len)
+        warm = bench.random_workload(16, *lengths, 4096, seed=1)
+        anyio.run(bench_serve.run, base, "qwen3", warm, float("inf"))
+        workload = bench.random_workload(args.num_prompts, *lengths, 4096, seed=0)
+        result = anyio.run(bench_serve.run, base, "qwen3", workload, float("inf"))
+    finally:
+        server.terminate()
+        server.wait(60)
+    lines = [
+        f"## Serving load, {datetime.datetime.now():%Y-%m-%d %H:%M} (issue 16)",
+        "",
+        f"`pagedserve serve` Qwen3-0.6B shapes (bf16, dummy weights), real BPE tokenizer at "
+        f"151,936 tokens; {args.num_prompts} requests of {args.input_len} in / "
+        f"{args.output_len} out sent at once, streamed, ignore_eos; server ready in "
+        f"{ready_s:.1f} s.",
+        "",
+        "| completed | failed | duration s | output tok/s | req/s | TTFT p50 / p99 ms | "
+        "TPOT p50 / p99 ms | ITL p50 / p99 ms |",
+        "|---:|---:|---:|---:|---:|---|---|---|",
+        f"| {result['completed']} | {result['failed']} | {result['duration_s']:.1f} | "
+        f"{result['output_throughput']:.0f} | {result['request_throughput']:.2f} | "
+        f"{result['ttft']['median_ms']:.0f} / {result['ttft']['p99_ms']:.0f} | "
+        f"{result['tpot']['median_ms']:.1f} / {result['tpot']['p99_ms']:.1f} | "
+        f"{result['itl']['median_ms']:.1f} / {result['itl']['p99_ms']:.1f} |",
+        "",
+        "```json",
+        json.dumps(result, indent=1),
+        "```",
+    ]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:8]))
+
+
+if __name__ == "__main__":
+    main()

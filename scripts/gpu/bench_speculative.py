@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Speculative decoding on the H200 (issue 12): train the ~94M target, then time it.
+
+1. Trains `scripts/train_tiny_model.py train --preset target` on the Shakespeare data of
+   `prepare` (carried in --data), time-limited, into a model directory with the embedded
+   model's tokenizer; the embedded 4M model is its draft.
+2. Batch 1, greedy, 256 output tokens per Shakespeare prompt: time per output token (streamed
+   through the ZeroMQ client, (last - first) / (tokens - 1)) without speculation and with the
+   draft model at several k; n-gram on copy-heavy prompts (a passage, then its first line
+   again) against no speculation on the same prompts. Acceptance rates from the engine.
+3. Batch 64: output tokens/s without speculation, with each method, and with speculation
+   switched off for large batches (disable_by_batch_size).
+
+    python scripts/gpu/bench_speculative.py --data .gpu_data/data --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.api.bench import spec_decode_summary  # noqa: E402
+from pagedserve.api.client import Client  # noqa: E402
+
+DRAFT = "pagedserve/tiny-shakespeare"
+PROMPTS = [
+    "ROMEO:\nBut soft, what light through yonder window breaks?",
+    "KING HENRY V:\nOnce more unto the breach, dear friends, once more;",
+    "HAMLET:\nTo be, or not to be, that is the question:",
+    "MACBETH:\nTomorrow, and tomorrow, and tomorrow,",
+    "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
+]
+PASSAGE = (
+    "Friends, Romans, countrymen, lend me your ears;\nI come to bury Caesar, not to praise him.\n"
+    "The evil that men do lives after them;\nThe good is oft interred with their bones;\n"
+    "So let it be with Caesar. The noble Brutus\nHath told you Caesar was ambitious:\n"
+)
+COPY_PROMPTS = [PASSAGE + "\n" + PASSAGE.split("\n")[0] + "\n" + PASSAGE.split("\n")[1][:12]]
+
+
+def train_target(data: str, out: Path, time_limit: int) -> dict:
+    command = [sys.executable, str(ROOT / "scripts" / "train_tiny_model.py"), "train",
+               "--preset", "target", "--data", data, "--out", str(out), "--device", "cuda",
+               "--steps", "1500", "--batch", "32", "--seq-len", "512", "--lr", "1e-3",
+               "--eval-every", "100", "--time-limit", str(time_limit),
+               "--deterministic"]  # fmt: skip
+    start = time.time()
+    subprocess.run(command, check=True)
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["train_wall_s"] = round(time.time() - start, 1)
+    return {k: v for k, v in metrics.items() if k != "history"}
+
+
+def time_per_token(llm: LLM, prompts: list[str], max_tokens: int) -> float:
+    """Median over prompts of (last - first token arrival) / (tokens - 1), batch 1."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    per_token = []
+    with Client(llm.supervisor.addresses.engine_address) as client:
+        for prompt in prompts:
+            stamps, count = [], 0
+            for delta in client.generate(prompt, params):
+                stamps.append(time.perf_counter())
+                count += len(delta.token_ids)
+            per_token.append((stamps[-1] - stamps[0]) / (count - 1))
+    return median(per_token)
+
+
+def throughput(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+    start = time.perf_counter()
+    outputs = llm.generate(batch_prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def run_config(target: str, name: str, spec: dict | None, prompts: list[str]) -> dict:
+    extra = {} if spec is None else {"speculative_config": spec}
+    with LLM(target, max_model_len=1024, **extra) as llm:
+        time_per_token(llm, prompts[:1], 32)  # warm-up: kernels, graphs
+        before = llm.get_stats()
+        ms = time_per_token(llm, prompts, 256) * 1e3
+        after = llm.get_stats()
+        tok_s = throughput(llm, prompts, 64, 256)
+    gc.collect()
+    torch.cuda.empty_cache()
+    row = {"config": name, "batch1_ms_per_token": round(ms, 3), "batch64_tok_s": round(tok_s)}
+    if spec is not None:
+        row |= spec_decode_summary(before, after)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", required=True, help="what `train_tiny_model.py prepare` wrote")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--train-seconds", type=int, default=150)
+    parser.add_argument("--smoke", action="store_true", help="the embedded model, untrained")
+    parser.add_argument("--quick", action="store_true", help="without draft k=5")
+    args = parser.parse_args()
+    target = Path("/tmp/target-94m")
+    if args.smoke:
+        target, training = Path(ROOT / "pagedserve" / "assets" / "tiny-shakespeare"), {}
+    else:
+        shutil.rmtree(target, ignore_errors=True)
+        training = train_target(args.data, target, args.train_seconds)
+    print(json.dumps(training), flush=True)
+    draft = lambda k: {"model": DRAFT, "num_speculative_tokens": k}  # noqa: E731
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+             "prompt_lookup_min": 2}  # fmt: skip
+    configs = [
+        ("no speculation", None, PROMPTS),
+        ("draft k=3", draft(3), PROMPTS),
+        ("draft k=5", draft(5), PROMPTS),
+        ("draft k=3, off above batch 16", draft(3) | {"disable_by_batch_size": 16}, PROMPTS),
+        ("no speculation, copy prompts", None, COPY_PROMPTS),
+        ("ngram k=4, copy prompts", ngram, COPY_PROMPTS),
+        ("ngram k=4, off above batch 16, copy", ngram | {"disable_by_batch_size": 16},
+         COPY_PROMPTS),
+    ]  # fmt: skip
+    if args.smoke:
+        configs = [configs[0], configs[1], configs[5]]
+    elif args.quick:  # one of each kind, for a short device budget
+        configs = [configs[0], configs[1], configs[3], configs[4], configs[5], configs[6]]
+    rows = [run_config(str(target), name, spec, prompts) for name, spec, prompts in configs]
+    header = ["config", "batch1_ms_per_token", "batch64_tok_s", "acceptance_rate",
+              "mean_accepted_length", "num_draft_tokens", "num_accepted_tokens"]  # fmt: skip
+    lines = [
+        f"## Speculative decoding, {datetime.datetime.now():%Y-%m-%d %H:%M} (issue 12)",
+        "",
+        f"Target: the `--preset target` Llama ({training.get('params', 0) / 1e6:.1f}M "
+        f"parameters, best val loss {training.get('best_val_loss')}, "
+        f"{training.get('steps_run')} steps in {training.get('wall_s')} s), bf16; draft: the "
+        "embedded 4M model. Batch 1: greedy, 256 tokens, median over the prompts; batch 64: "
+        "64 x 256 tokens.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    lines += ["| " + " | ".join(str(r.get(h, "")) for h in header) + " |" for r in rows]
+    lines += ["", "```json", json.dumps({"training": training, "rows": rows}, indent=1), "```"]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[: 6 + len(rows)]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Detokenizer alone: engine steps per second and latency with N streams, tokens in to text out.
+
+The detokenizer actor runs as in the engine; the profiler is its scheduler (a PUSH to its
+inbox: one EngineOutputs with N routes, then one frame a step with a token for every stream)
+and its client (a DEALER to its ROUTER, which receives one DeltaBatch a step).
+
+    python scripts/profile/detokenizer.py --streams 1 64 256 --steps 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import anyio
+from harness import SoloActor, encode, latency_cells, percentiles, row
+
+from pagedserve.actors import bus
+from pagedserve.actors.messages import (
+    DetokenizerInbound,
+    EngineOutputs,
+    Hello,
+    RequestOutput,
+    Route,
+    SamplingParams,
+)
+from pagedserve.config import EngineConfig
+
+IDENTITY = b"profile-client"
+
+
+async def measure(actor: SoloActor, streams: int, steps: int) -> dict[str, float]:
+    ctx = actor.peer_context()
+    scheduler: bus.Sender[DetokenizerInbound] = bus.Sender(ctx, actor.addresses.detokenizer_inbox)
+    client = bus.dealer_socket(ctx, actor.addresses.outputs, IDENTITY)
+    await client.send(encode(Hello()))
+    await client.recv()  # Welcome: the ROUTER knows this client now
+    sampling = SamplingParams(max_tokens=steps + 1, stop=["zzzz"])
+    handles = list(range(streams))
+    routes = [Route(h, IDENTITY, h, [10, 11, 12], sampling, []) for h in handles]
+    await scheduler.send(EngineOutputs(routes=routes))
+    samples = []
+    start = time.perf_counter()
+    for step in range(steps):
+        token = 100 + step % 200
+        outputs = [RequestOutput(h, [token], None, None, None, 0) for h in handles]
+        sent = time.perf_counter()
+        await scheduler.send(EngineOutputs(outputs=outputs))
+        await client.recv()
+        samples.append(time.perf_counter() - sent)
+    elapsed = time.perf_counter() - start
+    ctx.destroy(linger=0)
+    return {"steps_per_s": steps / elapsed, "tokens_per_s": steps * streams / elapsed,
+            **percentiles(samples)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--steps", type=int, default=500)
+    args = parser.parse_args()
+    actor = SoloActor("detokenizer", EngineConfig())
+    try:
+        print(row(["streams", "steps/s", "tokens/s", "step latency µs p50", "p90", "p99"]))
+        print(row(["---:"] * 6))
+        for streams in args.streams:
+            r = anyio.run(measure, actor, streams, args.steps)
+            rates = [f"{r['steps_per_s']:.0f}", f"{r['tokens_per_s']:.0f}"]
+            print(row([streams, *rates, *latency_cells(r)]))
+    finally:
+        actor.close()
+
+
+if __name__ == "__main__":
+    main()
