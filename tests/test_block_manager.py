@@ -49,13 +49,14 @@ def test_shared_prefix_refcounts_then_freed_to_zero() -> None:
     r2 = make_request(list(range(8)) + [99, 98, 97], 4)
     hit = admit(bm, r2)
     assert hit == r1.block_table[:2]
-    assert [bm.ref_count(b) for b in hit] == [2, 2]
-    assert bm.ref_count(r1.block_table[2]) == 1 and bm.ref_count(r2.block_table[2]) == 1
+    assert [bm.blocks[b].ref_count for b in hit] == [2, 2]
+    assert bm.blocks[r1.block_table[2]].ref_count == 1
+    assert bm.blocks[r2.block_table[2]].ref_count == 1
     assert bm.num_free_blocks == 8 - 4
     bm.deallocate(r1)
-    assert [bm.ref_count(b) for b in hit] == [1, 1]
+    assert [bm.blocks[b].ref_count for b in hit] == [1, 1]
     bm.deallocate(r2)
-    assert all(bm.ref_count(b) == 0 for b in range(8))
+    assert all(bm.blocks[b].ref_count == 0 for b in range(8))
     assert bm.num_free_blocks == 8 and bm.usage == 0.0
 
 
@@ -75,7 +76,7 @@ def test_lru_eviction_reuses_oldest_freed_block_and_drops_its_hash() -> None:
     r3 = make_request([42, 43])
     bm.allocate(r3, [], 2)
     assert r3.block_table == [1]
-    assert bm.block_hash(1) is None
+    assert bm.blocks[1].hash is None
     assert bm.find_cached_prefix(make_request([1, 2, 3, 4, 0])) == [0]  # chain now ends early
     assert bm.find_cached_prefix(make_request([6, 7, 8, 9, 0])) == [2, 3]
 
@@ -92,7 +93,7 @@ def test_hit_on_free_cached_block_revives_it() -> None:
     assert not bm.can_allocate(cached, 7)
     bm.allocate(r2, cached, 5)
     assert r2.block_table[:2] == [0, 1] and bm.num_free_blocks == 0
-    assert bm.block_hash(0) is not None  # revived blocks keep their hash
+    assert bm.blocks[0].hash is not None  # revived blocks keep their hash
 
 
 def test_hit_never_covers_the_whole_prompt() -> None:
@@ -111,11 +112,11 @@ def test_only_blocks_of_known_tokens_are_cached() -> None:
     req.num_computed_tokens = 4
     req.inflight_steps = deque([0])
     bm.cache_full_blocks(req)
-    assert bm.block_hash(req.block_table[0]) is None and req.block_hashes == []
+    assert bm.blocks[req.block_table[0]].hash is None and req.block_hashes == []
     req.inflight_steps.popleft()
     req.token_ids.append(4)  # the token arrives
     bm.cache_full_blocks(req)
-    assert bm.block_hash(req.block_table[0]) == hash_block(b"", [1, 2, 3, 4])
+    assert bm.blocks[req.block_table[0]].hash == hash_block(b"", [1, 2, 3, 4])
 
 
 def test_duplicate_block_is_not_registered_twice() -> None:
@@ -127,7 +128,7 @@ def test_duplicate_block_is_not_registered_twice() -> None:
         req.num_computed_tokens = 3
         bm.cache_full_blocks(req)
     assert bm.cached == {a.block_hashes[0]: a.block_table[0]}
-    assert bm.block_hash(b.block_table[0]) is None
+    assert bm.blocks[b.block_table[0]].hash is None
     bm.deallocate(a)
     bm.deallocate(b)
     assert bm.num_free_blocks == 4

@@ -221,7 +221,7 @@ def run_engine(
     results: dict[str, Collected] = {}
     pending: deque[StepResult] = deque()
     tick = 0
-    while arrivals or sched.has_unfinished():
+    while arrivals or sched.requests:
         while arrivals and arrivals[0][0] <= tick:
             admit(sched, arrivals.pop(0)[1])
         collect(sched, results, abort(sched, (aborts or {}).get(tick, [])))
@@ -237,7 +237,7 @@ def run_engine(
         if pending and (plan is None or (rng is not None and rng.random() < 0.3)):
             collect(sched, results, sched.update_from_result(pending.popleft()))
         elif plan is None:
-            assert arrivals or not sched.has_unfinished(), "deadlock: nothing to run or wait for"
+            assert arrivals or not sched.requests, "deadlock: nothing to run or wait for"
         tick += 1
         assert tick < 100_000
     for result in pending:  # results of requests finished meanwhile are ignored
@@ -352,7 +352,7 @@ def test_prefix_cache_hit_for_a_shared_prefix() -> None:
     assert plan_b.num_scheduled_tokens[plan_b.scheduled.index(new_b.handle)] == 2
     a, b = sched.requests[handle_of(sched, "a")], sched.requests[new_b.handle]
     assert b.block_table[:4] == a.block_table[:4]
-    assert all(sched.block_manager.ref_count(x) == 2 for x in a.block_table[:4])
+    assert all(sched.block_manager.blocks[x].ref_count == 2 for x in a.block_table[:4])
     stats = sched.stats()
     assert stats.prefix_cache_queries == 19 + 18 and stats.prefix_cache_hits == 16
 

@@ -145,12 +145,6 @@ class BlockManager:
 
     # ------------------------------------------------------------------ helpers
 
-    def ref_count(self, block_id: int) -> int:
-        return self.blocks[block_id].ref_count
-
-    def block_hash(self, block_id: int) -> bytes | None:
-        return self.blocks[block_id].hash
-
     def _compute_hashes(self, req: Request, num_blocks: int) -> None:
         bs = self.block_size
         assert num_blocks * bs <= req.num_tokens, "only blocks of known tokens can be hashed"

@@ -77,10 +77,6 @@ class Request:
         """The tokens the worker will know when it runs the next plan."""
         return len(self.token_ids) + len(self.inflight_steps)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def route(self) -> Route:
         """The detokenizer's view of the request, with every output token so far."""
         return Route(

@@ -112,9 +112,6 @@ class Scheduler:
             if req is not None:
                 self._finish(req, FinishReason.STOP)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
     def stats(self) -> SchedulerStats:
         return msgspec.structs.replace(
             self.counters,
