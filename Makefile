@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 ninja "setuptools>=77"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,ray]"
 	touch $@
 
 # the kernels again after csrc/ changes (prints what it built or skipped, and why)

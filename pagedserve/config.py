@@ -14,6 +14,8 @@ from pathlib import Path
 
 import msgspec
 
+from pagedserve.layout import check_layout
+
 DEFAULT_MODEL = "pagedserve/tiny-shakespeare"
 # vLLM's names (models/quantization/config.py says what each means)
 QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors", "int8")
@@ -89,6 +91,20 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+class NetworkConfig(msgspec.Struct, kw_only=True):
+    """Where the sockets of an engine spread over machines live (the supervisor fills it in
+    for the Ray executor; actors/network.py is the one place that reads it): every bound
+    socket is on tcp://host:base_port + k (bus.Addresses), torch.distributed's rendezvous
+    store on tcp://host:rendezvous_port. `host` is the machine that runs the supervisor."""
+
+    host: str
+    base_port: int
+    rendezvous_port: int
+
+
 class SupervisionConfig(msgspec.Struct, kw_only=True):
     """How the supervisor watches and restarts actors (actors/supervisor.py)."""
 
@@ -134,6 +150,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto (cuda on a GPU, else torch) | torch | triton | cuda
     tensor_parallel_size: int = 1
+    # Pipeline stages (a TP x PP grid of workers: see layout.py) and, for uneven splits, the
+    # decoder layers of each stage (None: as even as possible)
+    pipeline_parallel_size: int = 1
+    pipeline_layer_partition: list[int] | None = None
+    # Where the workers run: mp (processes on this machine) or ray (Ray actors across the
+    # machines of an existing Ray cluster; `pip install pagedserve[ray]`)
+    distributed_executor_backend: str = "mp"
+    # Deadline of one collective or transfer between workers: a dead or hung rank ends the
+    # step with an error, never a wait without end
+    collective_timeout_s: float = 300.0
+    network: NetworkConfig | None = None  # set by the supervisor (Ray); None: ipc sockets
     # Plans at the workers at once: 1 = no overlap; 2 = the scheduler plans step N+1 while N
     # runs; 3 = also the worker launches N+1 on the device before N's tokens reach the host.
     max_inflight_steps: int = 3
@@ -169,6 +196,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("max_num_batched_tokens must be positive")
         if self.tensor_parallel_size <= 0:
             raise ValueError("tensor_parallel_size must be positive")
+        if self.pipeline_parallel_size <= 0:
+            raise ValueError("pipeline_parallel_size must be positive")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.collective_timeout_s <= 0:
+            raise ValueError("collective_timeout_s must be positive")
         if self.max_inflight_steps not in (1, 2, 3):
             raise ValueError("max_inflight_steps must be 1, 2 or 3")
         if self.load_format not in ("auto", "safetensors", "dummy"):
@@ -183,6 +219,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; expected one of "
                 f"{', '.join(KV_CACHE_DTYPES)}"
             )
+
+    @property
+    def world_size(self) -> int:
+        """Workers: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def model_path(self) -> str:
@@ -205,6 +246,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         backend = self.attention_backend
         if backend == "auto":  # the CUDA C++ decode kernel measured fastest on an H200
             backend = "cuda" if device == "cuda" else "torch"
+        local_gpus = device == "cuda" and self.distributed_executor_backend == "mp"
+        check_layout(self, hf, _cuda_device_count() if local_gpus else None)
         return msgspec.structs.replace(
             self,
             max_model_len=max_len,
@@ -233,6 +276,12 @@ def check_draft_model(spec: SpeculativeConfig, target_hf_config: dict) -> None:
             f"tokens, the target {target_hf_config.get('vocab_size')}: a draft must share the "
             "target's tokenizer"
         )
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _cuda_available() -> bool:

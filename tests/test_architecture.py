@@ -30,6 +30,14 @@ def test_the_worker_imports_nothing_of_the_scheduler() -> None:
     assert not any(m.startswith("pagedserve.actors.scheduler") for m in loaded)
 
 
+def test_single_machine_use_never_imports_ray() -> None:
+    """Ray is an optional extra: only distributed_executor_backend="ray" imports it."""
+    loaded = imported_modules("pagedserve.api.llm") | imported_modules("pagedserve.api.cli")
+    loaded |= imported_modules("pagedserve.actors.worker.actor")
+    assert "ray" not in loaded
+    assert "pagedserve.actors.ray_executor" not in loaded
+
+
 @pytest.mark.parametrize("path", sorted((PACKAGE / "actors").rglob("*.py")), ids=str)
 def test_no_actor_module_exceeds_400_lines(path: Path) -> None:
     assert len(path.read_text().splitlines()) <= 400

@@ -97,8 +97,9 @@ class WorkerRequest:
 class FakeWorker:
     """Applies plans like the real worker: persistent batch, its own sampled tokens, KV cache."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, tokens_from_plans: bool = False) -> None:
         self.bs = block_size
+        self.tokens_from_plans = tokens_from_plans  # pipeline parallelism: see the scheduler
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.reqs: dict[int, WorkerRequest] = {}
 
@@ -119,6 +120,8 @@ class FakeWorker:
         ):
             assert self.reqs[rid].num_computed == num_computed
             self.reqs[rid].block_ids.extend(blocks)
+        for rid, tokens in zip(cached.handles, cached.new_token_ids):
+            self.reqs[rid].tokens.extend(tokens)
         ids, sampled, logprobs = [], [], []
         for rid, n in zip(plan.scheduled, plan.num_scheduled_tokens):
             token = self._run(self.reqs[rid], n)
@@ -143,7 +146,8 @@ class FakeWorker:
             return None
         self._check_kv(req, end)
         token = self.kv[req.block_ids[(end - 1) // self.bs]][(end - 1) % self.bs] % VOCAB
-        req.tokens.append(token)
+        if not self.tokens_from_plans:
+            req.tokens.append(token)
         return token
 
     def _check_kv(self, req: WorkerRequest, end: int) -> None:
@@ -194,8 +198,11 @@ def check_views(sched: Scheduler, worker: FakeWorker, plan: StepPlan) -> None:
         assert s.status is RequestStatus.RUNNING
         assert w.block_ids == s.block_table
         assert w.num_computed == s.num_computed_tokens
-        assert w.tokens[: s.num_tokens] == s.token_ids
-        assert len(w.tokens) == s.num_tokens_with_inflight
+        if sched.pipelined:  # the workers know the tokens the plans brought them
+            assert w.tokens == s.token_ids[: s.num_sent_tokens]
+        else:
+            assert w.tokens[: s.num_tokens] == s.token_ids
+            assert len(w.tokens) == s.num_tokens_with_inflight
 
 
 def run_engine(

@@ -3,7 +3,9 @@
 Every engine socket speaks CURVE with per-run keys and a ZAP check of the client key; the ipc
 socket files are 0600 in a 0700 run directory. An intruder that connects to each socket (with
 no keys, or with keys of its own) and sends garbage, a forged StepResult, Shutdown, a
-GenerateRequest or an AddRequest changes nothing, and the engine keeps serving.
+GenerateRequest or an AddRequest changes nothing, and the engine keeps serving. The workers'
+plan channels are bound by the scheduler (a worker may run on another machine): an intruder
+that connects there to take the plans gets none, and the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def engine_sockets(supervisor: Supervisor) -> dict[str, tuple[str, int]]:
         "outputs": (a.outputs, zmq.DEALER),
         "detokenizer inbox": (a.detokenizer_inbox, zmq.PUSH),
         "scheduler inbox": (a.scheduler_inbox, zmq.PUSH),
-        "worker inbox": (a.worker_inbox(0), zmq.PUSH),
+        "worker inbox": (a.worker_inbox(0), zmq.PULL),  # the scheduler binds it
         "supervisor": (a.supervisor, zmq.PUSH),
         "status": (a.status, zmq.DEALER),
     }
@@ -87,12 +89,12 @@ def intrude(address: str, kind: int, keys: Credentials | None) -> bool:
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
     try:
         sock.connect(address)
-        for frame in FORGERIES:
+        for frame in FORGERIES if kind != zmq.PULL else []:
             try:
                 sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 pass
-        answered = kind == zmq.DEALER and bool(sock.poll(500))
+        answered = kind in (zmq.DEALER, zmq.PULL) and bool(sock.poll(500))
         time.sleep(0.2)
         return answered
     finally:
@@ -128,6 +130,28 @@ def test_a_process_without_the_credentials_cannot_make_the_engine_do_anything(
     assert after.num_prompt_tokens == before.num_prompt_tokens
     assert all(a.state == "running" for a in engine.status().actors)
     assert all(a.stats is None or a.stats.rejected == 0 for a in engine.status().actors)
+
+
+def test_an_intruder_on_the_plan_channel_takes_no_plan(engine: Supervisor) -> None:
+    """Without CURVE the scheduler's PUSH would deal plans to the intruder too (and the
+    engine would stall); with it, the handshake fails and every plan reaches the worker."""
+    own = Credentials.generate()
+    ctx = zmq.Context()
+    thief = ctx.socket(zmq.PULL)
+    thief.setsockopt(zmq.CURVE_SERVERKEY, engine.credentials.server_public)
+    thief.setsockopt(zmq.CURVE_PUBLICKEY, own.client_public)
+    thief.setsockopt(zmq.CURVE_SECRETKEY, own.client_secret)
+    try:
+        thief.connect(engine.addresses.worker_inbox(0))
+        time.sleep(0.2)
+        with Client(engine.addresses.engine_address) as client:
+            for prompt in ([5, 6, 7], [8, 9], [10]):
+                tokens = [t for d in client.generate(prompt, GREEDY) for t in d.token_ids]
+                assert len(tokens) == GREEDY.max_tokens
+        assert not thief.poll(100)
+    finally:
+        thief.close(0)
+        ctx.term()
 
 
 def test_a_client_needs_the_credentials(engine: Supervisor, tmp_path) -> None:

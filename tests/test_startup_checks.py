@@ -90,10 +90,15 @@ def test_vllm_flag_spellings() -> None:
             "--chat-template", "{{ messages }}", "--uvicorn-log-level", "info",
             "--disable-log-requests", "--trust-remote-code", "--generation-config", "vllm",
             "--max-n", "4", "--tokenizer", "other/tokenizer", "--skip-tokenizer-init",
+            "-pp", "2", "--distributed-executor-backend", "ray",
+            "--pipeline-layer-partition", "15,17",
         ]
     )  # fmt: skip
     assert engine_kwargs(args) == {
         "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "distributed_executor_backend": "ray",
+        "pipeline_layer_partition": [15, 17],
         "enforce_eager": True,
         "enable_prefix_caching": True,
         "chat_template": "{{ messages }}",
@@ -108,6 +113,8 @@ def test_vllm_flag_spellings() -> None:
         True,
         4,
     )
+    long = build_parser().parse_args(["serve", "--pipeline-parallel-size", "3"])
+    assert engine_kwargs(long) == {"pipeline_parallel_size": 3}
     off = build_parser().parse_args(["serve", "--no-enable-prefix-caching"])
     assert engine_kwargs(off) == {"enable_prefix_caching": False}
     assert engine_kwargs(build_parser().parse_args(["serve"])) == {}

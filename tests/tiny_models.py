@@ -48,21 +48,28 @@ def build_tokenizer(vocab_size: int = 400) -> transformers.PreTrainedTokenizerFa
     return tokenizer
 
 
-def save_tiny_model(arch: str, path: Path, seed: int = 0, hidden_size: int = 64) -> Path:
-    """A 2-layer random model of `arch` with peaked logits (so greedy has no near-ties);
-    4 query heads of hidden_size / 4 dims, 2 kv heads."""
+def save_tiny_model(
+    arch: str,
+    path: Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    tie_word_embeddings: bool = False,
+) -> Path:
+    """A random model of `arch` (2 layers unless told) with peaked logits (so greedy has no
+    near-ties); 4 query heads of hidden_size / 4 dims, 2 kv heads."""
     tokenizer = build_tokenizer()
     extra = {"head_dim": hidden_size // 4} if arch == "qwen3" else {}
     config = CONFIGS[arch](
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
         initializer_range=0.15,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         **extra,

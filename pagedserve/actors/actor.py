@@ -23,7 +23,7 @@ import msgspec
 import setproctitle
 import zmq
 
-from pagedserve.actors import bus
+from pagedserve.actors import bus, network
 from pagedserve.actors.heartbeat import HeartbeatThread, Liveness, StatsProbe
 from pagedserve.actors.messages import ActorFailed, ActorReady
 from pagedserve.actors.security import Credentials
@@ -61,7 +61,7 @@ class Actor:
 
     def __init__(self, launch: ActorLaunch) -> None:
         self.config = launch.config
-        self.addresses = bus.Addresses(launch.run_dir)
+        self.addresses = network.engine_addresses(launch.run_dir, launch.config.network)
         self.rank = 0  # rank and epoch: from ActorStart
         self.epoch = 0
         self.credentials = launch.credentials

@@ -190,6 +190,8 @@ class Addresses:
         return self._address("scheduler-inbox.sock", 4)
 
     def worker_inbox(self, rank: int) -> str:
+        """Step plans to worker `rank`: bound by the scheduler (a worker may run on another
+        machine, so it connects), unlike the other inboxes."""
         return self._address(f"worker-{rank}-inbox.sock", 16 + rank)
 
 

@@ -13,12 +13,12 @@ Channels (see bus.py for addresses):
   detokenizer -> client      : ClientOutbound      (DeltaBatch, RequestError, Stats, Pong...)
   tokenizer   -> scheduler   : SchedulerInbound    (AddRequest, AbortRequest, StatsRequest)
   detokenizer -> scheduler   : SchedulerInbound    (StopRequests)
-  worker 0    -> scheduler   : SchedulerInbound    (StepResult)
+  worker R    -> scheduler   : SchedulerInbound    (StepResult; R: last stage's TP rank 0)
   scheduler   -> detokenizer : DetokenizerInbound  (EngineOutputs, SchedulerStats)
   tokenizer   -> detokenizer : DetokenizerInbound  (RequestError)
   supervisor  -> detokenizer : DetokenizerInbound  (EpochChanged, EngineFailed)
   supervisor  -> scheduler   : SchedulerInbound    (WorkersLost, WorkersReady)
-  scheduler   -> worker k    : WorkerInbound       (StepPlan, Shutdown)
+  scheduler   -> worker k    : WorkerInbound       (StepPlan, Shutdown; the scheduler binds)
   actor       -> supervisor  : SupervisorInbound   (supervision_messages.py)
 """
 
@@ -251,6 +251,7 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     handles: list[int] = []
     new_block_ids: list[list[int]] = []  # blocks appended to each block table this step
     num_computed_tokens: list[int] = []
+    new_token_ids: list[list[int]] = []  # pipeline parallelism: tokens new to the stages
 
 
 class StepPlan(msgspec.Struct, tag=True, kw_only=True):

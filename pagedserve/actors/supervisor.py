@@ -1,6 +1,7 @@
 """Starts the actor topology, watches it, restarts what fails, and tears it down.
 
-Start order: the workers (they load the model and report how many KV blocks fit) together
+Start order: the workers (they load the model and report how many KV blocks fit; one per rank
+of the TP x PP grid, started by the executor: here, or on the nodes of a Ray cluster) together
 with the tokenizer, the detokenizer and any extra actor (the HTTP server), then the scheduler,
 sized by the smallest worker's report. Every actor says `ActorReady` once its sockets are bound,
 then sends a heartbeat every interval. `stop()` sends SIGTERM, waits, kills stragglers and
@@ -8,7 +9,7 @@ removes the private run directory with its socket files and credentials.
 
 A watcher thread restarts any actor that dies or hangs (watchdog.py), each restart at a new
 *epoch*:
-- a worker (any rank; the whole tensor-parallel group restarts together): the scheduler hears
+- a worker (any rank; the whole TP x PP group restarts together): the scheduler hears
   `WorkersLost` at once (it takes every running request back to waiting, to be recomputed, and
   ignores the lost steps' results) and `WorkersReady` when the new group is up (its next plan
   resets them);
@@ -36,8 +37,9 @@ import time
 import msgspec
 import zmq
 
-from pagedserve.actors import bus
+from pagedserve.actors import bus, network
 from pagedserve.actors.actor import ActorLaunch
+from pagedserve.actors.executors import worker_executor
 from pagedserve.actors.messages import (
     EPOCH_SHIFT,
     EngineFailed,
@@ -77,16 +79,22 @@ class _Stopping(Exception):
 class Supervisor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.resolve()
+        self.executor = worker_executor(self.config)  # before any file or process is made
+        self.config = msgspec.structs.replace(self.config, network=self.executor.network)
         self.run_dir = tempfile.mkdtemp(prefix="pagedserve-", dir=config.run_dir)
-        self.addresses = bus.Addresses(self.run_dir)
+        self.addresses = network.engine_addresses(self.run_dir, self.config.network)
+        self.listener: socket.socket | None = None
         try:
             self.credentials, self.credentials_path = self._make_credentials()
             self.listener = self._bind_http_listener()
+            self._ctx = bus.sync_context(self.credentials)
+            self._inbox = bus.pull_socket(self._ctx, self.addresses.supervisor)
+            self._status = bus.router_socket(self._ctx, self.addresses.status)
         except BaseException:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._release()
             raise
         fds = (self.listener.fileno(),) if self.listener is not None else ()
-        self._processes = ActorProcesses(pass_fds=fds)
+        self._processes = ActorProcesses(self.executor, pass_fds=fds)
         self.num_kv_blocks = 0
         self.dead_reason: str | None = None
         self.epoch = 0  # restarts so far
@@ -97,9 +105,6 @@ class Supervisor:
         self._readies: dict[str, ActorReady] = {}
         self._failures: dict[str, str] = {}  # label -> the error its ActorFailed carried
         self.startup_seconds: dict[str, dict[str, float]] = {}  # per actor: spawn to ready
-        self._ctx = bus.sync_context(self.credentials)
-        self._inbox = bus.pull_socket(self._ctx, self.addresses.supervisor)
-        self._status = bus.router_socket(self._ctx, self.addresses.status)
         self._codec: bus.Codec = bus.Codec(SupervisorInbound, "supervisor")
         self._status_codec: bus.Codec = bus.Codec(StatusRequest, "status")
         self._stopping = threading.Event()
@@ -158,12 +163,15 @@ class Supervisor:
         self._watcher.start()
 
     def _spawn_group(self, name: str, config: EngineConfig) -> list[str]:
-        size = self.config.tensor_parallel_size if name == "worker" else 1
+        size = self.config.world_size if name == "worker" else 1
         return [self._spawn(name, config, rank) for rank in range(size)]
 
     def _launch(self, name: str, config: EngineConfig) -> ActorLaunch:
+        # a worker binds no socket (it connects to the scheduler's plan channel), so it gets
+        # the clients' keys only: the server's secret never leaves this machine (Ray)
+        credentials = self.credentials.for_clients() if name == "worker" else self.credentials
         return ActorLaunch(
-            name=name, run_dir=self.run_dir, config=config, credentials=self.credentials,
+            name=name, run_dir=self.run_dir, config=config, credentials=credentials,
             listen_fd=self.listener.fileno() if name == "api-server" and self.listener else -1,
         )  # fmt: skip
 
@@ -348,9 +356,14 @@ class Supervisor:
         if self._watcher is not None:
             self._watcher.join(JOIN_TIMEOUT_S)
         self._processes.stop_all()
-        self._inbox.close(linger=0)
-        self._status.close(linger=0)
-        self._ctx.destroy(linger=0)
+        self._release()
+
+    def _release(self) -> None:
+        """Close the sockets, hand back the executor's resources, remove the run directory."""
+        ctx = getattr(self, "_ctx", None)
+        if ctx is not None:
+            ctx.destroy(linger=0)  # closes the inbox and the status socket
         if self.listener is not None:
             self.listener.close()
+        self.executor.shutdown()
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -26,6 +26,16 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "num_kv_blocks": (int, "number of KV-cache blocks (default: from memory)"),
     "gpu_memory_utilization": (float, "fraction of GPU memory for weights, activations and KV"),
     "tensor_parallel_size": (int, "number of GPUs to shard the model over"),
+    "pipeline_parallel_size": (int, "pipeline stages: the model's layers split over that many"),
+    "pipeline_layer_partition": (
+        lambda text: [int(n) for n in text.split(",")],  # an int list: "15,17"
+        "decoder layers of each pipeline stage, e.g. 15,17 (default: as even as possible)",
+    ),
+    "distributed_executor_backend": (
+        str,
+        "where the workers run: mp (processes on this machine) or ray (the nodes of an "
+        "existing Ray cluster; pip install 'pagedserve[ray]')",
+    ),
     "device": (str, "auto, cpu or cuda"),
     "attention_backend": (str, "auto, torch, triton or cuda"),
     "seed": (int, "engine seed (dummy weights, unseeded sampling)"),
@@ -43,6 +53,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "quantization": (str, "fp8, gptq, awq, compressed-tensors or int8 (default: the checkpoint's)"),
     "kv_cache_dtype": (str, "auto (the model's dtype) or fp8 (E4M3, per-tensor scales)"),
 }
+SHORT_FLAGS = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 ENGINE_SWITCHES = {  # vLLM's on/off flags; unset leaves the engine's default
     "skip_tokenizer_init": "no tokenizer: token ids in and out",
     "enforce_eager": "no CUDA graphs",
@@ -69,9 +80,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group = parser.add_argument_group("engine")
     for name, (kind, help_text) in ENGINE_FLAGS.items():
-        flags = ["--" + name.replace("_", "-")] + (
-            ["-tp"] if name == "tensor_parallel_size" else []
-        )
+        flags = ["--" + name.replace("_", "-"), *SHORT_FLAGS.get(name, [])]
         group.add_argument(*flags, dest=name, type=kind, default=None, help=help_text)
     for name, help_text in ENGINE_SWITCHES.items():
         group.add_argument(

@@ -13,6 +13,7 @@ operands' shapes and strides.
     weight-streaming GEMM (kernels.triton_gemv) instead of cuBLAS.
   * attention: the attention backend's functions and cache layout (kernels.attention_backends).
   * tp: this rank's place in the tensor-parallel group and its collectives.
+  * stage: the pipeline stage this model is (the layers it builds: models.stages).
   * quantization: the linear layers' quantization scheme (models.quantization), which gives
     each linear layer its linear method; None: float weights.
   * kv_cache_dtype: the paged KV cache's element type (float8_e4m3fn: fp8 with per-tensor
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.kernels.attention_backends import AttentionBackend
+from pagedserve.layout import PipelineStage
 
 if TYPE_CHECKING:
     from pagedserve.models.quantization.config import QuantizationConfig
@@ -80,6 +82,7 @@ class LayerConfig:
     fused_ops: FusedOps = "torch"
     small_batch_gemm: bool = False
     tp: TensorParallel = field(default_factory=TensorParallel)
+    stage: PipelineStage = field(default_factory=PipelineStage)
     quantization: QuantizationConfig | None = None
     kv_cache_dtype: torch.dtype | None = None
 

@@ -2,7 +2,8 @@
 
 The decoder pieces here are reused by the other architectures: a model subclass swaps the
 attention class (`attention_cls`), which overrides one of its small hooks (biases) or sets
-`qk_norms` (Qwen3's per-head q/k RMSNorm).
+`qk_norms` (Qwen3's per-head q/k RMSNorm). A pipeline stage (layer_config.stage) builds only
+its part of the model (models/stages.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pagedserve.models.linear import (
     VocabEmbedding,
 )
 from pagedserve.models.model_config import ModelConfig
+from pagedserve.models.stages import MissingLayer, StageActivations, lm_head_is_tied
 
 
 def model_head_dim(config: ModelConfig) -> int:
@@ -145,7 +147,10 @@ class LlamaModel(nn.Module):
         self, config: ModelConfig, layer_config: LayerConfig, attention_cls: type[LlamaAttention]
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, layer_config)
+        self.stage = stage = layer_config.stage
+        self.embed_tokens: VocabEmbedding | None = None
+        if stage.is_first:
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, layer_config)
         theta, scaling = rope_settings(config)
         # one rotary embedding shared by every layer, whose per-step tables each forward resets
         self.rotary_emb = RotaryEmbedding(
@@ -153,19 +158,36 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, layer_config, attention_cls, self.rotary_emb)
-            for _ in range(config.num_hidden_layers)
+            if stage.owns_layer(index)
+            else MissingLayer()
+            for index in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, layer_config)
+        self.own_layers = [i for i in range(len(self.layers)) if stage.owns_layer(i)]
+        self.norm: RMSNorm | None = None
+        if stage.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, layer_config)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        received: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations:
+        """The final hidden states (last stage), else this stage's activations for the next;
+        a stage after the first starts from the previous stage's (`received`)."""
         self.rotary_emb.new_step()  # this forward's first layer looks its tables up again
-        hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert received is not None, "a stage after the first needs the previous one's"
+            hidden, residual = received.hidden, received.residual
         last = len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
-            output_rows = metadata.output_rows if index == last else None
-            hidden, residual = layer(positions, hidden, residual, metadata, output_rows)
+        for index in self.own_layers:
+            rows = metadata.output_rows if index == last else None
+            hidden, residual = self.layers[index](positions, hidden, residual, metadata, rows)
+        if self.norm is None:
+            return StageActivations(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -185,16 +207,26 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config, self.layer_config = config, layer_config
         self.model = LlamaModel(config, layer_config, self.attention_cls)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        stage, tie = layer_config.stage, bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = lm_head_is_tied(stage, tie)  # the loader reads it
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, layer_config, tied_to)
+        self.lm_head: LMHead | None = None
+        if stage.is_last:
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size, layer_config, tied_to)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        received: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden], or only
-        the rows of metadata.output_rows ([n, hidden], in its order) when it is set."""
-        return self.model(input_ids, positions, metadata)
+        the rows of metadata.output_rows ([n, hidden], in its order) when it is set. A
+        pipeline stage before the last returns its StageActivations instead; one after the
+        first starts from the previous stage's (`received`: input_ids are not read)."""
+        return self.model(input_ids, positions, metadata, received)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden)

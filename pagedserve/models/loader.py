@@ -19,7 +19,7 @@ import importlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -28,7 +28,13 @@ from torch import nn
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention_backends import resolve_attention_backend
 from pagedserve.kernels.cpu_kernels import load_cpu_kernels
-from pagedserve.models.layer_config import FusedOps, LayerConfig, tensor_parallel_of_process
+from pagedserve.layout import PipelineStage
+from pagedserve.models.layer_config import (
+    FusedOps,
+    LayerConfig,
+    TensorParallel,
+    tensor_parallel_of_process,
+)
 from pagedserve.models.model_config import ModelConfig, load_model_config
 from pagedserve.models.quantization.config import (
     check_supported,
@@ -36,6 +42,7 @@ from pagedserve.models.quantization.config import (
     resolve_quantization,
 )
 from pagedserve.models.registry import get_model_class
+from pagedserve.models.stages import checkpoint_names
 from pagedserve.models.weights import default_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -75,13 +82,18 @@ def _triton_importable() -> bool:
 
 
 def build_layer_config(
-    config: EngineConfig, hf_config: ModelConfig, device: torch.device
+    config: EngineConfig,
+    hf_config: ModelConfig,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+    stage: PipelineStage | None = None,
 ) -> LayerConfig:
     """The layers' settings for this engine on this machine: Triton's fused ops on CUDA (when
     triton imports), the C++ CPU kernels for float32 on the CPU (when config.cpu_kernels and
     they load here), else pure torch; the attention backend; the Triton small-batch GEMM for
-    CUDA fp16/bf16 (config.small_batch_gemm); this process's tensor-parallel rank; the
-    quantization (models.quantization.config) and the KV cache's dtype."""
+    CUDA fp16/bf16 (config.small_batch_gemm); this rank's tensor-parallel group (tp; None:
+    the process's default group) and pipeline stage (None: the whole model); the quantization
+    (models.quantization.config) and the KV cache's dtype."""
     dtype = resolve_dtype(config.dtype, hf_config, device)
     quantization = resolve_quantization(config.quantization, config.load_format, hf_config)
     check_supported(quantization, device, dtype)
@@ -98,7 +110,8 @@ def build_layer_config(
         fused_ops=fused_ops,
         small_batch_gemm=config.small_batch_gemm and fused_ops == "triton"
         and dtype != torch.float32,
-        tp=tensor_parallel_of_process(config.tensor_parallel_size),
+        tp=tp if tp is not None else tensor_parallel_of_process(config.tensor_parallel_size),
+        stage=stage if stage is not None else PipelineStage(),
         quantization=quantization,
         kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
     )  # fmt: skip
@@ -128,7 +141,9 @@ def load_model(
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed)
         else:
-            load_weights(model, iterate_safetensors(config.model_path))
+            tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+            rename = checkpoint_names(layer_config.stage, tied)
+            load_weights(model, iterate_safetensors(config.model_path, rename))
         for module in model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
@@ -148,11 +163,17 @@ def safetensors_files(model_path: str) -> list[str]:
     return files
 
 
-def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(
+    model_path: str, rename: Callable[[str], str | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor; with `rename`, (rename(name), tensor), and
+    the tensors it maps to None are not read (another pipeline stage's)."""
     for path in safetensors_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+                target = name if rename is None else rename(name)
+                if target is not None:
+                    yield target, f.get_tensor(name)
 
 
 # an fp8 KV cache's scales as checkpoints name them (vLLM's fp8, compressed-tensors) -> ours

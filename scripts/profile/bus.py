@@ -45,7 +45,7 @@ def decode_plan(step_id: int, decodes: int) -> StepPlan:
 async def echo(run_dir: str, credentials: Credentials | None) -> None:
     addresses = bus.Addresses(run_dir)
     ctx = bus.async_context(credentials)
-    inbox: bus.Receiver = bus.Receiver(ctx, addresses.worker_inbox(0), WorkerInbound)
+    inbox: bus.Receiver = bus.Receiver(ctx, addresses.worker_inbox(0), WorkerInbound, bind=False)
     out: bus.Sender = bus.Sender(ctx, addresses.scheduler_inbox)
     while True:
         plan = await inbox.recv()
@@ -62,7 +62,7 @@ async def drive(run_dir: str, credentials: Credentials | None, decodes: int, n: 
     addresses = bus.Addresses(run_dir)
     ctx = bus.async_context(credentials)
     inbox: bus.Receiver = bus.Receiver(ctx, addresses.scheduler_inbox, SchedulerInbound)
-    out: bus.Sender = bus.Sender(ctx, addresses.worker_inbox(0))
+    out: bus.Sender = bus.Sender(ctx, addresses.worker_inbox(0), bind=True)
     samples = []
     for i in range(n + 200):
         start = time.perf_counter()

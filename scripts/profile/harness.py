@@ -18,6 +18,7 @@ import zmq
 
 from pagedserve.actors import bus
 from pagedserve.actors.actor import ActorLaunch
+from pagedserve.actors.executors import LocalExecutor
 from pagedserve.actors.processes import ActorProcesses
 from pagedserve.actors.security import Credentials
 from pagedserve.actors.supervision_messages import ActorFailed, ActorReady, SupervisorInbound
@@ -34,7 +35,9 @@ class SoloActor:
         self.credentials = Credentials.generate()
         self.sync_ctx = bus.sync_context(self.credentials)
         self._inbox = bus.pull_socket(self.sync_ctx, self.addresses.supervisor)
-        self._processes = ActorProcesses(pass_fds=(listen_fd,) if listen_fd >= 0 else ())
+        self._processes = ActorProcesses(
+            LocalExecutor(), pass_fds=(listen_fd,) if listen_fd >= 0 else ()
+        )
         launch = ActorLaunch(
             name=name, run_dir=self.run_dir, config=self.config,
             credentials=self.credentials, listen_fd=listen_fd,

@@ -56,7 +56,7 @@ def plans(batch: int, steps: int, blocks_each: int):
 async def measure(actor: SoloActor, batch: int, steps: int, inflight: int) -> dict[str, float]:
     ctx = actor.peer_context()
     results: bus.Receiver = bus.Receiver(ctx, actor.addresses.scheduler_inbox, SchedulerInbound)
-    worker: bus.Sender[WorkerInbound] = bus.Sender(ctx, actor.addresses.worker_inbox(0))
+    worker: bus.Sender[WorkerInbound] = bus.Sender(ctx, actor.addresses.worker_inbox(0), bind=True)
     blocks_each = (PROMPT_LEN + steps) // BLOCK_SIZE + 2
     sent: dict[int, float] = {}
     samples: list[float] = []

@@ -1,7 +1,9 @@
 """The scheduler process: requests and step results in, step plans and engine outputs out.
 
 It keeps up to `max_inflight_steps` plans at the workers, so it plans step N+1 while step N
-runs (decode needs exactly one more slot per running request, whatever step N samples).
+runs (decode needs exactly one more slot per running request, whatever step N samples); with
+pipeline parallelism, enough for every stage (layout.plans_in_flight). It binds the workers'
+plan channels (a worker may run on another machine: it connects).
 Everything a step produced for the clients (new routes, tokens, refusals) leaves in one
 `EngineOutputs` frame to the detokenizer.
 
@@ -35,6 +37,7 @@ from pagedserve.actors.messages import (
     WorkersReady,
 )
 from pagedserve.actors.scheduler.scheduler import Scheduler
+from pagedserve.layout import plans_in_flight
 
 
 class SchedulerActor(Actor):
@@ -52,10 +55,11 @@ class SchedulerActor(Actor):
             self.ctx, self.addresses.detokenizer_inbox
         )
         self.to_workers: list[bus.Sender[WorkerInbound]] = [
-            bus.Sender(self.ctx, self.addresses.worker_inbox(rank))
-            for rank in range(self.config.tensor_parallel_size)
+            bus.Sender(self.ctx, self.addresses.worker_inbox(rank), bind=True)
+            for rank in range(self.config.world_size)
         ]
         self.inflight: set[int] = set()  # ids of the steps at the workers
+        self.max_inflight = plans_in_flight(self.config)
         self.workers_ready = True
         return {}
 
@@ -124,7 +128,7 @@ class SchedulerActor(Actor):
             await self.to_detokenizer.send(stats)
 
     async def plan_ahead(self) -> None:
-        while self.workers_ready and len(self.inflight) < self.config.max_inflight_steps:
+        while self.workers_ready and len(self.inflight) < self.max_inflight:
             plan = self.scheduler.schedule()
             if plan is None:
                 return

@@ -42,6 +42,7 @@ class Request:
     # Step ids of the plans in flight that will sample a token for this request, oldest first.
     inflight_steps: deque[int] = field(default_factory=deque)
     in_worker: bool = False  # the worker holds it in its persistent batch
+    num_sent_tokens: int = 0  # pipeline parallelism: of token_ids, those the workers were sent
     num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache; -1: never scheduled
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None

@@ -9,8 +9,8 @@ up with the tokens the worker will know for it, within one token budget. Running
 first (in order), then waiting ones (FCFS). Plans are diffs against the worker's persistent
 batch. Scheduling is asynchronous: a plan may be made before the previous plan's result
 arrives, so each request counts the sampled tokens still in flight (`inflight_steps`); the
-worker appends its own sampled tokens, so it knows them when it runs the next plan.
-"""
+worker appends its own sampled tokens, so it knows them when it runs the next plan (pipeline
+parallelism differs: see layout.plan_capacity)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from pagedserve.actors.scheduler.block_manager import BlockManager
 from pagedserve.actors.scheduler.request import Request, RequestStatus
 from pagedserve.actors.scheduler.routes import RouteTable
 from pagedserve.config import EngineConfig
+from pagedserve.layout import plan_capacity
 
 
 class Scheduler:
@@ -67,6 +68,7 @@ class Scheduler:
         self.spec = config.speculative_config
         # KV slots a step's proposer writes past the step's tokens (a draft model's decodes)
         self.lookahead = 0 if self.spec is None else self.spec.lookahead_slots
+        self.pipelined = config.pipeline_parallel_size > 1
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -123,13 +125,14 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         speculate = self._speculating()
         plan = StepPlan(
-            step_id=self.next_step_id, cached_requests=CachedRequestData([], [], []),
+            step_id=self.next_step_id, cached_requests=CachedRequestData([], [], [], []),
             propose=speculate,
         )  # fmt: skip
         budget = self.config.max_num_batched_tokens
-        budget, preempted = self._schedule_running(plan, budget, speculate)
+        cap = plan_capacity(self.config, len(self.running) + len(self.waiting))
+        budget, preempted = self._schedule_running(plan, budget, cap)
         if not preempted:  # a step that preempts admits nobody
-            self._schedule_waiting(plan, budget)
+            self._schedule_waiting(plan, budget, cap)
         if not plan.scheduled:
             return None
         # Cached only now, so that no request in this plan reads KV that this plan writes.
@@ -148,16 +151,18 @@ class Scheduler:
         limit = self.spec.disable_by_batch_size
         return limit is None or len(self.running) <= limit
 
-    def _schedule_running(self, plan: StepPlan, budget: int, speculate: bool) -> tuple[int, bool]:
+    def _schedule_running(self, plan: StepPlan, budget: int, cap: int) -> tuple[int, bool]:
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(plan.scheduled) < cap:
             req = self.running[i]
             i += 1
-            if req.inflight_steps and (speculate or req.num_drafts_in_flight):
-                continue  # its next drafts, or how many of its drafts hold, come with its result
+            if req.inflight_steps and (plan.propose or req.num_drafts_in_flight or self.pipelined):
+                # its next drafts, how many of its drafts hold, or (pipeline) its token, come
+                # with its result
+                continue
             n = self._num_to_schedule(req, budget)
-            drafts = self._drafts(req, n, budget) if speculate else []
+            drafts = self._drafts(req, n, budget) if plan.propose else []
             slots = self._slots(req.num_computed_tokens, n + len(drafts))
             while n and not self.block_manager.can_append(req, slots):
                 victim = self.running.pop()  # the newest running request
@@ -171,9 +176,10 @@ class Scheduler:
                 budget -= n + len(drafts)
         return budget, preempted
 
-    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+    def _schedule_waiting(self, plan: StepPlan, budget: int, cap: int) -> None:
         for req in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            full = len(self.running) >= self.config.max_num_seqs or len(plan.scheduled) >= cap
+            if budget == 0 or full:
                 return
             if req.inflight_steps:  # preempted with a token in flight: resume it later
                 continue
@@ -230,6 +236,8 @@ class Scheduler:
             cached.handles.append(req.handle)
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(req.num_computed_tokens)
+            if self.pipelined:
+                cached.new_token_ids.append(req.token_ids[req.num_sent_tokens :])
         else:
             plan.new_requests.append(
                 NewRequestData(
@@ -243,6 +251,7 @@ class Scheduler:
                 )
             )
             req.in_worker = True
+        req.num_sent_tokens = req.num_tokens
         plan.scheduled.append(req.handle)
         plan.num_scheduled_tokens.append(n)
         if self.spec is not None:

@@ -1,4 +1,5 @@
-"""The worker process: one per device. Executes step plans in order; rank 0 reports samples.
+"""The worker process: one per device. Executes step plans in order; the last pipeline stage's
+first tensor-parallel rank (rank 0 without pipeline parallelism) reports samples.
 
 Steps are pipelined: a plan is launched on the device before the previous step's sampled
 tokens reach the host (the model runner feeds them to the new step on the device), so the
@@ -28,6 +29,7 @@ from pagedserve.actors.messages import (
 )
 from pagedserve.actors.worker import startup
 from pagedserve.actors.worker.model_runner import ModelRunner
+from pagedserve.actors.worker.parallel_groups import join_worker_groups
 from pagedserve.actors.worker.profiling import LoopTimer, StepLog, StepProfiler, TritonCompileLog
 
 
@@ -55,14 +57,16 @@ class WorkerActor(Actor):
         compiles = TritonCompileLog()
         if profiling:
             compiles.install()
-        self.join_tensor_parallel_group()
+        groups = join_worker_groups(self.config, self.addresses.run_dir, self.rank, self.epoch)
         start = time.perf_counter()
-        self.runner = ModelRunner(self.config, self.rank)
+        self.runner = ModelRunner(self.config, self.rank, groups)
         runner_init_s = round(time.perf_counter() - start, 3)
         self.runner.load_model()
         startup.compile_kernels_ahead(self.runner)
         num_blocks = startup.num_kv_blocks(self.runner)
         startup.init_kv_cache(self.runner, num_blocks)
+        if self.runner.link is not None:  # each stage started up alone
+            self.runner.link.connect()
         setup_s = {"imports": imports_s, "runner_init": runner_init_s}
         setup_s |= self.runner.setup_seconds
         if profiling:
@@ -72,28 +76,13 @@ class WorkerActor(Actor):
             assert self.config.profile is not None
             self.profiler = StepProfiler(self.config.profile, self.rank, self.runner.device)
         self.inbox: bus.Receiver[WorkerInbound] = bus.Receiver(
-            self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound
+            self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound, bind=False
         )
         self.scheduler_epoch: int | None = None  # of the plans accepted: since the last reset
         self.to_scheduler: bus.Sender[SchedulerInbound] | None = None
-        if self.rank == 0:
+        if self.rank == groups.layout.reporting_rank:
             self.to_scheduler = bus.Sender(self.ctx, self.addresses.scheduler_inbox)
         return {"num_kv_blocks": num_blocks, "setup_s": setup_s}
-
-    def join_tensor_parallel_group(self) -> None:
-        """With tensor_parallel_size > 1 the workers form one torch.distributed group (NCCL on
-        GPUs, gloo on the CPU); the parallel linear layers shard by its rank and size."""
-        size = self.config.tensor_parallel_size
-        if size == 1:
-            return
-        import torch.distributed as dist
-
-        dist.init_process_group(
-            "nccl" if self.config.device == "cuda" else "gloo",
-            init_method=f"file://{os.path.join(self.addresses.run_dir, f'tp-group-{self.epoch}')}",
-            rank=self.rank,
-            world_size=size,
-        )
 
     def close(self) -> None:
         import torch.distributed as dist

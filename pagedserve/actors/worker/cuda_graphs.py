@@ -113,29 +113,36 @@ class DecodeStep:
             else torch.from_numpy(host.block_tables[:size, :width]),
         )  # fmt: skip
 
-    def forward(self, size: int, metadata: AttentionMetadata) -> torch.Tensor:
-        """Feed, forward, LM head and argmax over the first `size` rows; returns the logits."""
+    def input_ids(self, size: int) -> torch.Tensor:
+        """The first `size` rows' tokens: the host's, or fed from the previous step's samples."""
         t = self.buffers.tensors
         feed = t.feed_index[:size]
         fed = self.sampled.index_select(0, feed.clamp(min=0))
-        input_ids = torch.where(feed >= 0, fed, t.token_ids[:size])
-        hidden = self.model(input_ids, t.positions[:size], metadata)
+        return torch.where(feed >= 0, fed, t.token_ids[:size])
+
+    def forward(self, size: int, metadata: AttentionMetadata) -> torch.Tensor:
+        """Feed, forward, LM head and argmax over the first `size` rows; returns the logits."""
+        hidden = self.model(self.input_ids(size), self.buffers.tensors.positions[:size], metadata)
         logits = self.model.compute_logits(hidden)
         self.sampled[:size].copy_(logits.argmax(dim=-1))
         return logits
 
     def run(
         self, batch: int, size: int, max_seq_len: int, host: DecodeFields[np.ndarray]
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Upload `host` (the staging views, filled for `size` rows, `size` from padded_size)
         and run the step; returns the batch rows' logits (valid until the next step) and leaves
         their argmax in sampled[:batch]."""
+        return self.execute(size, max_seq_len, host)[:batch]
+
+    def execute(self, size: int, max_seq_len: int, host: DecodeFields[np.ndarray]) -> torch.Tensor:
+        """Upload and run `size` rows: the graph's replay, or the forward eagerly; its output."""
         entry = self.graphs.get(size)
         if entry is None:
             metadata = self.metadata(size, max_seq_len, host)
             self.buffers.upload(size)
-            return self.forward(size, metadata)[:batch]
+            return self.forward(size, metadata)
         self.buffers.upload(size)
-        graph, logits = entry
+        graph, output = entry
         graph.replay()
-        return logits[:batch]
+        return output

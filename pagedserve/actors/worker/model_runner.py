@@ -9,7 +9,8 @@ cuda_graphs.py; every other step builds its flattened inputs in step_inputs.py.
 The worker pipelines steps with `launch(plan)` / `finish()`: step N+1 is queued on the device
 before step N's sampled tokens reach the host (they feed N+1 on the device), and `execute` is
 the two in a row. Start-up work (sizing the KV cache with a profiling step, warm-up, the
-compile-only dry run, graph capture) lives beside this in startup.py.
+compile-only dry run, graph capture) lives beside this in startup.py. A pipeline stage
+(worker/pipeline.py) learns sampled tokens from the plans instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pagedserve.actors.messages import StepPlan, StepResult
 from pagedserve.actors.worker.cpu_tuning import tune_cpu_malloc
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.input_batch import InputBatch
+from pagedserve.actors.worker.parallel_groups import WorkerGroups, stage_layer_config
+from pagedserve.actors.worker.pipeline import StageDecodeStep, StageLink, run_stage
 from pagedserve.actors.worker.prompt_logprobs import PromptLogprobTensors
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
 from pagedserve.actors.worker.speculative import Proposer, make_proposer
@@ -63,10 +66,15 @@ def select_device(name: str, rank: int) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, groups: WorkerGroups | None = None
+    ) -> None:
         if config.max_model_len is None:
             raise ValueError("ModelRunner needs a resolved EngineConfig (call config.resolve())")
-        self.config, self.rank = config, rank
+        self.config, self.rank, self.groups = config, rank, groups
+        self.link: StageLink | None = None  # pipeline parallelism: set by load_model
+        # every stage learns sampled tokens from the plans (scheduler: new_token_ids)
+        self.tokens_from_plans = config.pipeline_parallel_size > 1
         self.device = select_device(config.device, rank)
         if self.device.type == "cpu":
             tune_cpu_malloc()
@@ -112,13 +120,15 @@ class ModelRunner:
 
     def load_model(self) -> None:
         start = time.perf_counter()
-        self.model = load_model(self.config, self.device)
+        layer_config = stage_layer_config(self.config, self.device, self.groups)
+        self.model = load_model(self.config, self.device, layer_config)
         self.attention_backend = self.model.layer_config.attention
         self.vocab_size = int(self.model.config.vocab_size)
         self.dtype = self.model.layer_config.cache_dtype  # the KV cache's element type
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.proposer = make_proposer(self.config, self.device)
         self.logits = StepLogits(self.model.compute_logits, self.structured, self._settle_pending)
+        self.link = StageLink.of(self.groups, self.model, self.device)
         self.timed("load_model", start)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -146,9 +156,10 @@ class ModelRunner:
     def new_decode_step(self) -> DecodeStep:
         config = self.config
         assert self.model is not None and config.max_model_len is not None
-        return DecodeStep(
-            self.model, self.sampled, config.max_num_seqs, config.max_model_len, self.block_size,
-        )  # type: ignore[arg-type]  # fmt: skip
+        sizes = (config.max_num_seqs, config.max_model_len, self.block_size)
+        if self.link is not None:
+            return StageDecodeStep(self.model, self.sampled, *sizes, self.link)  # type: ignore[arg-type]
+        return DecodeStep(self.model, self.sampled, *sizes)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ steps
 
@@ -169,9 +180,11 @@ class ModelRunner:
         tokens feed this step's inputs on the device, so the host never waits between the two.
         A step whose sampling reads past tokens on the host (penalties) finishes the previous
         step first."""
+        self.settled = None
+        if self.tokens_from_plans and self.device.type != "cuda":
+            self._settle_pending()  # a CPU stage would block in its transfer, the last unreported
         self._apply_plan(plan)
         speculative = self.proposer is not None and (plan.propose or any(plan.spec_token_ids))
-        self.settled = None
         if speculative or self._needs_host_tokens(plan):
             self._settle_pending()
         if speculative:  # run to completion: the next drafts need this step's tokens
@@ -205,7 +218,8 @@ class ModelRunner:
             row_of = self.input_batch.row_of
             rows = [row_of.get(h, -1) for h in step.handles]
             kept = np.fromiter((row >= 0 for row in rows), bool, len(rows))
-            self.input_batch.append_sampled(np.asarray(rows, np.int64)[kept], sampled[kept])
+            if not self.tokens_from_plans:  # else every stage appends them from the next plan
+                self.input_batch.append_sampled(np.asarray(rows, np.int64)[kept], sampled[kept])
             result.sampled_token_ids = sampled.tolist()
             if step.logprobs is not None:
                 result.logprobs = step.logprobs.to_list()
@@ -232,6 +246,9 @@ class ModelRunner:
             if block_ids:
                 batch.append_block_ids(row, block_ids)
             batch.num_computed_tokens[row] = num_computed
+        for handle, token_ids in zip(cached.handles, cached.new_token_ids):
+            if token_ids:
+                batch.append_tokens(batch.row_of[handle], token_ids)
         for handle, drafts in zip(plan.scheduled, plan.spec_token_ids):
             if drafts:
                 batch.write_drafts(batch.row_of[handle], drafts)
@@ -252,14 +269,20 @@ class ModelRunner:
         rows = np.fromiter((row_of[h] for h in handles), np.int64, len(handles))
         pending_index = self._pending_index()[rows]
         if self._is_decode_step(plan, rows, pending_index):
+            decoded = self._decode_step_inputs(rows, pending_index)
+            if decoded is None:  # a pipeline stage before the last
+                return step
             step.handles = plan.scheduled
-            token_ids, step.logprobs = self._decode_step_inputs(rows, pending_index)
+            token_ids, step.logprobs = decoded
         else:
             no_drafts = np.zeros(len(rows), np.int64)
             inputs = self.inputs.build(
                 handles, plan.num_scheduled_tokens, rows, pending_index, no_drafts
             )
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            model, metadata = self.model, inputs.attn_metadata
+            hidden = run_stage(model, self.link, inputs.input_ids, inputs.positions, metadata)  # type: ignore[arg-type]
+            if hidden is None:  # a pipeline stage before the last
+                return step
             output, step.prompt_logprobs = self.sample(hidden, inputs)
             if output is None:
                 return step
@@ -287,7 +310,7 @@ class ModelRunner:
 
     def _decode_step_inputs(
         self, rows: np.ndarray, pending_index: np.ndarray
-    ) -> tuple[torch.Tensor, LogprobTensors | None]:
+    ) -> tuple[torch.Tensor, LogprobTensors | None] | None:
         """A decode step's rows: each at its next position, fed from the step in flight where
         the host does not know its token yet."""
         batch = self.input_batch
@@ -301,12 +324,12 @@ class ModelRunner:
 
     def run_decode(
         self, rows: np.ndarray, positions: np.ndarray, feed_index: np.ndarray
-    ) -> tuple[torch.Tensor, LogprobTensors | None]:
+    ) -> tuple[torch.Tensor, LogprobTensors | None] | None:
         """Run one token of each of `rows` (a row may repeat: a verify step's positions) at
         `positions` through the static decode path, and sample unless every row is plain
         greedy (the step's argmax). feed_index: the index of the row's token in the previous
         step's sampled ids, or -1 (the host's token). Returns the sampled ids (a view of
-        `sampled`) and the logprob tensors."""
+        `sampled`) and the logprob tensors; None on a pipeline stage before the last."""
         step, batch, block_size = self.decode_step, self.input_batch, self.block_size
         assert step is not None
         num_rows = len(rows)
@@ -324,6 +347,8 @@ class ModelRunner:
         host.block_tables[:num_rows, :width] = batch.block_table_np[rows, :width]
         host.pad(num_rows, size)
         logits = step.run(num_rows, size, max_seq_len, host)
+        if logits is None:
+            return None
         token_ids = self.sampled[:num_rows]
         if batch.all_plain_greedy(rows):
             return token_ids, None

@@ -80,7 +80,9 @@ def _verify_as_decode(
     known = np.repeat(batch.num_tokens[rows] + num_drafts, counts)
     check_plan_fits(batch, expanded, positions + 1, known, runner.block_size)
     batch.num_computed_tokens[rows] = computed + counts
-    tokens, logprobs = runner.run_decode(expanded, positions, np.full(total, -1, np.int64))
+    decoded = runner.run_decode(expanded, positions, np.full(total, -1, np.int64))
+    assert decoded is not None, "speculative decoding runs without pipeline stages"
+    tokens, logprobs = decoded
     as_list = None if logprobs is None else logprobs.to_list()
     return list(plan.scheduled), counts.tolist(), tokens.tolist(), as_list
 
