@@ -40,6 +40,8 @@ def test_serve_stops_cleanly_on_ctrl_c_and_sigterm(tmp_path, sig: signal.Signals
         [*PAGEDSERVE, "serve", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "TMPDIR": str(tmp_path)},
+        # as from a terminal: a shell's background job (a CI runner's) inherits SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 180
