@@ -16,10 +16,14 @@ import argparse
 import datetime
 import json
 import os
+import re
+import resource
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +61,36 @@ def wait_healthy(base: str, server: subprocess.Popen, timeout_s: float) -> float
     raise TimeoutError("the server did not become healthy")
 
 
+ADDRESS = re.compile(r"ZeroMQ clients: (\S+), credentials: (\S+)\)")
+
+
+def echo_and_find_address(server: subprocess.Popen, found: dict[str, str]) -> None:
+    """Echo the server's output; remember the engine address and credentials file it prints."""
+    assert server.stdout is not None
+    for line in server.stdout:
+        print(line, end="", flush=True)
+        match = ADDRESS.search(line)
+        if match:
+            found.update(address=match.group(1), credentials=match.group(2))
+
+
+def watch_actors(found: dict[str, str], server_pid: int, out: Path) -> None:
+    """During the load: `pagedserve top` every 2 s (each actor's busy %), then py-spy stacks of
+    every engine process: which actor saturates first."""
+    if "address" not in found:
+        return
+    top = [sys.executable, "-m", "pagedserve.api.cli", "top", found["address"], "--credentials",
+           found["credentials"], "--interval", "2", "--iterations", "6"]  # fmt: skip
+    with out.open("w") as sink:
+        subprocess.run(top, stdout=sink, stderr=subprocess.STDOUT, timeout=60, check=False)
+        spy = shutil.which("py-spy") or "/tmp/site/bin/py-spy"
+        children = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True)
+        for pid in [str(server_pid), *children.stdout.split()]:
+            dump = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True,
+                                  timeout=30, check=False)  # fmt: skip
+            sink.write(f"--- py-spy {pid}\n{dump.stdout[:2500]}{dump.stderr[-300:]}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -70,7 +104,15 @@ def main() -> None:
                str(port), "--load-format", "dummy", "--max-model-len", "2048",
                "--served-model-name", "qwen3", "--generation-config", "vllm",
                "--max-num-seqs", "256"]  # fmt: skip
-    server = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = subprocess.Popen(
+        command,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    found: dict[str, str] = {}
+    threading.Thread(target=echo_and_find_address, args=(server, found), daemon=True).start()
     base = f"http://127.0.0.1:{port}"
     try:
         ready_s = wait_healthy(base, server, 300)
@@ -78,7 +120,14 @@ def main() -> None:
         warm = bench.random_workload(16, *lengths, 4096, seed=1)
         anyio.run(bench_serve.run, base, "qwen3", warm, float("inf"))
         workload = bench.random_workload(args.num_prompts, *lengths, 4096, seed=0)
+        actors_out = Path(args.out).with_suffix(".actors.txt")
+        watcher = threading.Thread(target=watch_actors, args=(found, server.pid, actors_out))
+        watcher.start()
+        before = resource.getrusage(resource.RUSAGE_SELF)
         result = anyio.run(bench_serve.run, base, "qwen3", workload, float("inf"))
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        client_cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        watcher.join(120)
     finally:
         server.terminate()
         server.wait(60)
@@ -88,7 +137,8 @@ def main() -> None:
         f"`pagedserve serve` Qwen3-0.6B shapes (bf16, dummy weights), real BPE tokenizer at "
         f"151,936 tokens; {args.num_prompts} requests of {args.input_len} in / "
         f"{args.output_len} out sent at once, streamed, ignore_eos; server ready in "
-        f"{ready_s:.1f} s.",
+        f"{ready_s:.1f} s. The client process used {client_cpu_s:.1f} s of CPU in the "
+        f"{result['duration_s']:.1f} s run (per-actor busy %: {actors_out.name}).",
         "",
         "| completed | failed | duration s | output tok/s | req/s | TTFT p50 / p99 ms | "
         "TPOT p50 / p99 ms | ITL p50 / p99 ms |",
