@@ -230,7 +230,7 @@ def run_engine(
             pending.append(worker.execute(plan))
             check_views(sched, worker, plan)
             if track is not None:
-                most = max((len(r.inflight_steps) for r in sched.requests.values()), default=0)
+                most = max((r.num_inflight for r in sched.requests.values()), default=0)
                 track["max_inflight"] = max(track.get("max_inflight", 0), most)
             if plans is not None:
                 plans.append(plan)
@@ -485,7 +485,7 @@ def test_preempted_request_keeps_inflight_token_and_waits_for_it() -> None:
     assert [LABELS[r.seq] for r in sched.waiting] == ["new", "late"]  # back at the front
     new = sched.requests[handle_of(sched, "new")]
     assert new.status is RequestStatus.WAITING and new.block_table == []
-    assert len(new.inflight_steps) == 1
+    assert new.num_inflight == 1
     assert sched.stats().num_preemptions == 1
     assert abort(sched, ["old"])[0].finish_reason is FinishReason.ABORT
     p2 = sched.schedule()  # "new" must not resume while its token is in flight
@@ -493,7 +493,7 @@ def test_preempted_request_keeps_inflight_token_and_waits_for_it() -> None:
     assert labels(sched, p2.finished) == ["old"]
     outs = sched.update_from_result(result(sched, p0.step_id, {"old": 7, "new": 8}))
     assert [(o.handle, o.new_token_ids) for o in outs] == [(new.handle, [8])]  # token kept
-    assert new.token_ids == [3] * 8 + [8] and not new.inflight_steps
+    assert new.token_ids == [3] * 8 + [8] and not new.num_inflight
     p3 = sched.schedule()
     assert p3 is not None and labels(sched, p3.scheduled) == ["late", "new"]
     assert p3.new_requests[0].token_ids == [3] * 8 + [8]
@@ -528,7 +528,7 @@ def test_async_plan_before_result_schedules_one_decode() -> None:
     assert p0 is not None and p1 is not None
     assert p0.num_scheduled_tokens == [5] and p1.num_scheduled_tokens == [1]
     assert p1.cached_requests.num_computed_tokens == [5]
-    assert len(sched.requests[handle_of(sched, "a")].inflight_steps) == 2
+    assert sched.requests[handle_of(sched, "a")].num_inflight == 2
     o0 = sched.update_from_result(result(sched, p0.step_id, {"a": 9}))
     p2 = sched.schedule()  # third and last token
     assert p2 is not None and p2.num_scheduled_tokens == [1]
