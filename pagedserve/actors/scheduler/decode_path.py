@@ -67,9 +67,10 @@ class StepRecord:
 
 
 def plan_running(sched: Scheduler, plan: StepPlan, record: StepRecord, budget: int, cap: int
-                 ) -> int | None:  # fmt: skip
-    """Plan every running request that has tokens to compute; the budget left, or None (and
-    nothing changed) when the step is not one for the fast path."""
+                 ) -> tuple[int, bool] | None:  # fmt: skip
+    """Plan every running request that has tokens to compute: the budget left and whether it
+    preempted (never), as the scheduler's loop; None (and nothing changed) when the step is
+    not one for the fast path."""
     running, cols = sched.running, sched.columns
     rows = sched.running_rows()
     computed = cols.num_computed[rows]
@@ -107,7 +108,7 @@ def plan_running(sched: Scheduler, plan: StepPlan, record: StepRecord, budget: i
     bs = sched.block_size
     completes = np.minimum(end, lengths) // bs > np.minimum(computed, lengths) // bs
     record.to_cache += [reqs[i] for i in np.flatnonzero(completes).tolist()]
-    return budget - total
+    return budget - total, False
 
 
 def _grow_block_tables(
@@ -132,22 +133,10 @@ def apply_result(sched: Scheduler, record: StepRecord, result: StepResult
                  ) -> list[RequestOutput] | None:  # fmt: skip
     """The outputs of a plain result of `record`'s plan, or None (nothing changed) when it is
     not one for the fast path."""
-    if result.num_sampled or result.draft_token_ids or result.prompt_logprobs:
-        return None
-    if result.grammar_done or (result.logprobs is not None and any(result.logprobs)):
-        return None
-    if result.handles != record.handles or len(result.sampled_token_ids) != len(record.handles):
-        return None
     cols = sched.columns
-    reqs, handles, rows = record.requests, record.handles, record.rows
-    tokens = result.sampled_token_ids
-    if cols.wants_prompt_logprobs[rows].any():  # the first output of one may bring them
-        return None
-    live = cols.handle[rows] == record.row_handles
-    if not live.all():  # some finished since the plan: their tokens are dropped
-        keep = live.tolist()
-        reqs, handles = list(compress(reqs, keep)), list(compress(handles, keep))
-        tokens, rows = list(compress(tokens, keep)), rows[live]
+    if not _is_plain(result, record) or cols.wants_prompt_logprobs[record.rows].any():
+        return None  # (the first output of a request that wants them may carry them)
+    reqs, handles, tokens, logprobs, rows = _live(record, result, cols.handle)
     cols.num_inflight[rows] -= 1
     token_lists = list(map(_token_ids, reqs))
     for token_list, token in zip(token_lists, tokens):
@@ -157,9 +146,11 @@ def apply_result(sched: Scheduler, record: StepRecord, result: StepResult
     sampled = np.array(tokens, np.int64)
     outputs = list(map(RequestOutput, handles, sampled.reshape(-1, 1).tolist(), repeat(None),
                        repeat(None), repeat(None), map(_num_cached_tokens, reqs)))  # fmt: skip
-    for i in np.flatnonzero(
-        _may_end(sampled, lengths, cols.limit[rows], cols.stop_tokens)
-    ).tolist():
+    for i, lp in enumerate(logprobs or ()):
+        if lp is not None and reqs[i].sampling.logprobs is not None:
+            outputs[i].new_logprobs = [lp]
+    may_end = _may_end(sampled, lengths, cols.limit[rows], cols.stop_tokens)
+    for i in np.flatnonzero(may_end).tolist():
         _check_stop(sched, reqs[i], tokens[i], outputs[i])
     if sched.block_manager.enable_prefix_caching:  # a token that completes a computed block
         completes = (lengths % sched.block_size == 0) & (cols.num_computed[rows] >= lengths)
@@ -167,6 +158,35 @@ def apply_result(sched: Scheduler, record: StepRecord, result: StepResult
             if reqs[i].status is RequestStatus.RUNNING:
                 sched.block_manager.cache_full_blocks(reqs[i])
     return outputs
+
+
+def _is_plain(result: StepResult, record: StepRecord) -> bool:
+    """One token for each request the plan recorded, in its order, and nothing else but
+    logprobs."""
+    if result.num_sampled or result.draft_token_ids or result.prompt_logprobs:
+        return False
+    if result.grammar_done or result.handles != record.handles:
+        return False
+    num_tokens = len(record.handles)
+    logprobs = result.logprobs
+    return len(result.sampled_token_ids) == num_tokens and (
+        logprobs is None or len(logprobs) == num_tokens
+    )
+
+
+def _live(record: StepRecord, result: StepResult, row_handles: np.ndarray) -> tuple:
+    """Of the recorded requests, those not finished since the plan (requests, handles,
+    tokens, logprobs, rows): a finished request's row is free or another's now."""
+    reqs, handles, rows = record.requests, record.handles, record.rows
+    tokens, logprobs = result.sampled_token_ids, result.logprobs
+    live = row_handles[rows] == record.row_handles
+    if live.all():
+        return reqs, handles, tokens, logprobs, rows
+    keep = live.tolist()
+    reqs, handles = list(compress(reqs, keep)), list(compress(handles, keep))
+    tokens = list(compress(tokens, keep))
+    logprobs = None if logprobs is None else list(compress(logprobs, keep))
+    return reqs, handles, tokens, logprobs, rows[live]
 
 
 def _may_end(

@@ -48,6 +48,8 @@ from pagedserve.actors.scheduler.routes import RouteTable
 from pagedserve.config import EngineConfig
 from pagedserve.layout import plan_capacity
 
+_row = attrgetter("row")
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, epoch: int = 0) -> None:
@@ -144,9 +146,7 @@ class Scheduler:
         planned = None
         if self.running and self.spec is None and not self.pipelined:
             planned = decode_path.plan_running(self, plan, record, budget, cap)
-        budget, preempted = (
-            self._schedule_running(plan, budget, cap) if planned is None else (planned, False)
-        )
+        budget, preempted = planned or self._schedule_running(plan, budget, cap)
         if not preempted:  # a step that preempts admits nobody
             self._schedule_waiting(plan, budget, cap)
         if not plan.scheduled:
@@ -172,8 +172,7 @@ class Scheduler:
     def running_rows(self) -> np.ndarray:
         """The rows of the running requests, in their order."""
         if self._running_rows is None:
-            rows = map(attrgetter("row"), self.running)
-            self._running_rows = np.fromiter(rows, np.intp, len(self.running))
+            self._running_rows = np.fromiter(map(_row, self.running), np.intp, len(self.running))
         return self._running_rows
 
     def _schedule_running(self, plan: StepPlan, budget: int, cap: int) -> tuple[int, bool]:
@@ -191,7 +190,6 @@ class Scheduler:
             slots = self._slots(req.num_computed_tokens, n + len(drafts))
             while n and not self.block_manager.can_append(req, slots):
                 victim = self.running.pop()  # the newest running request
-                self._running_rows = None
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -217,7 +215,7 @@ class Scheduler:
                 return
             self.block_manager.allocate(req, cached, slots)
             req.num_computed_tokens = num_hit
-            self._count_admission(req, num_hit)
+            admission.count(self.counters, req, num_hit, self.config.enable_prefix_caching)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -287,17 +285,10 @@ class Scheduler:
         req.num_computed_tokens += n
         self._record.to_cache.append(req)
 
-    def _count_admission(self, req: Request, num_hit: int) -> None:
-        if self.config.enable_prefix_caching:
-            self.counters.prefix_cache_queries += req.num_tokens
-            self.counters.prefix_cache_hits += num_hit
-        if req.num_cached_tokens < 0:  # first time scheduled
-            req.num_cached_tokens = num_hit
-            self.counters.num_prompt_tokens += req.num_prompt_tokens
-
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks, forget the KV, queue at the front."""
         self.block_manager.deallocate(req)
+        self._running_rows = None
         req.num_computed_tokens = 0
         req.draft_token_ids = []
         req.status = RequestStatus.WAITING
@@ -311,7 +302,6 @@ class Scheduler:
         far), tokens in flight are forgotten, and so is the prefix cache."""
         while self.running:
             self._preempt(self.running.pop())
-        self._running_rows = None
         self._steps.clear()
         self.columns.num_inflight[:] = 0
         for req in self.requests.values():
