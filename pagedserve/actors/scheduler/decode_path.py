@@ -10,11 +10,12 @@ budget, request cap, free blocks) without speculative decoding or pipeline paral
 otherwise, and before it has changed anything, it hands the step to the scheduler's loop
 (preemption, chunking, drafts).
 
-Results: a result of plain tokens (no logprobs, drafts, prompt logprobs or grammar) for the
-requests its plan recorded, in the recorded order, is applied in bulk; only the requests that can
-end this step (their length reaches their limit, or the token is some live request's stop token)
-go through the scheduler's exact stop check, and only those whose new token completes a block
-through the prefix cache. Any other result takes the scheduler's loop.
+Results: a result of one token (and its logprobs, if any) for each request its plan
+recorded, in the recorded order (no drafts, prompt logprobs or grammar), is applied in bulk;
+only the requests that can end this step (their length reaches their limit, or the token is
+some live request's stop token) go through the exact stop check (Request.end_reason), and only
+those whose new token completes a computed block through the prefix cache. Any other result
+takes the scheduler's loop.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table already in the prefix cache
     in_worker: bool = False  # the worker holds it in its persistent batch
-    num_sent_tokens: int = 0  # pipeline parallelism: of token_ids, those the workers were sent
+    # pipeline parallelism (kept there only): of token_ids, those the workers were sent
+    num_sent_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache; -1: never scheduled
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
