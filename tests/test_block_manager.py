@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 from pagedserve.actors.messages import AddRequest, SamplingParams
 from pagedserve.actors.scheduler.block_manager import BlockManager, hash_block
 from pagedserve.actors.scheduler.request import Request
@@ -110,10 +108,10 @@ def test_only_blocks_of_known_tokens_are_cached() -> None:
     bm.allocate(req, [], 4)
     # The 4th slot holds a sampled token still in flight: computed but unknown.
     req.num_computed_tokens = 4
-    req.inflight_steps = deque([0])
+    req.num_inflight = 1
     bm.cache_full_blocks(req)
     assert bm.blocks[req.block_table[0]].hash is None and req.block_hashes == []
-    req.inflight_steps.popleft()
+    req.num_inflight = 0
     req.token_ids.append(4)  # the token arrives
     bm.cache_full_blocks(req)
     assert bm.blocks[req.block_table[0]].hash == hash_block(b"", [1, 2, 3, 4])

@@ -201,3 +201,65 @@ def test_sampling_params_validate_like_vllm() -> None:
             m.SamplingParams(**bad)
     assert m.SamplingParams(stop="x").stop == ["x"]
     assert m.SamplingParams(top_k=-1).top_k == 0
+
+
+async def test_frames_sent_before_a_peer_connects_arrive_in_order(tmp_path) -> None:
+    """A bound sender with no peer yet holds its frames (on the loop) and delivers them, in
+    the order sent, once one connects; a later send does not overtake a waiting one."""
+    address = f"ipc://{tmp_path}/plans.sock"
+    ctx = zmq.asyncio.Context()
+    sender: bus.Sender = bus.Sender(ctx, address, bind=True)
+    receiver: bus.Receiver | None = None
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, m.AbortRequest(seqs=[1]))
+                await anyio.sleep(0.05)
+                tg.start_soon(sender.send, m.AbortRequest(seqs=[2]))
+                await anyio.sleep(0.05)
+                receiver = bus.Receiver(ctx, address, m.SchedulerInbound, bind=False)
+            await sender.send(m.AbortRequest(seqs=[3]))
+            received = [await receiver.recv() for _ in range(3)]
+        assert [r.seqs for r in received] == [[1], [2], [3]]
+        assert receiver.recv_ready() == [] and not receiver.has_ready()
+    finally:
+        sender.close()
+        if receiver is not None:
+            receiver.close()
+        ctx.term()
+
+
+async def test_a_receiver_that_polls_first_still_lets_the_loop_run(tmp_path) -> None:
+    """poll_first_s: frames that come during the poll or long after it arrive in order, and
+    while it waits beyond the poll the loop runs other tasks."""
+    address = f"ipc://{tmp_path}/inbox.sock"
+    ctx = zmq.asyncio.Context()
+    receiver: bus.Receiver = bus.Receiver(ctx, address, m.SchedulerInbound, poll_first_s=0.01)
+    sender: bus.Sender = bus.Sender(ctx, address)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0.01)
+
+    async def send_later() -> None:
+        await sender.send(m.AbortRequest(seqs=[1]))
+        await anyio.sleep(0.3)  # far past the poll: the receiver waits on the loop
+        await sender.send(m.AbortRequest(seqs=[2]))
+        await sender.send(m.AbortRequest(seqs=[3]))
+
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(tick)
+                tg.start_soon(send_later)
+                received = [await receiver.recv() for _ in range(3)]
+                tg.cancel_scope.cancel()
+        assert [r.seqs for r in received] == [[1], [2], [3]]
+        assert ticks >= 10  # the ticker ran all along the 0.3 s wait
+    finally:
+        sender.close()
+        receiver.close()
+        ctx.term()

@@ -3,12 +3,14 @@
 A prompt (with the tokens a resubmitting client holds) that can never fit is a 400: it must
 leave room for output within max_model_len and within what the KV cache holds for one request.
 Beyond the waiting limit the engine is overloaded: a 503, which HTTP clients get with
-Retry-After (admission control keeps the waiting queue, and memory, bounded).
+Retry-After (admission control keeps the waiting queue, and memory, bounded). An admitted
+request's first scheduling is counted here too (prompt tokens, prefix-cache hits).
 """
 
 from __future__ import annotations
 
-from pagedserve.actors.messages import AddRequest
+from pagedserve.actors.messages import AddRequest, SchedulerStats
+from pagedserve.actors.scheduler.request import Request
 from pagedserve.config import EngineConfig
 
 
@@ -36,3 +38,13 @@ def refusal(
     if num_waiting >= max_waiting:
         return f"the engine is overloaded ({num_waiting} requests waiting); retry later", 503
     return None
+
+
+def count(counters: SchedulerStats, req: Request, num_hit: int, prefix_caching: bool) -> None:
+    """Count a request scheduled from waiting, `num_hit` of its tokens found cached."""
+    if prefix_caching:
+        counters.prefix_cache_queries += req.num_tokens
+        counters.prefix_cache_hits += num_hit
+    if req.num_cached_tokens < 0:  # first time scheduled
+        req.num_cached_tokens = num_hit
+        counters.num_prompt_tokens += req.num_prompt_tokens

@@ -120,6 +120,19 @@ class BlockManager:
         req.block_table.extend(new)
         return new
 
+    def append_slots_all(
+        self, reqs: list[Request], num_new_tokens: list[int]
+    ) -> list[list[int]] | None:
+        """append_slots for each of `reqs` at once: their new block ids, or None (and nothing
+        changed) when the free blocks do not hold them all."""
+        needed = [self.num_blocks_needed(r, n) for r, n in zip(reqs, num_new_tokens)]
+        if sum(needed) > len(self.free_queue):
+            return None
+        new = [[self._pop_free() for _ in range(k)] for k in needed]
+        for req, blocks in zip(reqs, new):
+            req.block_table += blocks
+        return new
+
     def cache_full_blocks(self, req: Request) -> None:
         """Register the blocks of `req` that are full of computed (or scheduled) tokens whose
         ids are all known."""

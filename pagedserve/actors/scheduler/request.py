@@ -1,18 +1,24 @@
-"""Scheduler-side state of one request: the one owner of its token history."""
+"""Scheduler-side state of one request: the one owner of its token history.
+
+Its counters that every step advances (`num_computed_tokens`, `num_inflight`) live in a row of
+the scheduler's `RequestColumns` (columns.py), which own them; the properties here read and
+write that row."""
 
 from __future__ import annotations
 
 import enum
-from collections import deque
+import sys
 from dataclasses import dataclass, field
 
 from pagedserve.actors.messages import (
     AddRequest,
     FinishReason,
+    RequestOutput,
     Route,
     SamplingParams,
     TokenLogprobs,
 )
+from pagedserve.actors.scheduler.columns import RequestColumns
 
 
 class RequestStatus(enum.IntEnum):
@@ -31,18 +37,17 @@ class Request:
     sampling: SamplingParams
     seed: int  # key of the request's counter-based RNG (see worker/sampler.py)
     eos_token_ids: frozenset[int]
+    columns: RequestColumns  # its row there (`row`) holds its counters while it is unfinished
+    row: int
     arrival_time: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
-    # Tokens whose KV is computed or scheduled to be (advanced when a plan is made).
-    num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of `token_ids` (content only; survives preemption).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table already in the prefix cache
-    # Step ids of the plans in flight that will sample a token for this request, oldest first.
-    inflight_steps: deque[int] = field(default_factory=deque)
     in_worker: bool = False  # the worker holds it in its persistent batch
-    num_sent_tokens: int = 0  # pipeline parallelism: of token_ids, those the workers were sent
+    # pipeline parallelism (kept there only): of token_ids, those the workers were sent
+    num_sent_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache; -1: never scheduled
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
@@ -56,9 +61,23 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @classmethod
-    def from_add(cls, msg: AddRequest, handle: int, seed: int) -> Request:
+    def from_add(
+        cls,
+        msg: AddRequest,
+        handle: int,
+        seed: int,
+        columns: RequestColumns | None = None,
+        max_len: int = sys.maxsize,
+    ) -> Request:
+        """The request, with a row in `columns` (a table of its own when none is given).
+        `max_len`: the most tokens it may hold (it ends by length there)."""
         eos = frozenset() if msg.sampling.ignore_eos else frozenset(msg.eos_token_ids)
-        return cls(
+        columns = columns if columns is not None else RequestColumns(capacity=1)
+        max_tokens = msg.sampling.max_tokens
+        limit = (
+            max_len if max_tokens is None else min(len(msg.prompt_token_ids) + max_tokens, max_len)
+        )
+        request = cls(
             handle=handle,
             client=msg.client,
             seq=msg.seq,
@@ -67,9 +86,44 @@ class Request:
             sampling=msg.sampling,
             seed=seed,
             eos_token_ids=eos,
+            columns=columns,
+            row=-1,
             arrival_time=msg.arrival_time,
             prompt_logprobs=[] if msg.sampling.prompt_logprobs is None else [None],
         )
+        wants_prompt_logprobs = msg.sampling.prompt_logprobs is not None
+        request.row = columns.add(handle, limit, request.stop_tokens, wants_prompt_logprobs)
+        return request
+
+    def release(self) -> None:
+        """It finished: give its row back (its counters read 0 from now on)."""
+        self.columns.release(self.row, self.stop_tokens)
+        self.row = -1
+
+    @property
+    def stop_tokens(self) -> frozenset[int]:
+        """The tokens that end it once it has min_tokens (EOS unless ignored, stop ids)."""
+        return self.eos_token_ids | frozenset(self.sampling.stop_token_ids or ())
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is computed or scheduled to be (advanced when a plan is made)."""
+        return int(self.columns.num_computed[self.row]) if self.row >= 0 else 0
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        assert self.row >= 0, "a finished request computes nothing"
+        self.columns.num_computed[self.row] = value
+
+    @property
+    def num_inflight(self) -> int:
+        """Plans in flight that will sample a token for it."""
+        return int(self.columns.num_inflight[self.row]) if self.row >= 0 else 0
+
+    @num_inflight.setter
+    def num_inflight(self, value: int) -> None:
+        assert self.row >= 0, "a finished request has no step in flight"
+        self.columns.num_inflight[self.row] = value
 
     @property
     def route_key(self) -> tuple[bytes, int]:
@@ -86,7 +140,34 @@ class Request:
     @property
     def num_tokens_with_inflight(self) -> int:
         """The tokens the worker will know when it runs the next plan."""
-        return len(self.token_ids) + len(self.inflight_steps)
+        return len(self.token_ids) + self.num_inflight
+
+    @property
+    def limit(self) -> int:
+        """Its length when it ends by length (max_tokens, or the most a request may hold)."""
+        return int(self.columns.limit[self.row])
+
+    def end_reason(self, token: int) -> FinishReason | None:
+        """Why it ends with `token`, its newest (None: it goes on); a stop token id is kept
+        as its stop_reason."""
+        num_output = len(self.token_ids) - self.num_prompt_tokens
+        if num_output >= self.sampling.min_tokens:
+            if token in self.eos_token_ids:
+                return FinishReason.STOP
+            stop_token_ids = self.sampling.stop_token_ids
+            if stop_token_ids and token in stop_token_ids:
+                self.stop_reason = token
+                return FinishReason.STOP
+        return FinishReason.LENGTH if len(self.token_ids) >= self.limit else None
+
+    def output(
+        self, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None
+    ) -> RequestOutput:
+        """Its output for the detokenizer: these new tokens, and how it ended if it did."""
+        return RequestOutput(
+            self.handle, new_token_ids, logprobs, self.finish_reason, self.stop_reason,
+            max(self.num_cached_tokens, 0), self.take_prompt_logprobs(),
+        )  # fmt: skip
 
     def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
         """Logprobs of prompt tokens start, start + 1, ...: the ones not held yet (a request

@@ -8,9 +8,11 @@ There are no prefill/decode phases: every step, each request's `num_computed_tok
 up with the tokens the worker will know for it, within one token budget. Running requests go
 first (in order), then waiting ones (FCFS). Plans are diffs against the worker's persistent
 batch. Scheduling is asynchronous: a plan may be made before the previous plan's result
-arrives, so each request counts the sampled tokens still in flight (`inflight_steps`); the
-worker appends its own sampled tokens, so it knows them when it runs the next plan (pipeline
-parallelism differs: see layout.plan_capacity)."""
+arrives, so each request counts the sampled tokens still in flight (`num_inflight`), and the
+scheduler records, for each plan in flight, the requests it samples for; the worker appends its
+own sampled tokens, so it knows them when it runs the next plan (pipeline parallelism differs:
+see layout.plan_capacity). A step of running decodes is planned, and its result applied, in
+bulk over the requests' counter columns (decode_path.py, columns.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ import itertools
 import random
 import sys
 from collections import deque
+from operator import attrgetter
 
 import msgspec
+import numpy as np
 
 from pagedserve.actors.messages import (
     EPOCH_SHIFT,
@@ -35,12 +39,16 @@ from pagedserve.actors.messages import (
     StepResult,
     TokenLogprobs,
 )
-from pagedserve.actors.scheduler import admission
+from pagedserve.actors.scheduler import admission, decode_path
 from pagedserve.actors.scheduler.block_manager import BlockManager
+from pagedserve.actors.scheduler.columns import RequestColumns
+from pagedserve.actors.scheduler.decode_path import StepRecord
 from pagedserve.actors.scheduler.request import Request, RequestStatus
 from pagedserve.actors.scheduler.routes import RouteTable
 from pagedserve.config import EngineConfig
 from pagedserve.layout import plan_capacity
+
+_row = attrgetter("row")
 
 
 class Scheduler:
@@ -56,9 +64,13 @@ class Scheduler:
             num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.requests: dict[int, Request] = {}  # unfinished requests by handle
+        self.columns = RequestColumns()  # their counters (one row each)
         self.routes = RouteTable()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest
+        self._running_rows: np.ndarray | None = None  # their rows; None: running changed
+        self._steps: dict[int, StepRecord] = {}  # the plans in flight, by step id
+        self._record = StepRecord()  # of the plan being made
         self.finished_handles: list[int] = []  # for the worker to drop, sent with the next plan
         self._handles = itertools.count(epoch << EPOCH_SHIFT)
         self._seeds = random.Random(config.seed + (epoch << 32))  # RNG keys of unseeded requests
@@ -85,12 +97,12 @@ class Scheduler:
             return RequestError(seq=msg.seq, message=refusal[0], status_code=refusal[1],
                                 client=msg.client)  # fmt: skip
         seed = msg.sampling.seed if msg.sampling.seed is not None else self._seeds.getrandbits(63)
-        request = Request.from_add(msg, next(self._handles), seed)
+        request = Request.from_add(msg, next(self._handles), seed, self.columns, self.max_len)
         self.requests[request.handle] = request
         self.routes.add(request)
         self.waiting.append(request)
         if msg.resume_token_ids:  # it may have ended with the tokens its client holds
-            reason = self._check_stop(request, request.token_ids[-1])
+            reason = request.end_reason(request.token_ids[-1])
             if reason is not None:
                 self._finish(request, reason)
         return request.route()
@@ -102,7 +114,7 @@ class Scheduler:
             req = self.routes.live.get((client, seq))
             if req is not None:
                 self._finish(req, FinishReason.ABORT)
-                outputs.append(self._output(req, [], None))
+                outputs.append(req.output([], None))
         return outputs
 
     def stop_requests(self, handles: list[int]) -> None:
@@ -128,16 +140,22 @@ class Scheduler:
             step_id=self.next_step_id, cached_requests=CachedRequestData([], [], [], []),
             propose=speculate,
         )  # fmt: skip
+        record = self._record = StepRecord()
         budget = self.config.max_num_batched_tokens
         cap = plan_capacity(self.config, len(self.running) + len(self.waiting))
-        budget, preempted = self._schedule_running(plan, budget, cap)
+        planned = None
+        if self.running and self.spec is None and not self.pipelined:
+            planned = decode_path.plan_running(self, plan, record, budget, cap)
+        budget, preempted = planned or self._schedule_running(plan, budget, cap)
         if not preempted:  # a step that preempts admits nobody
             self._schedule_waiting(plan, budget, cap)
         if not plan.scheduled:
             return None
         # Cached only now, so that no request in this plan reads KV that this plan writes.
-        for handle in plan.scheduled:
-            self.block_manager.cache_full_blocks(self.requests[handle])
+        for req in record.to_cache:
+            self.block_manager.cache_full_blocks(req)
+        if record.requests:
+            self._steps[plan.step_id] = record.seal(self.columns.handle)
         plan.finished, self.finished_handles = self.finished_handles, []
         plan.reset, self.reset_workers = self.reset_workers, False
         self.next_step_id += 1
@@ -151,13 +169,19 @@ class Scheduler:
         limit = self.spec.disable_by_batch_size
         return limit is None or len(self.running) <= limit
 
+    def running_rows(self) -> np.ndarray:
+        """The rows of the running requests, in their order."""
+        if self._running_rows is None:
+            self._running_rows = np.fromiter(map(_row, self.running), np.intp, len(self.running))
+        return self._running_rows
+
     def _schedule_running(self, plan: StepPlan, budget: int, cap: int) -> tuple[int, bool]:
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0 and len(plan.scheduled) < cap:
             req = self.running[i]
             i += 1
-            if req.inflight_steps and (plan.propose or req.num_drafts_in_flight or self.pipelined):
+            if req.num_inflight and (plan.propose or req.num_drafts_in_flight or self.pipelined):
                 # its next drafts, how many of its drafts hold, or (pipeline) its token, come
                 # with its result
                 continue
@@ -181,7 +205,7 @@ class Scheduler:
             full = len(self.running) >= self.config.max_num_seqs or len(plan.scheduled) >= cap
             if budget == 0 or full:
                 return
-            if req.inflight_steps:  # preempted with a token in flight: resume it later
+            if req.num_inflight:  # preempted with a token in flight: resume it later
                 continue
             cached = [] if req.prompt_logprobs else self.block_manager.find_cached_prefix(req)
             num_hit = len(cached) * self.block_size
@@ -191,10 +215,11 @@ class Scheduler:
                 return
             self.block_manager.allocate(req, cached, slots)
             req.num_computed_tokens = num_hit
-            self._count_admission(req, num_hit)
+            admission.count(self.counters, req, num_hit, self.config.enable_prefix_caching)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._running_rows = None
             self._add_to_plan(plan, req, n, [], [])
             budget -= n
 
@@ -208,14 +233,11 @@ class Scheduler:
     def _num_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens to compute for `req` now, or 0 where the chunk would sample a token that
         could only land past max_tokens / max_model_len."""
-        num_tokens = len(req.token_ids) + len(req.inflight_steps)
+        num_tokens = req.num_tokens_with_inflight
         need = num_tokens - req.num_computed_tokens
         if need > budget:
             return budget
-        max_tokens = req.sampling.max_tokens
-        if max_tokens is not None and num_tokens - req.num_prompt_tokens >= max_tokens:
-            return 0
-        return need if num_tokens < self.max_len else 0
+        return need if num_tokens < req.limit else 0
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts a decode of `req` verifies: its proposals, as many as the budget and the
@@ -258,20 +280,15 @@ class Scheduler:
             plan.spec_token_ids.append(drafts)
             req.draft_token_ids, req.num_drafts_in_flight = [], len(drafts)
         if req.num_computed_tokens + n == req.num_tokens_with_inflight + len(drafts):
-            req.inflight_steps.append(plan.step_id)  # this chunk ends in a sampled token
+            req.num_inflight += 1  # this chunk ends in a sampled token
+            self._record.add(req)
         req.num_computed_tokens += n
-
-    def _count_admission(self, req: Request, num_hit: int) -> None:
-        if self.config.enable_prefix_caching:
-            self.counters.prefix_cache_queries += req.num_tokens
-            self.counters.prefix_cache_hits += num_hit
-        if req.num_cached_tokens < 0:  # first time scheduled
-            req.num_cached_tokens = num_hit
-            self.counters.num_prompt_tokens += req.num_prompt_tokens
+        self._record.to_cache.append(req)
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks, forget the KV, queue at the front."""
         self.block_manager.deallocate(req)
+        self._running_rows = None
         req.num_computed_tokens = 0
         req.draft_token_ids = []
         req.status = RequestStatus.WAITING
@@ -285,8 +302,9 @@ class Scheduler:
         far), tokens in flight are forgotten, and so is the prefix cache."""
         while self.running:
             self._preempt(self.running.pop())
+        self._steps.clear()
+        self.columns.num_inflight[:] = 0
         for req in self.requests.values():
-            req.inflight_steps.clear()
             req.in_worker = False
             req.num_drafts_in_flight = 0
         self.finished_handles = []
@@ -296,22 +314,31 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def update_from_result(self, result: StepResult) -> list[RequestOutput]:
-        outputs = []
-        counts = result.num_sampled or [1] * len(result.handles)
-        logprobs = result.logprobs or [None] * len(result.sampled_token_ids)
         for chunk in result.prompt_logprobs:
             if chunk.handle in self.requests:
                 self.requests[chunk.handle].add_prompt_logprobs(chunk.start, chunk.logprobs)
+        record = self._steps.pop(result.step_id, None)
+        if record is None:  # a step not in flight (lost, or another scheduler's)
+            return []
+        outputs = decode_path.apply_result(self, record, result)
+        return outputs if outputs is not None else self._apply_tokens(record, result)
+
+    def _apply_tokens(self, record: StepRecord, result: StepResult) -> list[RequestOutput]:
+        """Each request's tokens of a step, in turn."""
+        outputs = []
+        counts = result.num_sampled or [1] * len(result.handles)
+        logprobs = result.logprobs or [None] * len(result.sampled_token_ids)
+        sampling = dict(zip(record.handles, record.requests))  # the requests the step samples
         grammar_done = set(result.grammar_done)
         start = 0
         for i, (handle, count) in enumerate(zip(result.handles, counts)):
             tokens = result.sampled_token_ids[start : start + count]
             token_logprobs = logprobs[start : start + count]
             start += count
-            req = self.requests.get(handle)
-            if req is None or not req.inflight_steps or req.inflight_steps[0] != result.step_id:
-                continue  # finished or aborted meanwhile (or a stale handle)
-            req.inflight_steps.popleft()
+            req = sampling.pop(handle, None)
+            if req is None or req.status is RequestStatus.FINISHED:
+                continue  # finished or aborted meanwhile (or a handle the step did not sample)
+            req.num_inflight -= 1
             outputs.append(self._append_tokens(req, tokens, token_logprobs, handle in grammar_done))
             if result.draft_token_ids and req.status is RequestStatus.RUNNING:
                 req.draft_token_ids = result.draft_token_ids[i]
@@ -330,7 +357,7 @@ class Scheduler:
             req.token_ids.append(token)
             kept.append(token)
             self.counters.num_generation_tokens += 1
-            reason = self._check_stop(req, token)
+            reason = req.end_reason(token)
             if reason is not None:
                 self._finish(req, reason)
                 break
@@ -339,7 +366,7 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.block_manager.cache_full_blocks(req)  # the tokens may complete a block
         use_lp = req.sampling.logprobs is not None and all(lp is not None for lp in logprobs)
-        return self._output(req, kept, logprobs[: len(kept)] if use_lp else None)  # type: ignore[arg-type]
+        return req.output(kept, logprobs[: len(kept)] if use_lp else None)  # type: ignore[arg-type]
 
     def _settle_drafts(self, req: Request, accepted: int) -> None:
         """Count the verified drafts, and roll the KV of the rejected ones back."""
@@ -352,31 +379,16 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             req.num_computed_tokens -= drafts - accepted
 
-    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
-        sampling = req.sampling
-        num_tokens = len(req.token_ids)
-        num_output = num_tokens - req.num_prompt_tokens
-        if num_output >= sampling.min_tokens:
-            if token in req.eos_token_ids:
-                return FinishReason.STOP
-            if sampling.stop_token_ids and token in sampling.stop_token_ids:
-                req.stop_reason = token
-                return FinishReason.STOP
-        max_tokens = sampling.max_tokens
-        if max_tokens is not None and num_output >= max_tokens:
-            return FinishReason.LENGTH
-        if num_tokens >= self.max_len:
-            return FinishReason.LENGTH
-        return None
-
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.block_manager.deallocate(req)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            self._running_rows = None
         else:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.release()
         del self.requests[req.handle]
         self.routes.finish(req)
         self._drop_from_worker(req)
@@ -385,11 +397,3 @@ class Scheduler:
         if req.in_worker:
             self.finished_handles.append(req.handle)
             req.in_worker = False
-
-    def _output(
-        self, req: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None
-    ) -> RequestOutput:
-        return RequestOutput(
-            req.handle, new_token_ids, logprobs, req.finish_reason, req.stop_reason,
-            max(req.num_cached_tokens, 0), req.take_prompt_logprobs(),
-        )  # fmt: skip
