@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -57,6 +58,11 @@ def wait_healthy(base: str, server: subprocess.Popen, timeout_s: float) -> float
     raise TimeoutError("the server did not become healthy")
 
 
+def client_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -78,7 +84,9 @@ def main() -> None:
         warm = bench.random_workload(16, *lengths, 4096, seed=1)
         anyio.run(bench_serve.run, base, "qwen3", warm, float("inf"))
         workload = bench.random_workload(args.num_prompts, *lengths, 4096, seed=0)
+        cpu_before = client_cpu_s()
         result = anyio.run(bench_serve.run, base, "qwen3", workload, float("inf"))
+        client_s = client_cpu_s() - cpu_before
     finally:
         server.terminate()
         server.wait(60)
@@ -88,7 +96,8 @@ def main() -> None:
         f"`pagedserve serve` Qwen3-0.6B shapes (bf16, dummy weights), real BPE tokenizer at "
         f"151,936 tokens; {args.num_prompts} requests of {args.input_len} in / "
         f"{args.output_len} out sent at once, streamed, ignore_eos; server ready in "
-        f"{ready_s:.1f} s.",
+        f"{ready_s:.1f} s. The client (this process) used {client_s:.1f} s of CPU in the "
+        f"{result['duration_s']:.1f} s run, for {result['total_events']} events.",
         "",
         "| completed | failed | duration s | output tok/s | req/s | TTFT p50 / p99 ms | "
         "TPOT p50 / p99 ms | ITL p50 / p99 ms |",
