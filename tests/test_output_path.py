@@ -4,6 +4,8 @@ event parsing, fed in every split a socket may give."""
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 import msgspec
 import pytest
@@ -12,7 +14,12 @@ from pagedserve.actors.messages import FinishReason, RequestDelta, RequestError,
 from pagedserve.api.bench_serve import CHUNK_DECODER, RequestTiming, record
 from pagedserve.api.client import DeltaCollector
 from pagedserve.api.client_core import merge_delta
-from pagedserve.api.sse_client import ChunkedDecoder, EventSplitter
+from pagedserve.api.sse_client import (
+    ChunkedDecoder,
+    EventSplitter,
+    HTTPStatusError,
+    stream_events,
+)
 
 
 def _logprob(token: int) -> TokenLogprobs:
@@ -114,3 +121,47 @@ def test_the_benchmark_reads_arrivals_and_the_token_count() -> None:
     assert len(timing.stamps) == 2 and timing.num_tokens == 2
     with pytest.raises(msgspec.DecodeError):
         CHUNK_DECODER.decode(b'{"choices": 3}')
+
+
+async def _answer(response: bytes, pieces: int) -> list[bytes]:
+    """The payloads `stream_events` reads from a server that answers `response` in `pieces`
+    writes (then closes the connection)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        step = max(1, len(response) // pieces)
+        for start in range(0, len(response), step):
+            writer.write(response[start : start + step])
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    payloads: list[bytes] = []
+    try:
+        await stream_events(f"http://127.0.0.1:{port}/v1/completions", b"{}", payloads.extend)
+    finally:
+        server.close()
+    return payloads
+
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+SSE = b"".join(b"data: " + event + b"\n\n" for event in EVENTS)
+
+
+@pytest.mark.parametrize("pieces", [1, 5, 40])
+async def test_stream_events_reads_chunked_sized_and_close_delimited_bodies(pieces) -> None:
+    chunked = HEAD + b"transfer-encoding: chunked\r\n\r\n" + _chunked([SSE[:50], SSE[50:]])
+    sized = HEAD + b"content-length: %d\r\n\r\n" % len(SSE) + SSE
+    delimited = HEAD + b"\r\n" + SSE
+    for response in (chunked, sized, delimited):
+        assert await _answer(response, pieces) == EVENTS
+
+
+async def test_stream_events_fails_on_an_error_status_or_a_cut_body() -> None:
+    with pytest.raises(HTTPStatusError, match="404"):
+        await _answer(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", 1)
+    cut = HEAD + b"transfer-encoding: chunked\r\n\r\n" + _chunked([SSE])[:-20]
+    with pytest.raises(OSError):
+        await _answer(cut, 3)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import anyio
@@ -82,14 +81,16 @@ async def stream_one(url: str, model: str, prompt: list[int], max_tokens: int) -
     encoded = msgspec.json.encode(body)
     timing = RequestTiming(start=time.perf_counter())
     try:
-        async with aclosing(stream_events(url, encoded)) as reads:
-            async for events in reads:
-                for data in events:
-                    if data != b"[DONE]":
-                        record(timing, CHUNK_DECODER.decode(data))
-    except (HTTPStatusError, OSError, ValueError, msgspec.DecodeError, anyio.EndOfStream) as exc:
+        await stream_events(url, encoded, lambda events: record_events(timing, events))
+    except (HTTPStatusError, OSError, ValueError, msgspec.DecodeError) as exc:
         timing.error = str(exc) or type(exc).__name__
     return timing
+
+
+def record_events(timing: RequestTiming, events: list[bytes]) -> None:
+    for data in events:
+        if data != b"[DONE]":
+            record(timing, CHUNK_DECODER.decode(data))
 
 
 def record(timing: RequestTiming, chunk: StreamChunk) -> None:

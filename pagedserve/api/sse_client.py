@@ -3,21 +3,19 @@ server-sent events of the response as they arrive.
 
 A benchmark client must cost far less per event than the server it measures: one Python
 process parses every event of 1,000 streams. httpx spends tens of microseconds per event (h11's
-state machine for each HTTP chunk, several async-iterator layers, a line decoder); here each
-read from the socket (often many events at once) is split into chunks and events with a few
-`bytes.find` calls. It speaks just enough HTTP for that: one request per connection, a
-chunked, sized or close-delimited body, no TLS, no redirects.
+state machine for each HTTP chunk, several async-iterator layers, a line decoder). Here an
+asyncio protocol parses each read from the socket (often many events at once) in its
+`data_received`, into chunks and events with a few `bytes.find` calls, and hands them to a
+callback: no task wakes up per read. It speaks just enough HTTP for that: one request per
+connection, a chunked, sized or close-delimited body, no TLS, no redirects.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
-import anyio
-import anyio.abc
-
-READ_SIZE = 1 << 16
 MAX_HEAD_BYTES = 1 << 16
 
 
@@ -82,44 +80,88 @@ def _request(url: str, body: bytes) -> tuple[str, int, bytes]:
     return parts.hostname, port, head.encode() + body
 
 
-async def _read_head(stream: anyio.abc.ByteStream) -> tuple[int, dict[bytes, bytes], bytes]:
-    """The status, the headers (lower-case names) and the body bytes read with them."""
-    data = b""
-    while (end := data.find(b"\r\n\r\n")) < 0:
-        if len(data) > MAX_HEAD_BYTES:
-            raise ValueError("the response head is too long")
-        data += await stream.receive(READ_SIZE)
-    status_line, *lines = data[:end].split(b"\r\n")
-    headers = {}
-    for line in lines:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
-    return int(status_line.split()[1]), headers, data[end + 4 :]
+class EventStreamProtocol(asyncio.Protocol):
+    """One response, parsed as its bytes arrive (no task wakes per read): the head, then the
+    body's events, handed to `on_events` (a list per read) from `data_received` itself."""
+
+    def __init__(self, on_events: Callable[[list[bytes]], None]) -> None:
+        self.on_events = on_events
+        self.finished = asyncio.get_running_loop().create_future()
+        self._head = b""
+        self._chunks: ChunkedDecoder | None = None  # None: a sized or close-delimited body
+        self._length = -1  # of a sized body
+        self._received = 0
+        self._events: EventSplitter | None = None  # set once the head has been read
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            if self._events is None:
+                data = self._read_head(data)
+            if self._events is not None and not self.finished.done():
+                self._read_body(data)
+        except Exception as exc:  # a bad head or event: the request fails with it
+            self._finish(exc)
+
+    def _read_head(self, data: bytes) -> bytes:
+        self._head += data
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._head) > MAX_HEAD_BYTES:
+                raise ValueError("the response head is too long")
+            return b""
+        status_line, *lines = self._head[:end].split(b"\r\n")
+        if int(status_line.split()[1]) != 200:
+            raise HTTPStatusError(status_line.decode(errors="replace"))
+        headers = {}
+        for line in lines:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+            self._chunks = ChunkedDecoder()
+        self._length = int(headers.get(b"content-length", -1))
+        self._events = EventSplitter()
+        return self._head[end + 4 :]
+
+    def _read_body(self, data: bytes) -> None:
+        assert self._events is not None
+        self._received += len(data)
+        events = self._events.feed(data if self._chunks is None else self._chunks.feed(data))
+        if events:
+            self.on_events(events)
+        if self._chunks.done if self._chunks is not None else self._received == self._length:
+            self._finish(None)
+
+    def _finish(self, error: Exception | None) -> None:
+        if not self.finished.done():
+            if error is None:
+                self.finished.set_result(None)
+            else:
+                self.finished.set_exception(error)
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        delimited = self._events is not None and self._chunks is None and self._length < 0
+        if not self.finished.done() and delimited and exc is None:
+            self.finished.set_result(None)  # a body delimited by the connection's end
+        elif not self.finished.done():
+            self.finished.set_exception(exc or ConnectionError("closed before the response ended"))
 
 
-async def stream_events(url: str, body: bytes) -> AsyncIterator[list[bytes]]:
-    """POST `body` (JSON) to `url`; yield the events' data payloads (`[DONE]` included) that
-    each read from the socket completes. Raises HTTPStatusError for a status other than 200,
-    anyio's stream errors (EndOfStream: the server closed before the body ended)."""
+async def stream_events(url: str, body: bytes, on_events: Callable[[list[bytes]], None]) -> None:
+    """POST `body` (JSON) to `url` and hand the events' data payloads (`[DONE]` included) to
+    `on_events`, a list for each read from the socket, until the response ends. Raises
+    HTTPStatusError for a status other than 200, OSError when the connection fails or ends
+    early, and what `on_events` raises. asyncio only."""
     host, port, request = _request(url, body)
-    async with await anyio.connect_tcp(host, port) as stream:
-        await stream.send(request)
-        status, headers, data = await _read_head(stream)
-        chunked = headers.get(b"transfer-encoding", b"").lower() == b"chunked"
-        if status != 200:
-            raise HTTPStatusError(f"HTTP {status}")
-        length = int(headers.get(b"content-length", -1))
-        body_decoder, splitter, received = ChunkedDecoder(), EventSplitter(), 0
-        while True:
-            received += len(data)
-            events = splitter.feed(body_decoder.feed(data) if chunked else data)
-            if events:
-                yield events
-            if body_decoder.done if chunked else received == length:
-                return
-            try:
-                data = await stream.receive(READ_SIZE)
-            except anyio.EndOfStream:
-                if chunked or length >= 0:
-                    raise
-                return  # a body delimited by the connection's end
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.create_connection(
+        lambda: EventStreamProtocol(on_events), host, port
+    )
+    try:
+        transport.write(request)
+        await protocol.finished
+    finally:
+        transport.close()

@@ -126,10 +126,12 @@ async def follow_streams(url: str, streams: int, tokens: int) -> tuple[int, int]
     body = msgspec.json.encode({"prompt": "To be", "max_tokens": tokens, "stream": True})
     counts = [0, 0]
 
+    def count(events: list[bytes]) -> None:
+        counts[1] += b"[DONE]" in events
+        counts[0] += sum(bool(msgspec.json.decode(e)["choices"]) for e in events if e[0] == 123)
+
     async def one() -> None:
-        async for events in stream_events(url + "/v1/completions", body):
-            counts[1] += b"[DONE]" in events
-            counts[0] += sum(bool(msgspec.json.decode(e)["choices"]) for e in events if e[0] == 123)
+        await stream_events(url + "/v1/completions", body, count)
 
     async with anyio.create_task_group() as tg:
         for _ in range(streams):
