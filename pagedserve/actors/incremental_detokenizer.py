@@ -202,6 +202,7 @@ class StopStringMatcher:
         self._include = include_stop
         self._prefixes = {s[:k] for s in stops for k in range(1, len(s))}
         self._max_hold = max((len(s) for s in stops), default=1) - 1
+        self._firsts = {s[0] for s in stops if len(s) > 1}  # where a held suffix starts
         self._pending = ""  # decoded text not yet emitted
 
     def feed(self, text: str, flush: bool) -> tuple[str, str | None]:
@@ -227,6 +228,9 @@ class StopStringMatcher:
 
     def _hold_length(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
+        tail = buf[-self._max_hold :]  # (all of buf when _max_hold is 0, but then no _firsts)
+        if not any(first in tail for first in self._firsts):
+            return 0  # no stop string can start in the last characters (the common case)
         for k in range(min(len(buf), self._max_hold), 0, -1):
             if buf[-k:] in self._prefixes:
                 return k
