@@ -254,8 +254,10 @@ def test_special_tokens_sentencepiece(tok):
         assert "".join(deltas) == tok.decode(out, skip_special_tokens=skip)
 
 
-def test_decode_window_stays_small(bl, monkeypatch):
+@pytest.mark.parametrize("name", ["llama", "metaspace"])
+def test_decode_window_stays_small(tokenizers_by_name, name, monkeypatch):
     """O(1) per token: each decode covers only a few tokens, however long the output."""
+    tok = tokenizers_by_name[name]
     windows: list[int] = []
     real = TokenDecoder.decoder
 
@@ -264,12 +266,65 @@ def test_decode_window_stays_small(bl, monkeypatch):
         return lambda ids: (windows.append(len(ids)), decode(ids))[1]
 
     monkeypatch.setattr(TokenDecoder, "decoder", spy)
-    out = _encode(bl, " ".join(TEXTS) * 20)
+    out = _encode(tok, " ".join(TEXTS) * 20)
     assert len(out) > 2000
-    prompt = _encode(bl, "some prompt text here")
-    d, deltas, _ = _stream(bl, prompt, out)
-    assert "".join(deltas) == bl.decode(out)
+    prompt = _encode(tok, "some prompt text here")
+    d, deltas, _ = _stream(tok, prompt, out)
+    assert "".join(deltas) == tok.decode(prompt + out)[len(tok.decode(prompt)) :]
     assert max(windows) <= 16
+
+
+def test_bytelevel_streams_by_table_lookups(bl, monkeypatch):
+    """Byte-level BPE: no call into the tokenizer per token (one decode of the prompt's last
+    tokens, to know its text ends on a character boundary)."""
+    calls: list[int] = []
+    real = TokenDecoder.decoder
+
+    def spy(self, skip):
+        decode = real(self, skip)
+        return lambda ids: (calls.append(len(ids)), decode(ids))[1]
+
+    monkeypatch.setattr(TokenDecoder, "decoder", spy)
+    out = _encode(bl, " ".join(TEXTS) * 20)
+    _, deltas, _ = _stream(bl, _encode(bl, "some prompt"), out)
+    assert "".join(deltas) == bl.decode(out) and len(calls) == 1
+    assert "🦀" in deltas  # a character split over tokens is emitted whole
+
+
+def test_bytelevel_prompt_ending_inside_a_character(bl):
+    """A prompt whose last tokens hold the first bytes of a character: the output's text is
+    what it adds to the prompt's (the decode window's way)."""
+    ids = _encode(bl, "emoji 🦀 crab")
+    for k in range(1, len(ids)):
+        prompt, out = ids[:k], ids[k:]
+        full, prefix = bl.decode(ids), bl.decode(prompt)
+        _, deltas, _ = _stream(bl, prompt, out)
+        if not prefix.endswith(FFFD):
+            assert "".join(deltas) == full[len(prefix) :] == bl.decode(out), k
+        else:
+            assert "".join(deltas).endswith(" crab"), k
+
+
+def test_bytelevel_added_tokens_special_or_not(bl):
+    """Added tokens (special and not, and text outside the byte alphabet) between bytes of
+    split characters, streamed one at a time and in random chunks: exactly decode()."""
+    tok = Tokenizer.from_str(bl.backend_tokenizer.to_str())
+    tok.add_tokens(["<tool>", "é x", "ñ"])
+    fast = _wrap(tok, eos_token="<|endoftext|>")
+    added = [fast.convert_tokens_to_ids(t) for t in ("<tool>", "é x", "ñ", "<|im_end|>")]
+    rng = random.Random(3)
+    pieces = [_encode(fast, t) for t in TEXTS] + [[a] for a in added]
+    for _ in range(300):
+        ids = [i for _ in range(rng.randint(1, 12)) for i in rng.choice(pieces)]
+        cut = rng.randrange(len(ids) + 1)  # split a character now and then
+        ids = ids[:cut] + [rng.randrange(len(fast))] + ids[cut:]
+        chunks, left = [], len(ids)
+        while left:
+            chunks.append(min(left, rng.randint(1, 3)))
+            left -= chunks[-1]
+        for skip in (True, False):
+            _, deltas, _ = _stream(fast, [], ids, chunks=chunks, skip_special_tokens=skip)
+            assert "".join(deltas) == fast.decode(ids, skip_special_tokens=skip), (ids, skip)
 
 
 # ---------------------------------------------------------------- stop strings

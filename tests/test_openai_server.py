@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import json
 import re
 import socket
@@ -188,6 +189,33 @@ def test_http_zmq_and_offline_agree_with_the_same_seed(server, api, model_path: 
         offline = llm.generate("O Romeo", SamplingParams(**params))[0].outputs[0].text
     assert http_text == zmq_text == async_text == offline
     assert len(http_text) > 0
+
+
+def test_a_consumer_that_falls_behind_gets_the_waiting_deltas_merged(server) -> None:
+    """The async client (the HTTP server's way to the engine) merges the deltas its consumer
+    has not taken yet: fewer, larger deltas with the same tokens, text and logprobs, and one
+    final delta, last."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+
+    async def run(pause_s: float) -> list:
+        async with AsyncClient(server[0].addresses.engine_address) as client:
+            deltas = []
+            async for delta in client.generate("O Romeo", params):
+                deltas.append(delta)
+                await anyio.sleep(pause_s if len(deltas) == 1 else 0)
+            return deltas
+
+    steady, behind = anyio.run(run, 0.0), anyio.run(run, 1.0)
+    for deltas in (steady, behind):
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert len(tokens) == 40
+        assert [e.token_id for d in deltas for e in d.logprobs] == tokens
+        assert [d.finish_reason is not None for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        offsets = itertools.accumulate((len(d.token_ids) for d in deltas[:-1]), initial=0)
+        assert [d.token_offset for d in deltas] == list(offsets)
+    assert "".join(d.text for d in behind) == "".join(d.text for d in steady)
+    assert [t for d in behind for t in d.token_ids] == [t for d in steady for t in d.token_ids]
+    assert len(behind) < len(steady) and max(len(d.token_ids) for d in behind) > 1
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,17 @@ The output text is the text the output tokens add after the prompt, i.e.
 so a SentencePiece word-start token keeps its leading space. With an empty prompt (and always
 for byte-level BPE) this equals `decode(output)`. Decoding never applies HF's
 `clean_up_tokenization_spaces` (it is not incremental).
+
+Byte-level BPE (GPT-2, Llama 3, Qwen: a tokenizer whose decoder is exactly `ByteLevel`) takes a
+fast path, `ByteLevelStream`: a token's bytes are a cached table lookup and an incremental
+UTF-8 decoder holds back an incomplete character, with no call into the tokenizer per token
+(when the prompt's text ends on a character boundary, as it nearly always does; else the
+window). It streams exactly what `decode` gives (the tests check it against the Rust decoder).
 """
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +50,7 @@ class TokenDecoder:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.special_ids = special_token_ids(tokenizer)
+        self.byte_level = ByteLevelVocab.of(tokenizer, self.special_ids)
 
     @classmethod
     def load(cls, path: str) -> TokenDecoder:
@@ -60,6 +68,52 @@ class TokenDecoder:
         return lambda ids: self.tokenizer.decode(
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte alphabet, reversed: the character that stands for each byte -> the byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {byte: chr(byte) for byte in printable}
+    for extra, byte in enumerate(b for b in range(256) if b not in chars):
+        chars[byte] = chr(256 + extra)
+    return {char: byte for byte, char in chars.items()}
+
+
+BYTE_OF_CHAR = _byte_of_char()
+
+
+class ByteLevelVocab:
+    """The bytes of each token of a byte-level BPE tokenizer, looked up once and cached.
+
+    As the Rust `ByteLevel` decoder does for every token it decodes, added tokens included: a
+    token whose every character is in the byte alphabet is those bytes, any other token is its
+    own UTF-8; the text is then the UTF-8 decoding (invalid bytes replaced) of all the bytes."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, special_ids: set[int]) -> None:
+        self._tokenizer = tokenizer
+        self._bytes: dict[int, bytes] = {}
+        self.special_ids = special_ids
+
+    @classmethod
+    def of(cls, tokenizer: Any, special_ids: set[int]) -> ByteLevelVocab | None:
+        """The vocabulary of a Rust tokenizer whose decoder is exactly ByteLevel, else None."""
+        rust = getattr(tokenizer, "_tokenizer", tokenizer)
+        if isinstance(rust, tokenizers.Tokenizer) and isinstance(
+            rust.decoder, tokenizers.decoders.ByteLevel
+        ):
+            return cls(rust, special_ids)
+        return None
+
+    def bytes_of(self, token_id: int) -> bytes:
+        cached = self._bytes.get(token_id)
+        if cached is None:
+            token = self._tokenizer.id_to_token(token_id) or ""  # an unknown id decodes to ""
+            try:
+                cached = bytes([BYTE_OF_CHAR[char] for char in token])
+            except KeyError:
+                cached = token.encode()
+            self._bytes[token_id] = cached
+        return cached
 
 
 def special_token_ids(tokenizer: Any) -> set[int]:
@@ -119,6 +173,27 @@ class TokenStream:
         self._prefix, self._read = 0, len(self._ids)
 
 
+class ByteLevelStream:
+    """Token ids in, text deltas out, for byte-level BPE: table lookups and an incremental
+    UTF-8 decoder (which holds back an incomplete character and replaces invalid bytes as
+    `decode` does). Starts on a character boundary: the output's text is decode(output)."""
+
+    def __init__(self, vocab: ByteLevelVocab, skip_special_tokens: bool) -> None:
+        self._vocab = vocab
+        self._skipped = vocab.special_ids if skip_special_tokens else set()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def push(self, new_ids: list[int], flush: bool) -> str:
+        """Append tokens; return the text they complete (all pending text when `flush`)."""
+        vocab, skipped = self._vocab, self._skipped
+        if len(new_ids) == 1:
+            token_id = new_ids[0]
+            data = b"" if token_id in skipped else vocab.bytes_of(token_id)
+        else:
+            data = b"".join([vocab.bytes_of(t) for t in new_ids if t not in skipped])
+        return self._utf8.decode(data, flush)
+
+
 class StopStringMatcher:
     """Finds stop strings in streamed text and holds back text that may start one."""
 
@@ -127,6 +202,7 @@ class StopStringMatcher:
         self._include = include_stop
         self._prefixes = {s[:k] for s in stops for k in range(1, len(s))}
         self._max_hold = max((len(s) for s in stops), default=1) - 1
+        self._firsts = {s[0] for s in stops if len(s) > 1}  # where a held suffix starts
         self._pending = ""  # decoded text not yet emitted
 
     def feed(self, text: str, flush: bool) -> tuple[str, str | None]:
@@ -152,6 +228,9 @@ class StopStringMatcher:
 
     def _hold_length(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
+        tail = buf[-self._max_hold :]  # (all of buf when _max_hold is 0, but then no _firsts)
+        if not any(first in tail for first in self._firsts):
+            return 0  # no stop string can start in the last characters (the common case)
         for k in range(min(len(buf), self._max_hold), 0, -1):
             if buf[-k:] in self._prefixes:
                 return k
@@ -164,20 +243,34 @@ class IncrementalDetokenizer:
     def __init__(
         self, decoder: TokenDecoder, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> None:
-        skip = sampling.skip_special_tokens
-        decode = decoder.decoder(skip)
-        special = decoder.special_ids if skip else set()
-        context = prompt_context(decode, prompt_token_ids, special, skip)
-        self._stream = TokenStream(decode, context)
+        self._stream = self._token_stream(decoder, prompt_token_ids, sampling.skip_special_tokens)
         stops = sampling.stop_strings
-        self._matcher = StopStringMatcher(stops, sampling.include_stop_str_in_output)
+        self._matcher = None
+        if stops:
+            self._matcher = StopStringMatcher(stops, sampling.include_stop_str_in_output)
         self._done = False
+
+    @staticmethod
+    def _token_stream(
+        decoder: TokenDecoder, prompt_token_ids: list[int], skip: bool
+    ) -> TokenStream | ByteLevelStream:
+        """The byte-level fast path when the prompt's text ends on a character boundary (its
+        last tokens' text does not end in U+FFFD), else the decode window."""
+        decode = decoder.decoder(skip)
+        tail = prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
+        if decoder.byte_level is not None and not decode(tail).endswith(REPLACEMENT_CHAR):
+            return ByteLevelStream(decoder.byte_level, skip)
+        special = decoder.special_ids if skip else set()
+        return TokenStream(decode, prompt_context(decode, prompt_token_ids, special, skip))
 
     def update(self, new_token_ids: list[int], finished: bool) -> DetokenizeResult:
         """Add sampled tokens; `finished` flushes held-back text (the request ended)."""
         if self._done:
             return DetokenizeResult("")
         text = self._stream.push(new_token_ids, flush=finished)
+        self._done = finished
+        if self._matcher is None:
+            return DetokenizeResult(text)
         delta, stop = self._matcher.feed(text, flush=finished)
         self._done = finished or stop is not None
         return DetokenizeResult(delta, stop)

@@ -10,10 +10,15 @@
             ...
 
 A client sends requests to the tokenizer and receives from the detokenizer (one DEALER each,
-under one identity). Connecting waits for the engine's Welcome (EngineUnavailableError after
-`connect_timeout_s`); while requests wait, the client pings the engine every second, and if the
-engine stays silent for `liveness_timeout_s`, every waiting request ends with a 503 error: no
-call waits without a deadline (silence is measured from the oldest ping still unanswered).
+under one identity). The async client hands each request's events to its consumer through a
+`DeltaCollector`: deltas that arrive while the consumer is still busy with an earlier one are
+merged into one (as vLLM's output collector does), so a consumer that falls behind catches up
+with fewer, larger deltas instead of a queue.
+
+Connecting waits for the engine's Welcome (EngineUnavailableError after `connect_timeout_s`);
+while requests wait, the client pings the engine every second, and if the engine stays silent
+for `liveness_timeout_s`, every waiting request ends with a 503 error: no call waits without a
+deadline (silence is measured from the oldest ping still unanswered).
 Resubmission after an engine restart: see client_core.py.
 
 Every engine socket is authenticated (actors/security.py): `credentials` is the run's
@@ -39,6 +44,7 @@ from pagedserve.actors.messages import (
     Hello,
     Ping,
     Pong,
+    RequestDelta,
     RequestError,
     SamplingParams,
     SchedulerStats,
@@ -56,6 +62,7 @@ from pagedserve.api.client_core import (
     Event,
     Prompt,
     fan_out,
+    merge_delta,
     raise_if_error,
 )
 
@@ -222,6 +229,35 @@ class Client:
         self.close()
 
 
+class DeltaCollector:
+    """One request's events on their way to its consumer: at most one delta waits (later ones
+    merge into it) and then at most one final event (an error, or the stats asked for)."""
+
+    def __init__(self) -> None:
+        self._delta: RequestDelta | None = None
+        self._last: Event | None = None  # RequestError or SchedulerStats: nothing follows it
+        self._ready = anyio.Event()
+
+    def put(self, event: Event) -> None:
+        if not isinstance(event, RequestDelta):
+            self._last = event
+        elif self._delta is None:
+            self._delta = event
+        else:
+            merge_delta(self._delta, event)
+        self._ready.set()
+
+    async def get(self) -> Event:
+        """The next event: the waiting deltas merged into one, else the final event."""
+        while self._delta is None and self._last is None:
+            await self._ready.wait()
+            self._ready = anyio.Event()
+        event, self._delta = self._delta, None
+        if event is None:
+            event, self._last = self._last, None
+        return event  # type: ignore[return-value]
+
+
 class AsyncClient:
     """Asynchronous client: two sockets, a reader task, a keep-alive task, a stream per
     request."""
@@ -243,7 +279,7 @@ class AsyncClient:
         self._requests = bus.dealer_socket(self._ctx, addresses.requests, self.core.identity)
         self._outputs = bus.dealer_socket(self._ctx, addresses.outputs, self.core.identity)
         self._codec: bus.Codec[Any] = bus.Codec(ClientOutbound, "async-client")
-        self._streams: dict[int, anyio.abc.ObjectSendStream] = {}  # by seq
+        self._collectors: dict[int, DeltaCollector] = {}  # by seq
         self._connected = anyio.Event()
         self._unanswered_since: float | None = None  # the oldest ping with no frame since
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -300,42 +336,33 @@ class AsyncClient:
                     self._deliver(event)
 
     def _deliver(self, event: Event) -> None:
-        stream = self._streams.get(event.seq)
-        if stream is None:
-            return
-        try:
-            stream.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.WouldBlock):
-            pass  # its consumer left (an abort is on its way)
+        collector = self._collectors.get(event.seq)
+        if collector is not None:  # else its consumer left (an abort is on its way)
+            collector.put(event)
 
-    def _open(self, seq: int) -> anyio.abc.ObjectReceiveStream:
-        send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=1 << 16)
-        self._streams[seq] = send
-        return receive
+    def _open(self, seq: int) -> DeltaCollector:
+        collector = self._collectors[seq] = DeltaCollector()
+        return collector
 
     def _close(self, seq: int) -> None:
-        stream = self._streams.pop(seq, None)
-        if stream is not None:
-            stream.close()
+        self._collectors.pop(seq, None)
 
     async def generate(
         self, prompt: Prompt, sampling: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[Any]:
-        """Stream one request's deltas (`request_id`: a label for them); leaving the loop early
-        aborts the request."""
+        """Stream one request's deltas (`request_id`: a label for them; deltas that wait for
+        the consumer arrive merged); leaving the loop early aborts the request."""
         request = self.core.track(prompt, sampling or SamplingParams(), request_id)
         raise_if_error(self.core.refusal(request.seq))
-        receive = self._open(request.seq)
+        collector = self._open(request.seq)
         finished = False
         try:
             await self._requests.send(bus.encode(request))
-            async with receive:
-                async for event in receive:
-                    raise_if_error(event)
-                    finished = event.finish_reason is not None
-                    yield event
-                    if finished:
-                        return
+            while not finished:
+                event = await collector.get()
+                raise_if_error(event)
+                finished = event.finish_reason is not None  # type: ignore[union-attr]
+                yield event
         finally:
             self._close(request.seq)
             if not finished and request.seq in self.core.requests:
@@ -354,10 +381,10 @@ class AsyncClient:
 
     async def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
         seq = self.core.next_seq()
-        receive = self._open(seq)
+        collector = self._open(seq)
         try:
             await self._requests.send(bus.encode(StatsRequest(seq=seq)))
             with anyio.fail_after(timeout_s):
-                return await receive.receive()
+                return await collector.get()  # type: ignore[return-value]
         finally:
             self._close(seq)

@@ -194,6 +194,21 @@ class ClientCore:
         return delta
 
 
+def merge_delta(pending: RequestDelta, later: RequestDelta) -> None:
+    """Fold `later` into `pending`, a delta of the same request its consumer has not taken
+    yet: one delta with both's text, tokens and logprobs, that ends where `later` ends."""
+    pending.text += later.text
+    pending.token_ids.extend(later.token_ids)
+    if later.logprobs is not None:
+        pending.logprobs = (pending.logprobs or []) + later.logprobs
+    if pending.prompt_token_ids is None and later.prompt_token_ids is not None:
+        pending.prompt_token_ids = later.prompt_token_ids
+        pending.num_cached_tokens = later.num_cached_tokens
+    if pending.prompt_logprobs is None:
+        pending.prompt_logprobs = later.prompt_logprobs
+    pending.finish_reason, pending.stop_reason = later.finish_reason, later.stop_reason
+
+
 def raise_if_error(event: Event | None) -> None:
     if isinstance(event, RequestError):
         raise EngineRequestError(event.message, event.status_code)

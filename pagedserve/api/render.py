@@ -65,7 +65,9 @@ class Render:
         for chunk in self.opening():
             yield chunk
         async for index, delta in events:
-            choice = states.setdefault(index, Choice(index))
+            choice = states.get(index)
+            if choice is None:
+                choice = states[index] = Choice(index)
             choice.add(delta)
             yield self.envelope(self.chunk_object_name, [self.delta_choice(choice, delta)])
         if include_usage:

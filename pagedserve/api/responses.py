@@ -6,10 +6,10 @@ group, which aborts every unfinished engine request."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Iterable
 
 import anyio
+import msgspec
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.api.client import AsyncClient, EngineRequestError
@@ -70,7 +70,7 @@ class GenerationResponse:
         choices = [Choice(job.index) for job in self.jobs]
         async for index, delta in events:
             choices[index].add(delta)
-        body = json.dumps(self.render.full(choices), ensure_ascii=False).encode()
+        body = msgspec.json.encode(self.render.full(choices))
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
@@ -97,7 +97,7 @@ class GenerationResponse:
 
 
 async def _send_event(send: Send, chunk: dict) -> None:
-    data = b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+    data = b"data: " + msgspec.json.encode(chunk) + b"\n\n"
     await send({"type": "http.response.body", "body": data, "more_body": True})
 
 

@@ -91,6 +91,11 @@ def watch_actors(found: dict[str, str], server_pid: int, out: Path) -> None:
             sink.write(f"--- py-spy {pid}\n{dump.stdout[:2500]}{dump.stderr[-300:]}\n")
 
 
+def client_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -123,10 +128,9 @@ def main() -> None:
         actors_out = Path(args.out).with_suffix(".actors.txt")
         watcher = threading.Thread(target=watch_actors, args=(found, server.pid, actors_out))
         watcher.start()
-        before = resource.getrusage(resource.RUSAGE_SELF)
+        cpu_before = client_cpu_s()
         result = anyio.run(bench_serve.run, base, "qwen3", workload, float("inf"))
-        after = resource.getrusage(resource.RUSAGE_SELF)
-        client_cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        client_s = client_cpu_s() - cpu_before
         watcher.join(120)
     finally:
         server.terminate()
@@ -137,8 +141,9 @@ def main() -> None:
         f"`pagedserve serve` Qwen3-0.6B shapes (bf16, dummy weights), real BPE tokenizer at "
         f"151,936 tokens; {args.num_prompts} requests of {args.input_len} in / "
         f"{args.output_len} out sent at once, streamed, ignore_eos; server ready in "
-        f"{ready_s:.1f} s. The client process used {client_cpu_s:.1f} s of CPU in the "
-        f"{result['duration_s']:.1f} s run (per-actor busy %: {actors_out.name}).",
+        f"{ready_s:.1f} s. The client (this process) used {client_s:.1f} s of CPU in the "
+        f"{result['duration_s']:.1f} s run, for {result['total_events']} events (per-actor "
+        f"busy %: {actors_out.name}).",
         "",
         "| completed | failed | duration s | output tok/s | req/s | TTFT p50 / p99 ms | "
         "TPOT p50 / p99 ms | ITL p50 / p99 ms |",

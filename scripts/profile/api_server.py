@@ -5,7 +5,14 @@ profiler is the engine: it binds the tokenizer's and the detokenizer's ROUTERs, 
 and Ping, and answers every GenerateRequest at once with one final delta of `--tokens` tokens.
 So the figures are the HTTP server's own cost: parsing, the client, rendering, SSE.
 
+`--streams S` measures the streaming output path instead: S streamed completions at once, the
+profiler's engine sending one DeltaBatch of a token for every live stream each `--step-ms`
+(as the detokenizer sends one per engine step), `--tokens` tokens each; it reports the API
+server process's CPU time (psutil) per token and how many SSE events carried them (a server
+that falls behind merges a stream's waiting deltas into one event).
+
     python scripts/profile/api_server.py --requests 2000 --concurrency 1 32
+    python scripts/profile/api_server.py --streams 256 --tokens 64 --step-ms 10
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ import time
 
 import anyio
 import httpx
+import msgspec
+import psutil
 from harness import SoloActor, percentiles, row
 
 from pagedserve.actors import bus
 from pagedserve.actors.messages import (
+    AbortRequest,
     ClientControl,
     ClientRequests,
     DeltaBatch,
@@ -30,6 +40,7 @@ from pagedserve.actors.messages import (
     RequestDelta,
     Welcome,
 )
+from pagedserve.api.sse_client import stream_events
 from pagedserve.config import EngineConfig, ServerConfig
 
 
@@ -59,6 +70,92 @@ async def fake_engine(actor: SoloActor, tokens: int) -> None:
             await generate()
     finally:
         ctx.destroy(linger=0)
+
+
+async def streaming_engine(actor: SoloActor, tokens: int, step_s: float) -> None:
+    """Streams `tokens` tokens to every request: one DeltaBatch per client each step."""
+    ctx = actor.peer_context()
+    requests: bus.Router = bus.Router(ctx, actor.addresses.requests, ClientRequests)
+    outputs: bus.Router = bus.Router(ctx, actor.addresses.outputs, ClientControl)
+    live: dict[tuple[bytes, int], int] = {}  # route -> tokens sent
+
+    async def control() -> None:
+        while True:
+            identity, message = await outputs.recv()
+            await outputs.send(identity, Welcome(0) if isinstance(message, Hello) else Pong(0))
+
+    async def admit() -> None:
+        while True:
+            identity, message = await requests.recv()
+            if isinstance(message, GenerateRequest):
+                live[(identity, message.seq)] = 0
+            elif isinstance(message, AbortRequest):
+                for seq in message.seqs:
+                    live.pop((identity, seq), None)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(control)
+            tg.start_soon(admit)
+            while True:
+                await anyio.sleep(step_s)
+                await step(outputs, live, tokens)
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def step(outputs: bus.Router, live: dict[tuple[bytes, int], int], tokens: int) -> None:
+    batches: dict[bytes, list[RequestDelta]] = {}
+    for (identity, seq), sent in list(live.items()):
+        final = sent + 1 == tokens
+        delta = RequestDelta(
+            seq=seq, text=" to", token_ids=[5], token_offset=sent, text_offset=3 * sent,
+            finish_reason=FinishReason.LENGTH if final else None,
+            prompt_token_ids=[1, 2, 3] if sent == 0 else None,
+        )  # fmt: skip
+        batches.setdefault(identity, []).append(delta)
+        live[(identity, seq)] = sent + 1
+        if final:
+            del live[(identity, seq)]
+    for identity, deltas in batches.items():
+        await outputs.send(identity, DeltaBatch(deltas))
+
+
+async def follow_streams(url: str, streams: int, tokens: int) -> tuple[int, int]:
+    """`streams` streamed completions at once; (events with a choice, streams completed)."""
+    body = msgspec.json.encode({"prompt": "To be", "max_tokens": tokens, "stream": True})
+    counts = [0, 0]
+
+    def count(events: list[bytes]) -> None:
+        counts[1] += b"[DONE]" in events
+        counts[0] += sum(bool(msgspec.json.decode(e)["choices"]) for e in events if e[0] == 123)
+
+    async def one() -> None:
+        await stream_events(url + "/v1/completions", body, count)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(streams):
+            tg.start_soon(one)
+    return counts[0], counts[1]
+
+
+async def profile_streams(actor: SoloActor, args: argparse.Namespace, url: str) -> None:
+    server = psutil.Process(actor.ready.pid)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(streaming_engine, actor, args.tokens, args.step_ms / 1000)
+        await follow_streams(url, 8, 4)  # warm-up
+        before, start = server.cpu_times(), time.perf_counter()
+        events, done = await follow_streams(url, args.streams, args.tokens)
+        after, elapsed = server.cpu_times(), time.perf_counter() - start
+        tg.cancel_scope.cancel()
+    cpu = (after.user + after.system) - (before.user + before.system)
+    tokens = args.streams * args.tokens
+    print(row(["streams", "tokens", "events", "completed", "tok/s", "server busy %",
+               "server CPU µs / token", "µs / event"]))  # fmt: skip
+    print(row(["---:"] * 8))
+    print(row([args.streams, tokens, events, done, f"{tokens / elapsed:.0f}",
+               f"{100 * cpu / elapsed:.0f}", f"{1e6 * cpu / tokens:.1f}",
+               f"{1e6 * cpu / max(events, 1):.1f}"]))  # fmt: skip
 
 
 async def load(url: str, requests: int, concurrency: int, stream: bool) -> dict[str, float]:
@@ -110,13 +207,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--streams", type=int, default=0, help="streaming mode: this many")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="streaming mode's step")
     args = parser.parse_args()
     port = free_port()
-    actor = SoloActor("api-server", EngineConfig(server=ServerConfig(port=port)))
+    config = ServerConfig(port=port, disable_log_requests=True)
+    actor = SoloActor("api-server", EngineConfig(server=config))
+    url = f"http://127.0.0.1:{port}"
     try:
+        if args.streams:
+            anyio.run(profile_streams, actor, args, url)
+            return
         print(row(["stream", "concurrency", "requests/s", "latency µs p50", "p90", "p99"]))
         print(row(["---:"] * 6))
-        anyio.run(profile, actor, args, f"http://127.0.0.1:{port}")
+        anyio.run(profile, actor, args, url)
     finally:
         actor.close()
 

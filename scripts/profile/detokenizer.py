@@ -2,9 +2,11 @@
 
 The detokenizer actor runs as in the engine; the profiler is its scheduler (a PUSH to its
 inbox: one EngineOutputs with N routes, then one frame a step with a token for every stream)
-and its client (a DEALER to its ROUTER, which receives one DeltaBatch a step).
+and its client (a DEALER to its ROUTER, which receives one DeltaBatch a step). Besides the
+latency of a step it reports the actor process's CPU time per token (psutil): what a token
+costs there whoever else runs on the machine.
 
-    python scripts/profile/detokenizer.py --streams 1 64 256 --steps 500
+    python scripts/profile/detokenizer.py --streams 1 64 256 --steps 500 [--stop zzzz]
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import time
 
 import anyio
+import psutil
 from harness import SoloActor, encode, latency_cells, percentiles, row
 
 from pagedserve.actors import bus
@@ -29,17 +32,19 @@ from pagedserve.config import EngineConfig
 IDENTITY = b"profile-client"
 
 
-async def measure(actor: SoloActor, streams: int, steps: int) -> dict[str, float]:
+async def measure(actor: SoloActor, streams: int, steps: int, stop: list[str]) -> dict[str, float]:
     ctx = actor.peer_context()
     scheduler: bus.Sender[DetokenizerInbound] = bus.Sender(ctx, actor.addresses.detokenizer_inbox)
     client = bus.dealer_socket(ctx, actor.addresses.outputs, IDENTITY)
     await client.send(encode(Hello()))
     await client.recv()  # Welcome: the ROUTER knows this client now
-    sampling = SamplingParams(max_tokens=steps + 1, stop=["zzzz"])
+    sampling = SamplingParams(max_tokens=steps + 1, stop=stop)
     handles = list(range(streams))
     routes = [Route(h, IDENTITY, h, [10, 11, 12], sampling, []) for h in handles]
     await scheduler.send(EngineOutputs(routes=routes))
     samples = []
+    process = psutil.Process(actor.ready.pid)
+    cpu_before = sum(process.cpu_times()[:2])
     start = time.perf_counter()
     for step in range(steps):
         token = 100 + step % 200
@@ -49,24 +54,27 @@ async def measure(actor: SoloActor, streams: int, steps: int) -> dict[str, float
         await client.recv()
         samples.append(time.perf_counter() - sent)
     elapsed = time.perf_counter() - start
+    cpu = sum(process.cpu_times()[:2]) - cpu_before
     ctx.destroy(linger=0)
     return {"steps_per_s": steps / elapsed, "tokens_per_s": steps * streams / elapsed,
-            **percentiles(samples)}  # fmt: skip
+            "cpu_us_per_token": 1e6 * cpu / (steps * streams), **percentiles(samples)}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--stop", nargs="*", default=[], help="stop strings of every stream")
     args = parser.parse_args()
     actor = SoloActor("detokenizer", EngineConfig())
     try:
-        print(row(["streams", "steps/s", "tokens/s", "step latency µs p50", "p90", "p99"]))
-        print(row(["---:"] * 6))
+        print(row(["streams", "steps/s", "tokens/s", "CPU µs / token", "step latency µs p50",
+                   "p90", "p99"]))  # fmt: skip
+        print(row(["---:"] * 7))
         for streams in args.streams:
-            r = anyio.run(measure, actor, streams, args.steps)
+            r = anyio.run(measure, actor, streams, args.steps, args.stop)
             rates = [f"{r['steps_per_s']:.0f}", f"{r['tokens_per_s']:.0f}"]
-            print(row([streams, *rates, *latency_cells(r)]))
+            print(row([streams, *rates, f"{r['cpu_us_per_token']:.1f}", *latency_cells(r)]))
     finally:
         actor.close()
 
