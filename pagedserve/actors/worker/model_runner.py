@@ -30,7 +30,7 @@ from pagedserve.actors.worker.parallel_groups import WorkerGroups, stage_layer_c
 from pagedserve.actors.worker.pipeline import StageDecodeStep, StageLink, run_stage
 from pagedserve.actors.worker.prompt_logprobs import PromptLogprobTensors
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
-from pagedserve.actors.worker.speculative import Proposer, make_proposer
+from pagedserve.actors.worker.speculative import Proposer, decode_rows, make_proposer
 from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs, check_plan_fits
 from pagedserve.actors.worker.step_logits import StepLogits
 from pagedserve.actors.worker.structured import StructuredOutputs
@@ -93,7 +93,7 @@ class ModelRunner:
         self.structured = StructuredOutputs(config, vocab_size, self.device)  # grammar masks
         self.settled: StepResult | None = None  # the result of the step finished during launch
         # the last step's sampled ids, batch order: the next step takes its fed tokens here
-        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.sampled = torch.zeros(decode_rows(config), dtype=torch.int64, device=self.device)
         self.uploader = Uploader(self.device)
         self.inputs = StepInputBuilder(
             self.input_batch, self.uploader, self.sampled, self.block_size
@@ -156,7 +156,7 @@ class ModelRunner:
     def new_decode_step(self) -> DecodeStep:
         config = self.config
         assert self.model is not None and config.max_model_len is not None
-        sizes = (config.max_num_seqs, config.max_model_len, self.block_size)
+        sizes = (decode_rows(config), config.max_model_len, self.block_size)
         if self.link is not None:
             return StageDecodeStep(self.model, self.sampled, *sizes, self.link)  # type: ignore[arg-type]
         return DecodeStep(self.model, self.sampled, *sizes)  # type: ignore[arg-type]

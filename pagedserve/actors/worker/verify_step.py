@@ -10,8 +10,12 @@ When every request of the step sits at its last known token (the usual decode st
 drafts), the step is a decode step of sum(1 + d) rows: row i of a request is its token at
 position C + i with C + i + 1 keys, so the paged decode kernels give causal attention within
 the drafts (the layer writes every row's k/v before attending) and the step replays a CUDA
-graph like any decode step. Otherwise (prefill chunks in the step) it takes the general path,
-and a draft model reads the step's tokens there (prompt logprobs of its prefill chunks too).
+graph like any decode step (the target's decode graphs go up to max_num_seqs * (1 + k) rows).
+A draft model's next drafts are then queued on the device right behind it, starting from its
+samples there (draft_chain.py), so the step has one device-to-host sync: the samples and the
+drafts together. Otherwise (prefill chunks in the step) it takes the general path, a draft
+model reads the step's tokens there (prompt logprobs of its prefill chunks too), and proposes
+from the host's tokens after the step.
 
 Constrained requests (structured outputs) are never speculated: their proposals are dropped,
 so they verify no drafts and sample one masked row each; their matchers advance here.
@@ -22,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from pagedserve.actors.messages import StepPlan, StepResult, TokenLogprobs
 from pagedserve.actors.worker.speculative import num_accepted
@@ -42,15 +47,17 @@ def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
     rows = np.fromiter((batch.row_of[h] for h in plan.scheduled), np.int64)
     drafts = plan.spec_token_ids or [[] for _ in plan.scheduled]
     num_drafts = np.array([len(d) for d in drafts], np.int64)
+    proposals = None  # computed on the device with the verify (a draft model's chain)
     if _decode_shaped(runner, plan, rows, num_drafts):
-        samples = _verify_as_decode(runner, plan, rows, num_drafts)
+        samples, proposals = _verify_as_decode(runner, plan, rows, num_drafts)
     else:
         samples = _verify_general(runner, plan, rows, num_drafts, result)
     _accept(runner, result, samples, dict(zip(plan.scheduled, drafts)))
     if plan.propose and result.handles:
         assert runner.proposer is not None
         sampling_rows = np.fromiter((batch.row_of[h] for h in result.handles), np.int64)
-        proposals = runner.proposer.propose(batch, sampling_rows)
+        if proposals is None:
+            proposals = runner.proposer.propose(batch, sampling_rows)
         result.draft_token_ids = runner.structured.without_drafts(sampling_rows, proposals)
     return result
 
@@ -69,8 +76,11 @@ def _decode_shaped(
 
 def _verify_as_decode(
     runner: ModelRunner, plan: StepPlan, rows: np.ndarray, num_drafts: np.ndarray
-) -> Samples:
-    batch = runner.input_batch
+) -> tuple[Samples, list[list[int]] | None]:
+    """The verify as one decode step (a graph replay), and a proposer that can start from
+    its samples on the device queued right behind it: one device-to-host sync for both."""
+    batch, proposer = runner.input_batch, runner.proposer
+    assert proposer is not None and runner.decode_step is not None
     counts = 1 + num_drafts
     total = int(counts.sum())
     within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -83,8 +93,20 @@ def _verify_as_decode(
     decoded = runner.run_decode(expanded, positions, np.full(total, -1, np.int64))
     assert decoded is not None, "speculative decoding runs without pipeline stages"
     tokens, logprobs = decoded
+    proposed = None
+    if plan.propose:
+        starts = np.cumsum(counts) - counts  # each request's first verify row
+        proposed = proposer.propose_after_verify(
+            runner.decode_step, batch, rows, starts, num_drafts
+        )
+    if proposed is None:
+        sampled, proposals = tokens.tolist(), None
+    else:  # one transfer for both
+        flat = torch.cat([tokens, proposed.flatten()]).tolist()
+        sampled, k = flat[:total], proposed.shape[1]
+        proposals = [flat[total + i * k : total + (i + 1) * k] for i in range(len(rows))]
     as_list = None if logprobs is None else logprobs.to_list()
-    return list(plan.scheduled), counts.tolist(), tokens.tolist(), as_list
+    return (list(plan.scheduled), counts.tolist(), sampled, as_list), proposals
 
 
 def _verify_general(
