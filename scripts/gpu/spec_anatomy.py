@@ -281,10 +281,39 @@ def graph_checks(runner: ModelRunner, batch: int, k: int) -> list[str]:
         with torch.inference_mode():
             chain.graphs[size].replay()
             graph_drafts = chain.proposals[:size].clone()
-            chain.forward(size)
+            chain.forward(size)  # at the model's length, as captured
         same = bool((graph_drafts == chain.proposals[:size]).all())
         lines.append(f"draft chain ({size} rows, k={k}): graph vs eager drafts equal: {same}")
     return lines
+
+
+def scheduled_steps(runner: ModelRunner, tokens: int) -> str:
+    """Batch 1 driven by the real Scheduler in this process (no actors, no sockets): median ms
+    of runner.execute per step and tokens per step. Against the engine level, the difference
+    is the round trip through the actors; against the session above, the scheduler's plans."""
+    from pagedserve.actors.messages import AddRequest
+    from pagedserve.actors.scheduler.scheduler import Scheduler
+
+    config = runner.config
+    assert config.num_kv_blocks is not None
+    scheduler = Scheduler(config, config.num_kv_blocks)
+    prompt = [(t % PERIOD) + 10 for t in range(120)]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    scheduler.add_request(AddRequest(client=b"anatomy", seq=0, prompt_token_ids=prompt,
+                                     sampling=params, eos_token_ids=[0]))  # fmt: skip
+    times, emitted = [], 0
+    while (plan := scheduler.schedule()) is not None:
+        sync(runner.device)
+        start = time.perf_counter()
+        result = runner.execute(plan)
+        sync(runner.device)
+        times.append(time.perf_counter() - start)
+        emitted += sum(result.num_sampled or [1] * len(result.handles))
+        scheduler.update_from_result(result)
+    steady = times[3:] or times
+    return (f"- scheduler-driven, batch 1, {tokens} tokens in this process: "
+            f"{statistics.median(steady) * 1e3:.3f} ms per step (median), "
+            f"{emitted / len(times):.2f} tokens per step")  # fmt: skip
 
 
 def make_runner(args: argparse.Namespace, target: Path, spec: SpeculativeConfig) -> ModelRunner:
@@ -454,6 +483,8 @@ def main() -> int:
         runner = make_runner(args, target, spec)
         lines.append(f"\n{name}: start-up phases (s) {runner.setup_seconds}")
         lines += anatomy(args, runner, name, k)
+        lines.append(scheduled_steps(runner, args.engine_tokens))
+        print(lines[-1], flush=True)
         runner.close()
         del runner
         if args.device == "cuda":

@@ -119,34 +119,37 @@ class DraftChain:
         torch.cuda.synchronize(self.step.device)
         logger.info("captured %d draft-chain graphs (k=%d)", len(self.graphs), self.k)
 
-    def run(self, size: int) -> torch.Tensor:
-        """The chain over the start record's first `size` rows; proposals [size, k] (device)."""
+    def run(self, size: int, max_seq_len: int) -> torch.Tensor:
+        """The chain over the start record's first `size` rows, none of whose contexts
+        exceeds max_seq_len (run eagerly, the attention reads that far; a graph was captured
+        at the model's length); proposals [size, k] (device)."""
         graph = self.graphs.get(size)
         if graph is None:
-            self.forward(size)
+            self.forward(size, min(max_seq_len, self.step.max_model_len))
         else:
             graph.replay()
         return self.proposals[:size]
 
-    def forward(self, size: int) -> None:
-        """The pair step, then k - 1 single steps, each fed the previous argmax."""
+    def forward(self, size: int, max_seq_len: int | None = None) -> None:
+        """The pair step, then k - 1 single steps, each fed the previous argmax; contexts up
+        to max_seq_len (None: the model's length)."""
         step, start = self.step, self.start.tensors
         last_pos = start.fields["last_pos"][:size]
         self._write_rows(0, size, last_pos - 1, start.fields["prev_token"][:size], True)
         self._write_rows(size, 2 * size, last_pos, start.fields["last_token"][:size], True)
-        step.forward(2 * size, self._metadata(2 * size))
+        step.forward(2 * size, self._metadata(2 * size, max_seq_len))
         self.proposals[:size, 0].copy_(step.sampled[size : 2 * size])
         for i in range(1, self.k):
             self._write_rows(0, size, last_pos + i, self.proposals[:size, i - 1], False)
-            step.forward(size, self._metadata(size))
+            step.forward(size, self._metadata(size, max_seq_len))
             self.proposals[:size, i].copy_(step.sampled[:size])
 
-    def _metadata(self, rows: int) -> AttentionMetadata:
-        """The draft step's metadata over `rows` rows at the longest context; on the CPU with
-        the host views (which the CPU backend reads: there they are the buffers written)."""
+    def _metadata(self, rows: int, max_seq_len: int | None) -> AttentionMetadata:
+        """The draft step's metadata over `rows` rows; on the CPU with the host views (which
+        the CPU backend reads: there they are the buffers written)."""
         step = self.step
         host = None if step.buffers.pinned is not None else step.buffers.host_views[0]
-        return step.metadata(rows, step.max_model_len, host)
+        return step.metadata(rows, max_seq_len or step.max_model_len, host)
 
     def _write_rows(
         self, lo: int, hi: int, positions: torch.Tensor, tokens: torch.Tensor, tables: bool

@@ -131,7 +131,8 @@ class DraftModelProposer:
         host.fields["prev_token"][: len(rows)] = batch.token_ids[rows, np.maximum(last - 1, 0)]
         host.fields["last_token"][: len(rows)] = batch.token_ids[rows, last]
         self.chain.start.send(size)
-        return self.chain.run(size)[: len(rows)].tolist()
+        longest = int(last.max()) + self.k + 1
+        return self.chain.run(size, longest)[: len(rows)].tolist()
 
     @torch.inference_mode()
     def propose_after_verify(
@@ -146,7 +147,8 @@ class DraftModelProposer:
         host.fields["num_drafts"][: len(rows)] = num_drafts
         self.chain.start.send(size)
         self.chain.start_after_verify(target, size)
-        return self.chain.run(size)[: len(rows)]
+        longest = int((batch.num_tokens[rows] + num_drafts).max()) + self.k
+        return self.chain.run(size, longest)[: len(rows)]
 
     def _stage(self, batch: InputBatch, rows: np.ndarray) -> tuple[StartViews, int]:
         """The start record's staging views with the rows' blocks, and the chain's size."""
