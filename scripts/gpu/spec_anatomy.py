@@ -316,6 +316,49 @@ def scheduled_steps(runner: ModelRunner, tokens: int) -> str:
             f"{emitted / len(times):.2f} tokens per step")  # fmt: skip
 
 
+def prefill_check(runner: ModelRunner, prompt_len: int = 128) -> list[str]:
+    """Issue 15: a lone request's prompt of `prompt_len` tokens as rows of the decode graphs
+    (static_prefill) against the eager prefill path: host time of the launch, time to its
+    first token, and whether the token and its logprobs agree (the second of two runs each)."""
+    assert runner.config.num_kv_blocks is not None
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    tokens = [(7 * t) % 1000 + 10 for t in range(prompt_len)]
+    width = cdiv(prompt_len + 16, runner.block_size)
+    original, outcome = runner.static_prefill, {}
+    for index, static in enumerate((True, True, False, False)):
+        runner.static_prefill = static
+        blocks = list(range(runner.config.num_kv_blocks - width, runner.config.num_kv_blocks))
+        handle = 900_000 + index
+        new = NewRequestData(handle, tokens, prompt_len, params, 1, blocks, 0)
+        plan = StepPlan(step_id=10**6 + index, scheduled=[handle],
+                        num_scheduled_tokens=[prompt_len], new_requests=[new])  # fmt: skip
+        sync(runner.device)
+        start = time.perf_counter()
+        runner.launch(plan)
+        launched = time.perf_counter()
+        result = runner.finish()
+        sync(runner.device)
+        outcome[static] = (result, (launched - start) * 1e3, (time.perf_counter() - start) * 1e3)
+        runner.input_batch.remove_request(handle)
+    runner.static_prefill = original
+    (graph, graph_launch, graph_ms), (eager, eager_launch, eager_ms) = outcome[True], outcome[False]
+    assert graph is not None and eager is not None and graph.logprobs and eager.logprobs
+    diff = max(
+        abs(a - b) for a, b in zip(graph.logprobs[0].top_logprobs, eager.logprobs[0].top_logprobs)
+    )
+    step = runner.decode_step
+    fits = step is not None and bool(step.graphs) and prompt_len <= step.max_batch
+    same_token = graph.sampled_token_ids == eager.sampled_token_ids
+    same_ids = graph.logprobs[0].top_token_ids == eager.logprobs[0].top_token_ids
+    return [
+        f"- prefill of {prompt_len} tokens as decode-graph rows (graph path taken: {fits}): "
+        f"launch {graph_launch:.2f} ms "
+        f"(host), first token {graph_ms:.2f} ms; eager prefill path: launch {eager_launch:.2f} "
+        f"ms, first token {eager_ms:.2f} ms; same token: {same_token}, same top-5 ids: "
+        f"{same_ids}, max |top-5 logprob diff| {diff:.3g}"
+    ]
+
+
 def make_runner(args: argparse.Namespace, target: Path, spec: SpeculativeConfig) -> ModelRunner:
     blocks = sum(b * cdiv(min(args.context + 700, 1024), 16) for b in args.batches)
     config = EngineConfig(
@@ -484,7 +527,8 @@ def main() -> int:
         lines.append(f"\n{name}: start-up phases (s) {runner.setup_seconds}")
         lines += anatomy(args, runner, name, k)
         lines.append(scheduled_steps(runner, args.engine_tokens))
-        print(lines[-1], flush=True)
+        lines += prefill_check(runner)
+        print("\n".join(lines[-2:]), flush=True)
         runner.close()
         del runner
         if args.device == "cuda":

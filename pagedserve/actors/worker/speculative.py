@@ -30,7 +30,6 @@ from typing import Protocol
 import msgspec
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 from torch import nn
 
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
@@ -81,14 +80,24 @@ class NgramProposer:
         return [self.lookup(batch.token_ids[row, : batch.num_tokens[row]]) for row in rows]
 
     def lookup(self, tokens: np.ndarray) -> list[int]:
-        """The k tokens after the latest earlier occurrence of the longest suffix n-gram."""
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(tokens[:-1], n)  # every n-gram but the suffix itself
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start : start + self.k].tolist()
-        return []
+        """The k tokens after the latest earlier occurrence of the longest suffix n-gram
+        (prompt_lookup_max down to prompt_lookup_min): every earlier position holding the last
+        token is a candidate end, its match length grown one token back at a time."""
+        longest = min(self.max_n, len(tokens) - 1)
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if longest >= self.min_n else []
+        if not len(ends):
+            return []
+        length = np.ones(len(ends), np.int64)
+        alive = np.ones(len(ends), bool)
+        for back in range(1, longest):
+            alive &= ends >= back
+            alive[alive] = tokens[ends[alive] - back] == tokens[-1 - back]
+            length += alive
+        best = int(length.max())
+        if best < self.min_n:
+            return []
+        end = int(ends[length == best][-1])
+        return tokens[end + 1 : end + 1 + self.k].tolist()
 
 
 class DraftModelProposer:

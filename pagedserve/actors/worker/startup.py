@@ -175,6 +175,8 @@ def _build_decode_step(runner: ModelRunner) -> None:
         except Exception:
             logger.exception("CUDA graph capture failed; decode steps run eagerly")
             decode_step.graphs.clear()
+    # a short prompt's chunk replays a decode graph rather than the eager prefill launches
+    runner.static_prefill = bool(step.graphs) and runner.link is None
 
 
 def _warm_up_plans(runner: ModelRunner, capacity: int) -> list[tuple[StepPlan, int]]:
