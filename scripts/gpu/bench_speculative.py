@@ -125,7 +125,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--train-seconds", type=int, default=150)
     parser.add_argument("--smoke", action="store_true", help="the embedded model, untrained")
-    parser.add_argument("--quick", action="store_true", help="without draft k=2 and k=5")
+    parser.add_argument("--quick", action="store_true", help="without draft always-on, k=2 and k=5")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="num_rounds of the configs with several verifies per step",
+    )
     parser.add_argument(
         "--disable-above",
         type=int,
@@ -147,20 +153,24 @@ def main() -> None:
     # longer launch-bound, so verifying 1 + k rows per request costs more than it saves)
     off = {"disable_by_batch_size": args.disable_above}
     above = f"off above batch {args.disable_above}"
+    rounds = {"num_rounds": args.rounds}  # verifies per scheduler round trip
     configs = [
         ("no speculation", None, PROMPTS),
         (f"draft k=3, {above}", draft(3) | off, PROMPTS),
-        ("draft k=3, always", draft(3), PROMPTS),
-        (f"draft k=2, {above}", draft(2) | off, PROMPTS),
-        (f"draft k=5, {above}", draft(5) | off, PROMPTS),
+        (f"draft k=3, {args.rounds} rounds, {above}", draft(3) | rounds | off, PROMPTS),
         ("no speculation, copy prompts", None, COPY_PROMPTS),
         (f"ngram k=4, {above}, copy prompts", ngram | off, COPY_PROMPTS),
-        ("ngram k=4, always, copy prompts", ngram, COPY_PROMPTS),
+        (f"ngram k=4, {args.rounds} rounds, {above}, copy prompts", ngram | rounds | off,
+         COPY_PROMPTS),
+        (f"ngram k=4, {args.rounds} rounds, always, copy prompts", ngram | rounds, COPY_PROMPTS),
+        ("draft k=3, always", draft(3), PROMPTS),
+        (f"draft k=2, {args.rounds} rounds, {above}", draft(2) | rounds | off, PROMPTS),
+        (f"draft k=5, {above}", draft(5) | off, PROMPTS),
     ]  # fmt: skip
     if args.smoke:
-        configs = [configs[0], configs[1], configs[6]]
-    elif args.quick:  # one of each kind, for a short device budget
-        configs = [configs[i] for i in (0, 1, 2, 5, 6, 7)]
+        configs = [configs[0], configs[2], configs[5]]
+    elif args.quick:  # the rows, for a short device budget
+        configs = configs[:7]
     rows = [run_config(str(target), name, spec, prompts) for name, spec, prompts in configs]
     add_ratios(rows)
     header = ["config", "batch1_ms_per_token", "batch1_speedup", "batch64_tok_s",

@@ -41,14 +41,46 @@ Samples = tuple[list[int], list[int], list[int], list[TokenLogprobs | None] | No
 
 def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
     batch = runner.input_batch
-    result = StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     if not plan.scheduled:
-        return result
+        return StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     rows = np.fromiter((batch.row_of[h] for h in plan.scheduled), np.int64)
     drafts = plan.spec_token_ids or [[] for _ in plan.scheduled]
+    result, decode_shaped = _round(runner, plan, plan.num_scheduled_tokens, rows, drafts)
+    spec = runner.config.speculative_config
+    if spec is None or spec.num_rounds == 1 or not (decode_shaped and plan.propose):
+        return result
+    if runner.structured.constrains(rows):  # a grammar may complete within a round
+        return result
+    rounds, verified = [result], [drafts]
+    for _ in range(spec.num_rounds - 1):
+        proposals = _within_room(runner, rows, rounds[-1].draft_token_ids)
+        if proposals is None:
+            break
+        num_scheduled = [1 + len(p) for p in proposals]
+        if not _decode_shaped(runner, num_scheduled, rows, np.asarray(num_scheduled) - 1):
+            break
+        for row, proposed in zip(rows.tolist(), proposals):
+            batch.write_drafts(row, proposed)
+        rounds.append(_round(runner, plan, num_scheduled, rows, proposals)[0])
+        verified.append(proposals)
+    return _merged(rounds, verified)
+
+
+def _round(
+    runner: ModelRunner,
+    plan: StepPlan,
+    num_scheduled: list[int],
+    rows: np.ndarray,
+    drafts: list[list[int]],
+) -> tuple[StepResult, bool]:
+    """One verify of `drafts` (per scheduled request, num_scheduled tokens each) and the next
+    proposals; whether it ran as a decode step."""
+    batch = runner.input_batch
+    result = StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     num_drafts = np.array([len(d) for d in drafts], np.int64)
     proposals = None  # computed on the device with the verify (a draft model's chain)
-    if _decode_shaped(runner, plan, rows, num_drafts):
+    decode_shaped = _decode_shaped(runner, num_scheduled, rows, num_drafts)
+    if decode_shaped:
         samples, proposals = _verify_as_decode(runner, plan, rows, num_drafts)
     else:
         samples = _verify_general(runner, plan, rows, num_drafts, result)
@@ -59,17 +91,53 @@ def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
         if proposals is None:
             proposals = runner.proposer.propose(batch, sampling_rows)
         result.draft_token_ids = runner.structured.without_drafts(sampling_rows, proposals)
-    return result
+    return result, decode_shaped
+
+
+def _within_room(
+    runner: ModelRunner, rows: np.ndarray, proposals: list[list[int]]
+) -> list[list[int]] | None:
+    """The proposals of another round, cut to the KV blocks each request holds and the
+    model's length; None when some request has no room for even its own next token."""
+    batch, max_len = runner.input_batch, runner.config.max_model_len
+    assert max_len is not None
+    capacity = batch.num_blocks[rows] * runner.block_size
+    room = np.minimum(capacity - batch.num_tokens[rows], max_len - 1 - batch.num_tokens[rows])
+    if (room < 0).any():
+        return None
+    return [proposed[: int(r)] for proposed, r in zip(proposals, room)]
+
+
+def _merged(rounds: list[StepResult], drafts: list[list[list[int]]]) -> StepResult:
+    """One result of several rounds (every request samples in each, in the same order): each
+    request's tokens and logprobs round after round, its verified drafts and verifies, and the
+    last round's proposals."""
+    first, last = rounds[0], rounds[-1]
+    merged = StepResult(step_id=first.step_id, handles=first.handles, sampled_token_ids=[],
+                        draft_token_ids=last.draft_token_ids)  # fmt: skip
+    merged.logprobs = None if first.logprobs is None else []
+    offsets = [0] * len(rounds)
+    for i in range(len(first.handles)):
+        for r, result in enumerate(rounds):
+            count, start = result.num_sampled[i], offsets[r]
+            merged.sampled_token_ids += result.sampled_token_ids[start : start + count]
+            if merged.logprobs is not None and result.logprobs is not None:
+                merged.logprobs += result.logprobs[start : start + count]
+            offsets[r] += count
+        merged.num_sampled.append(sum(result.num_sampled[i] for result in rounds))
+        merged.num_drafts_verified.append(sum(len(d[i]) for d in drafts))
+        merged.num_verifies.append(len(rounds))
+    return merged
 
 
 def _decode_shaped(
-    runner: ModelRunner, plan: StepPlan, rows: np.ndarray, num_drafts: np.ndarray
+    runner: ModelRunner, num_scheduled: list[int], rows: np.ndarray, num_drafts: np.ndarray
 ) -> bool:
     """Every request runs its last known token and its drafts, within the decode graphs."""
     batch, step = runner.input_batch, runner.decode_step
     if step is None or int((1 + num_drafts).sum()) > step.max_batch:
         return False
-    one_each = np.asarray(plan.num_scheduled_tokens) == 1 + num_drafts
+    one_each = np.asarray(num_scheduled) == 1 + num_drafts
     at_last_token = batch.num_computed_tokens[rows] == batch.num_tokens[rows] - 1
     return bool(one_each.all() and at_last_token.all())
 
