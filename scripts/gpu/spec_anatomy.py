@@ -418,7 +418,10 @@ def engine_configs() -> list[tuple[str, dict | None]]:
         ("no speculation", None),
         ("draft k=3", {"model": str(DRAFT), "num_speculative_tokens": 3}),
         ("n-gram k=4", ngram),
-    ]
+        ("n-gram k=4, 4 rounds", ngram | {"num_rounds": 4}),
+        ("draft k=3, 4 rounds", {"model": str(DRAFT), "num_speculative_tokens": 3,
+                                 "num_rounds": 4}),
+    ]  # fmt: skip
 
 
 def per_count(timer: dict, phase: str) -> float:
