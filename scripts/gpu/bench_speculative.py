@@ -123,7 +123,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", required=True, help="what `train_tiny_model.py prepare` wrote")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--train-seconds", type=int, default=150)
+    parser.add_argument(
+        "--train-seconds",
+        type=int,
+        default=None,
+        help="training time limit (default 150 s; 60 s with --quick)",
+    )
     parser.add_argument("--smoke", action="store_true", help="the embedded model, untrained")
     parser.add_argument("--quick", action="store_true", help="without draft always-on, k=2 and k=5")
     parser.add_argument(
@@ -144,7 +149,8 @@ def main() -> None:
         target, training = Path(ROOT / "pagedserve" / "assets" / "tiny-shakespeare"), {}
     else:
         shutil.rmtree(target, ignore_errors=True)
-        training = train_target(args.data, target, args.train_seconds)
+        seconds = args.train_seconds or (60 if args.quick else 150)
+        training = train_target(args.data, target, seconds)
     print(json.dumps(training), flush=True)
     draft = lambda k: {"model": DRAFT, "num_speculative_tokens": k}  # noqa: E731
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
