@@ -16,8 +16,10 @@ from pagedserve.actors.messages import SamplingParams, StepPlan, StepResult
 from pagedserve.actors.worker import startup
 from pagedserve.actors.worker.decode_buffers import DecodeBuffers, DecodeLayout
 from pagedserve.actors.worker.model_runner import ModelRunner
+from pagedserve.config import EngineConfig
 from tests.test_model_parity import (
     MAX_NEW_TOKENS,
+    NUM_BLOCKS,
     MiniScheduler,
     RecordingRunner,
     make_runner,
@@ -132,6 +134,35 @@ def test_static_decode_steps_match_the_general_path(
         assert got.step_id == expected.step_id and got.handles == expected.handles
         assert got.sampled_token_ids == expected.sampled_token_ids
         assert got.logprobs == expected.logprobs
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+def test_prompt_chunks_as_static_rows_match_the_general_path(
+    tmp_path: Path, sampling: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With static_prefill (on where the path's graphs were captured: a GPU), prompt chunks
+    and mixed steps run as rows of the static decode path too (static_rows.py), pipelined,
+    only each request's last row sampling: the general path's tokens, and its logprobs to
+    float tolerance (the decode kernels instead of the prefill ones)."""
+    save_hf_model("qwen3", tmp_path)
+    recording = record_plans(tmp_path, SAMPLINGS[sampling])
+    config = EngineConfig(model=str(tmp_path), num_kv_blocks=NUM_BLOCKS, max_num_seqs=256)
+    runner = ModelRunner(config.resolve())  # rows for the longest prompt
+    runner.load_model()
+    startup.init_kv_cache(runner, NUM_BLOCKS)
+    runner.static_prefill = True
+    static_steps = count_decode_steps(runner, monkeypatch)
+    results = replay_pipelined(runner, recording.plans)
+    chunks = [p for p in recording.plans if max(p.num_scheduled_tokens, default=1) > 1]
+    assert chunks and all(p.step_id in static_steps for p in recording.plans if p.scheduled)
+    assert any(len(r.handles) < len(p.scheduled) for p, r in zip(recording.plans, results))
+    for got, expected in zip(results, recording.results, strict=True):
+        assert got.step_id == expected.step_id and got.handles == expected.handles
+        assert got.sampled_token_ids == expected.sampled_token_ids
+        for a, b in zip(got.logprobs or [], expected.logprobs or [], strict=True):
+            assert (a.token_id, a.rank, a.top_token_ids) == (b.token_id, b.rank, b.top_token_ids)
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-4)
 
 
 def test_plain_greedy_decode_takes_the_in_step_argmax(

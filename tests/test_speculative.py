@@ -70,8 +70,9 @@ def plain(tiny: dict[str, Path]) -> dict[str, list[list[int]]]:
 
 @pytest.mark.parametrize(
     "arch,proposer",
-    [("llama", "ngram"), ("llama", "draft"), ("qwen3", "ngram"), ("qwen3", "self-draft")],
-)
+    [("llama", "ngram"), ("llama", "draft"), ("qwen3", "ngram"), ("qwen3", "self-draft"),
+     ("llama", "ngram-rounds"), ("qwen3", "self-draft-rounds")],
+)  # fmt: skip
 def test_greedy_output_is_identical_with_speculation(
     arch: str, proposer: str, tiny: dict[str, Path], plain: dict[str, list[list[int]]]
 ) -> None:
@@ -80,15 +81,20 @@ def test_greedy_output_is_identical_with_speculation(
         "ngram": NGRAM,
         "draft": {"model": str(tiny[f"{arch}-draft"]), "num_speculative_tokens": 3},
         "self-draft": {"model": str(target), "num_speculative_tokens": 3},
+        # several verifies per step (the worker verifies its own proposals again)
+        "ngram-rounds": NGRAM | {"num_rounds": 3},
+        "self-draft-rounds": {"model": str(target), "num_speculative_tokens": 2, "num_rounds": 3},
     }[proposer]
     # 9 blocks of 16 tokens cannot hold the 5 requests at once: preemption
     outputs, stats = run(target, num_kv_blocks=9, speculative_config=spec)
     assert outputs == plain[arch]
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert stats.spec_num_draft_tokens > 0
-    if proposer == "self-draft":  # the target drafting for itself: every draft is accepted
+    if proposer.startswith("self-draft"):  # the target drafting for itself: all accepted
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
-    elif proposer == "ngram":
+    if proposer.endswith("rounds"):  # more verifies than steps
+        assert stats.spec_num_drafts > stats.num_steps, (stats.spec_num_drafts, stats.num_steps)
+    if proposer.startswith("ngram"):
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 

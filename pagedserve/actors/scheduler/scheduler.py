@@ -330,6 +330,8 @@ class Scheduler:
         logprobs = result.logprobs or [None] * len(result.sampled_token_ids)
         sampling = dict(zip(record.handles, record.requests))  # the requests the step samples
         grammar_done = set(result.grammar_done)
+        verified = result.num_drafts_verified or [None] * len(result.handles)
+        verifies = result.num_verifies or [1] * len(result.handles)
         start = 0
         for i, (handle, count) in enumerate(zip(result.handles, counts)):
             tokens = result.sampled_token_ids[start : start + count]
@@ -339,6 +341,8 @@ class Scheduler:
             if req is None or req.status is RequestStatus.FINISHED:
                 continue  # finished or aborted meanwhile (or a handle the step did not sample)
             req.num_inflight -= 1
+            if req.num_drafts_in_flight or verifies[i] > 1:
+                self._settle_drafts(req, len(tokens), verified[i], verifies[i])
             outputs.append(self._append_tokens(req, tokens, token_logprobs, handle in grammar_done))
             if result.draft_token_ids and req.status is RequestStatus.RUNNING:
                 req.draft_token_ids = result.draft_token_ids[i]
@@ -350,8 +354,6 @@ class Scheduler:
         """A step's tokens for `req` (one, or with speculation the accepted drafts and one
         more), up to the first that finishes it; `done`: they complete its structured output
         (the worker's grammar), which finishes it (stop)."""
-        if req.num_drafts_in_flight:
-            self._settle_drafts(req, len(tokens) - 1)
         kept: list[int] = []
         for token in tokens:
             req.token_ids.append(token)
@@ -368,16 +370,19 @@ class Scheduler:
         use_lp = req.sampling.logprobs is not None and all(lp is not None for lp in logprobs)
         return req.output(kept, logprobs[: len(kept)] if use_lp else None)  # type: ignore[arg-type]
 
-    def _settle_drafts(self, req: Request, accepted: int) -> None:
-        """Count the verified drafts, and roll the KV of the rejected ones back."""
+    def _settle_drafts(
+        self, req: Request, emitted: int, verified: int | None, verifies: int
+    ) -> None:
+        """Count the verified drafts (the plan's, or with rounds the worker's count), and roll
+        the KV of the rejected ones back: every emitted token but the last is computed."""
         drafts, req.num_drafts_in_flight = req.num_drafts_in_flight, 0
         counters = self.counters
-        counters.spec_num_drafts += 1
-        counters.spec_num_draft_tokens += drafts
-        counters.spec_num_accepted_tokens += accepted
-        counters.spec_num_emitted_tokens += accepted + 1
+        counters.spec_num_drafts += verifies
+        counters.spec_num_draft_tokens += drafts if verified is None else verified
+        counters.spec_num_accepted_tokens += emitted - verifies
+        counters.spec_num_emitted_tokens += emitted
         if req.status is RequestStatus.RUNNING:
-            req.num_computed_tokens -= drafts - accepted
+            req.num_computed_tokens -= drafts - (emitted - 1)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.block_manager.deallocate(req)

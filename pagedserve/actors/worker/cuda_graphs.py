@@ -4,7 +4,8 @@ A decode step (one token per request, every request samples) reads its inputs fr
 DecodeBuffers and runs one function: take the tokens the previous step sampled (still on the
 device, in `sampled`) where the host does not know them yet, the model's forward, the LM head,
 and the greedy argmax written back into `sampled`. On a GPU that function is captured once per
-batch size in CAPTURE_SIZES (up to max_num_seqs) and a step of batch B replays the smallest
+batch size in capture_sizes (up to its max_batch: max_num_seqs, or with speculative decoding
+max_num_seqs * (1 + k), a verify step's rows) and a step of batch B replays the smallest
 captured size >= B with padded rows, so the host's work per step is one input copy, one graph
 launch and one copy of the sampled ids back. Padded rows write no KV (slot -1), attend one key
 of an old block, and their outputs are dropped. Rows that sample other than greedily take the

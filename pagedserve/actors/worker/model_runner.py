@@ -30,8 +30,9 @@ from pagedserve.actors.worker.parallel_groups import WorkerGroups, stage_layer_c
 from pagedserve.actors.worker.pipeline import StageDecodeStep, StageLink, run_stage
 from pagedserve.actors.worker.prompt_logprobs import PromptLogprobTensors
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
-from pagedserve.actors.worker.speculative import Proposer, make_proposer
-from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs, check_plan_fits
+from pagedserve.actors.worker.speculative import Proposer, decode_rows, make_proposer
+from pagedserve.actors.worker.static_rows import static_rows
+from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs
 from pagedserve.actors.worker.step_logits import StepLogits
 from pagedserve.actors.worker.structured import StructuredOutputs
 from pagedserve.actors.worker.uploader import Uploader
@@ -88,12 +89,15 @@ class ModelRunner:
         self.attention_layers: list[Attention] = []
         self.kv_cache: torch.Tensor | None = None
         self.decode_step: DecodeStep | None = None  # decode steps' static path (startup.py)
+        # prompt chunks too take the static path (as rows: static_rows.py); startup.py turns
+        # it on where the path's graphs were captured
+        self.static_prefill = False
         self.pending: PendingStep | None = None  # the step launched last, not yet finished
         vocab_size = int(read_hf_config(config.model_path)["vocab_size"])
         self.structured = StructuredOutputs(config, vocab_size, self.device)  # grammar masks
         self.settled: StepResult | None = None  # the result of the step finished during launch
         # the last step's sampled ids, batch order: the next step takes its fed tokens here
-        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.sampled = torch.zeros(decode_rows(config), dtype=torch.int64, device=self.device)
         self.uploader = Uploader(self.device)
         self.inputs = StepInputBuilder(
             self.input_batch, self.uploader, self.sampled, self.block_size
@@ -156,7 +160,7 @@ class ModelRunner:
     def new_decode_step(self) -> DecodeStep:
         config = self.config
         assert self.model is not None and config.max_model_len is not None
-        sizes = (config.max_num_seqs, config.max_model_len, self.block_size)
+        sizes = (decode_rows(config), config.max_model_len, self.block_size)
         if self.link is not None:
             return StageDecodeStep(self.model, self.sampled, *sizes, self.link)  # type: ignore[arg-type]
         return DecodeStep(self.model, self.sampled, *sizes)  # type: ignore[arg-type]
@@ -269,10 +273,14 @@ class ModelRunner:
         rows = np.fromiter((row_of[h] for h in handles), np.int64, len(handles))
         pending_index = self._pending_index()[rows]
         if self._is_decode_step(plan, rows, pending_index):
-            decoded = self._decode_step_inputs(rows, pending_index)
+            layout = static_rows(
+                self.input_batch, rows, plan.num_scheduled_tokens, pending_index, self.block_size
+            )
+            decoded = self.run_decode(layout.rows, layout.positions, layout.feed_index,
+                                      layout.sampling)  # fmt: skip
             if decoded is None:  # a pipeline stage before the last
                 return step
-            step.handles = plan.scheduled
+            step.handles = [h for h, s in zip(handles, layout.samples.tolist()) if s]
             token_ids, step.logprobs = decoded
         else:
             no_drafts = np.zeros(len(rows), np.int64)
@@ -300,36 +308,35 @@ class ModelRunner:
         return step
 
     def _is_decode_step(self, plan: StepPlan, rows: np.ndarray, pending_index: np.ndarray) -> bool:
-        """Whether the static decode path runs the plan: one token per request, and every
-        request samples (its token is the last one the worker knows of it)."""
-        if self.decode_step is None or max(plan.num_scheduled_tokens) != 1:
+        """Whether the static decode path runs the plan (static_rows.py): a decode step (one
+        token per request, every request samples) or, with `static_prefill`, any step of at
+        most the path's rows without prompt logprobs."""
+        step, batch = self.decode_step, self.input_batch
+        if step is None:
             return False
-        batch = self.input_batch
-        known = batch.num_tokens[rows] + (pending_index >= 0)
-        return bool((batch.num_computed_tokens[rows] + 1 >= known).all())
-
-    def _decode_step_inputs(
-        self, rows: np.ndarray, pending_index: np.ndarray
-    ) -> tuple[torch.Tensor, LogprobTensors | None] | None:
-        """A decode step's rows: each at its next position, fed from the step in flight where
-        the host does not know its token yet."""
-        batch = self.input_batch
-        positions = batch.num_computed_tokens[rows]
-        num_tokens = batch.num_tokens[rows]
-        known = num_tokens + (pending_index >= 0)
-        check_plan_fits(batch, rows, positions + 1, known, self.block_size)
-        feed = np.where(positions == num_tokens, pending_index, -1)
-        batch.num_computed_tokens[rows] = positions + 1
-        return self.run_decode(rows, positions, feed)
+        if max(plan.num_scheduled_tokens) == 1:
+            known = batch.num_tokens[rows] + (pending_index >= 0)
+            if (batch.num_computed_tokens[rows] + 1 >= known).all():
+                return True
+        return (
+            self.static_prefill and self.link is None
+            and sum(plan.num_scheduled_tokens) <= step.max_batch
+            and bool((batch.sampling.num_prompt_logprobs[rows] < 0).all())
+        )  # fmt: skip
 
     def run_decode(
-        self, rows: np.ndarray, positions: np.ndarray, feed_index: np.ndarray
+        self,
+        rows: np.ndarray,
+        positions: np.ndarray,
+        feed_index: np.ndarray,
+        sampling: np.ndarray | None = None,
     ) -> tuple[torch.Tensor, LogprobTensors | None] | None:
-        """Run one token of each of `rows` (a row may repeat: a verify step's positions) at
-        `positions` through the static decode path, and sample unless every row is plain
-        greedy (the step's argmax). feed_index: the index of the row's token in the previous
-        step's sampled ids, or -1 (the host's token). Returns the sampled ids (a view of
-        `sampled`) and the logprob tensors; None on a pipeline stage before the last."""
+        """Run one token of each of `rows` (a row may repeat: a verify step's positions, a
+        prompt chunk's tokens) at `positions` through the static decode path, and sample the
+        rows `sampling` (None: every row) unless they are all plain greedy (their argmax).
+        feed_index: the index of the row's token in the previous step's sampled ids, or -1
+        (the host's token). Returns the sampled ids, in order (a view of `sampled`), and the
+        logprob tensors; None on a pipeline stage before the last."""
         step, batch, block_size = self.decode_step, self.input_batch, self.block_size
         assert step is not None
         num_rows = len(rows)
@@ -349,8 +356,13 @@ class ModelRunner:
         logits = step.run(num_rows, size, max_seq_len, host)
         if logits is None:
             return None
-        token_ids = self.sampled[:num_rows]
+        if sampling is not None:  # only these rows sample: their logits, then their ids
+            logits = logits.index_select(0, self.uploader.upload([sampling])[0])
+            rows, seq_lens = rows[sampling], seq_lens[sampling]
+        token_ids = self.sampled[: len(rows)]
         if batch.all_plain_greedy(rows):
+            if sampling is not None:
+                token_ids.copy_(logits.argmax(dim=-1))
             return token_ids, None
         metadata = batch.sampling_metadata(rows, seq_lens, self.vocab_size)
         output = self.sampler(self.logits.constrain(logits, rows), metadata)

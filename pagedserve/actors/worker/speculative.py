@@ -18,7 +18,9 @@ Proposers, behind the small `Proposer` protocol (EAGLE heads or MTP layers would
 - a draft model with the target's vocabulary, run by the same worker on its own paged KV cache
   (the target's block tables and slots; the scheduler holds k lookahead slots for it). It reads
   every step's tokens (`observe`, its KV follows the target's), then greedily decodes k drafts
-  from the request's last token through the static decode path (CUDA graphs on a GPU).
+  from the request's last token in one chain on the device (draft_chain.py: one CUDA graph on
+  a GPU); after a verify step run as a decode step, the chain starts from the verify's
+  samples on the device, so the step has one device-to-host sync (verify_step.py).
 """
 
 from __future__ import annotations
@@ -28,14 +30,13 @@ from typing import Protocol
 import msgspec
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 from torch import nn
 
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
+from pagedserve.actors.worker.draft_chain import DraftChain, StartViews
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.step_inputs import StepInputs
 from pagedserve.config import EngineConfig, SpeculativeConfig
-from pagedserve.kernels.attention_metadata import cdiv
 from pagedserve.models.layers import Attention
 from pagedserve.models.loader import load_model
 
@@ -55,6 +56,14 @@ class Proposer(Protocol):
     def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
         """Drafts for each of `rows`, after their tokens so far."""
 
+    def propose_after_verify(
+        self, target: DecodeStep, batch: InputBatch, rows: np.ndarray, verify_rows: np.ndarray,
+        num_drafts: np.ndarray,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """Drafts [len(rows), k] on the device, computed there right after a verify step run
+        as a decode step on `target`, without the host learning its tokens; None: this
+        proposer needs them on the host (`propose` afterwards)."""
+
 
 class NgramProposer:
     def __init__(self, spec: SpeculativeConfig) -> None:
@@ -64,18 +73,31 @@ class NgramProposer:
     def observe(self, inputs: StepInputs) -> None:
         pass
 
+    def propose_after_verify(self, *args: object) -> None:
+        return None  # lookups read the tokens on the host
+
     def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
         return [self.lookup(batch.token_ids[row, : batch.num_tokens[row]]) for row in rows]
 
     def lookup(self, tokens: np.ndarray) -> list[int]:
-        """The k tokens after the latest earlier occurrence of the longest suffix n-gram."""
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(tokens[:-1], n)  # every n-gram but the suffix itself
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start : start + self.k].tolist()
-        return []
+        """The k tokens after the latest earlier occurrence of the longest suffix n-gram
+        (prompt_lookup_max down to prompt_lookup_min): every earlier position holding the last
+        token is a candidate end, its match length grown one token back at a time."""
+        longest = min(self.max_n, len(tokens) - 1)
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if longest >= self.min_n else []
+        if not len(ends):
+            return []
+        length = np.ones(len(ends), np.int64)
+        alive = np.ones(len(ends), bool)
+        for back in range(1, longest):
+            alive &= ends >= back
+            alive[alive] = tokens[ends[alive] - back] == tokens[-1 - back]
+            length += alive
+        best = int(length.max())
+        if best < self.min_n:
+            return []
+        end = int(ends[length == best][-1])
+        return tokens[end + 1 : end + 1 + self.k].tolist()
 
 
 class DraftModelProposer:
@@ -86,10 +108,10 @@ class DraftModelProposer:
         self.k = spec.num_speculative_tokens
         self.layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.dtype = self.model.layer_config.cache_dtype  # its KV cache's element type
-        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
-        self.step = DecodeStep(
-            self.model, self.sampled, config.max_num_seqs, config.max_model_len, config.block_size
-        )  # type: ignore[arg-type]
+        rows = 2 * config.max_num_seqs  # the chain's pair step: two rows per request
+        sampled = torch.zeros(rows, dtype=torch.int64, device=device)
+        step = DecodeStep(self.model, sampled, rows, config.max_model_len, config.block_size)  # type: ignore[arg-type]
+        self.chain = DraftChain(step, self.k, config.max_num_seqs)
         self.block_size = config.block_size
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -110,49 +132,49 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
-        """k greedy decodes of the draft from each row's last token. The first reads the last
-        two known tokens (the draft never read a fully accepted step's last draft), which also
-        fills the draft's KV where a verify step ran on the decode path."""
-        num_rows, last = len(rows), batch.num_tokens[rows] - 1
-        if 2 * num_rows <= self.step.max_batch:
-            pairs = np.stack([last - 1, last], axis=1).reshape(-1)
-            self._decode(batch, np.repeat(rows, 2), pairs, None)
-            feed = 2 * np.arange(num_rows) + 1  # each pair's second row
-        else:
-            self._decode(batch, rows, last - 1, None)
-            self._decode(batch, rows, last, None)
-            feed = np.arange(num_rows)
-        drafts = [self.sampled[feed].clone()]
-        for i in range(1, self.k):
-            self._decode(batch, rows, last + i, feed)
-            feed = np.arange(num_rows)
-            drafts.append(self.sampled[:num_rows].clone())
-        return torch.stack(drafts, dim=1).tolist()
+        """k greedy decodes of the draft from each row's last token (draft_chain.py), its
+        start record from the host."""
+        host, size = self._stage(batch, rows)
+        last = batch.num_tokens[rows] - 1
+        host.fields["last_pos"][: len(rows)] = last
+        host.fields["prev_token"][: len(rows)] = batch.token_ids[rows, np.maximum(last - 1, 0)]
+        host.fields["last_token"][: len(rows)] = batch.token_ids[rows, last]
+        self.chain.start.send(size)
+        longest = int(last.max()) + self.k + 1
+        return self.chain.run(size, longest)[: len(rows)].tolist()
 
-    def _decode(
-        self, batch: InputBatch, rows: np.ndarray, positions: np.ndarray, feed: np.ndarray | None
-    ) -> None:
-        """One draft decode step at `positions`: the row's known token, or the draft's output
-        at index feed[i] of the previous step; KV past the row's blocks is not written."""
-        step, block_size, num_rows = self.step, self.block_size, len(rows)
-        size = step.padded_size(num_rows)
-        host = step.buffers.staging()
-        known = np.minimum(positions, batch.token_capacity - 1)
-        host.token_ids[:num_rows] = batch.token_ids[rows, known]
-        host.feed_index[:num_rows] = -1 if feed is None else feed
-        host.positions[:num_rows] = positions
-        block_index = np.minimum(positions // block_size, batch.num_blocks[rows] - 1)
-        blocks = batch.block_table_np[rows, block_index]
-        in_table = positions < batch.num_blocks[rows] * block_size
-        slots = blocks * block_size + positions % block_size
-        host.slot_mapping[:num_rows] = np.where(in_table, slots, -1)
-        seq_lens = np.minimum(positions + 1, batch.num_blocks[rows] * block_size)
-        host.seq_lens[:num_rows] = seq_lens
-        max_seq_len = int(seq_lens.max())
-        width = cdiv(max_seq_len, block_size)
-        host.block_tables[:num_rows, :width] = batch.block_table_np[rows, :width]
-        host.pad(num_rows, size)
-        step.run(num_rows, size, max_seq_len, host)
+    @torch.inference_mode()
+    def propose_after_verify(
+        self, target: DecodeStep, batch: InputBatch, rows: np.ndarray, verify_rows: np.ndarray,
+        num_drafts: np.ndarray,
+    ) -> torch.Tensor:  # fmt: skip
+        """The drafts after a verify step that `target` ran as a decode step (row
+        verify_rows[i] holds request i's last known token, its num_drafts[i] drafts follow),
+        with no host round trip: [len(rows), k] on the device."""
+        host, size = self._stage(batch, rows)
+        host.fields["verify_row"][: len(rows)] = verify_rows
+        host.fields["num_drafts"][: len(rows)] = num_drafts
+        self.chain.start.send(size)
+        self.chain.start_after_verify(target, size)
+        longest = int((batch.num_tokens[rows] + num_drafts).max()) + self.k
+        return self.chain.run(size, longest)[: len(rows)]
+
+    def _stage(self, batch: InputBatch, rows: np.ndarray) -> tuple[StartViews, int]:
+        """The start record's staging views with the rows' blocks, and the chain's size."""
+        size = self.chain.padded_size(len(rows))
+        host = self.chain.start.staging(size)
+        num_blocks = batch.num_blocks[rows]
+        host.fields["num_blocks"][: len(rows)] = num_blocks
+        width = int(num_blocks.max())
+        host.tables[: len(rows), :width] = batch.block_table_np[rows, :width]
+        return host, size
+
+
+def decode_rows(config: EngineConfig) -> int:
+    """Rows of the target's static decode step: a row per request, or with speculation room
+    for every request's verify as one decode step (1 + k rows each)."""
+    spec = config.speculative_config
+    return config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
 
 
 def make_proposer(config: EngineConfig, device: torch.device) -> Proposer | None:

@@ -25,6 +25,8 @@ import torch
 
 from pagedserve.actors.messages import NewRequestData, SamplingParams, StepPlan
 from pagedserve.actors.worker.cpu_tuning import advise_huge_pages
+from pagedserve.actors.worker.cuda_graphs import DecodeStep
+from pagedserve.actors.worker.draft_chain import DraftChain
 from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.actors.worker.speculative import DraftModelProposer
 from pagedserve.kernels import compile_ahead
@@ -163,9 +165,9 @@ def _build_decode_step(runner: ModelRunner) -> None:
     graphs_apply = runner.attention_backend.graph_safe and not runner.config.enforce_eager
     if runner.device.type != "cuda" or not graphs_apply:
         return
-    steps = [step]
+    steps: list[DecodeStep | DraftChain] = [step]
     if isinstance(runner.proposer, DraftModelProposer):
-        steps.append(runner.proposer.step)
+        steps.append(runner.proposer.chain)  # the draft's k decodes as one graph per size
     for decode_step in steps:
         try:
             with torch.inference_mode():
@@ -173,6 +175,8 @@ def _build_decode_step(runner: ModelRunner) -> None:
         except Exception:
             logger.exception("CUDA graph capture failed; decode steps run eagerly")
             decode_step.graphs.clear()
+    # a short prompt's chunk replays a decode graph rather than the eager prefill launches
+    runner.static_prefill = bool(step.graphs) and runner.link is None
 
 
 def _warm_up_plans(runner: ModelRunner, capacity: int) -> list[tuple[StepPlan, int]]:

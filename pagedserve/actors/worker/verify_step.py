@@ -10,8 +10,12 @@ When every request of the step sits at its last known token (the usual decode st
 drafts), the step is a decode step of sum(1 + d) rows: row i of a request is its token at
 position C + i with C + i + 1 keys, so the paged decode kernels give causal attention within
 the drafts (the layer writes every row's k/v before attending) and the step replays a CUDA
-graph like any decode step. Otherwise (prefill chunks in the step) it takes the general path,
-and a draft model reads the step's tokens there (prompt logprobs of its prefill chunks too).
+graph like any decode step (the target's decode graphs go up to max_num_seqs * (1 + k) rows).
+A draft model's next drafts are then queued on the device right behind it, starting from its
+samples there (draft_chain.py), so the step has one device-to-host sync: the samples and the
+drafts together. Otherwise (prefill chunks in the step) it takes the general path, a draft
+model reads the step's tokens there (prompt logprobs of its prefill chunks too), and proposes
+from the host's tokens after the step.
 
 Constrained requests (structured outputs) are never speculated: their proposals are dropped,
 so they verify no drafts and sample one masked row each; their matchers advance here.
@@ -22,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from pagedserve.actors.messages import StepPlan, StepResult, TokenLogprobs
 from pagedserve.actors.worker.speculative import num_accepted
@@ -36,41 +41,114 @@ Samples = tuple[list[int], list[int], list[int], list[TokenLogprobs | None] | No
 
 def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
     batch = runner.input_batch
-    result = StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     if not plan.scheduled:
-        return result
+        return StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     rows = np.fromiter((batch.row_of[h] for h in plan.scheduled), np.int64)
     drafts = plan.spec_token_ids or [[] for _ in plan.scheduled]
+    result, decode_shaped = _round(runner, plan, plan.num_scheduled_tokens, rows, drafts)
+    spec = runner.config.speculative_config
+    if spec is None or spec.num_rounds == 1 or not (decode_shaped and plan.propose):
+        return result
+    if runner.structured.constrains(rows):  # a grammar may complete within a round
+        return result
+    rounds, verified = [result], [drafts]
+    for _ in range(spec.num_rounds - 1):
+        proposals = _within_room(runner, rows, rounds[-1].draft_token_ids)
+        if proposals is None:
+            break
+        num_scheduled = [1 + len(p) for p in proposals]
+        if not _decode_shaped(runner, num_scheduled, rows, np.asarray(num_scheduled) - 1):
+            break
+        for row, proposed in zip(rows.tolist(), proposals):
+            batch.write_drafts(row, proposed)
+        rounds.append(_round(runner, plan, num_scheduled, rows, proposals)[0])
+        verified.append(proposals)
+    return _merged(rounds, verified)
+
+
+def _round(
+    runner: ModelRunner,
+    plan: StepPlan,
+    num_scheduled: list[int],
+    rows: np.ndarray,
+    drafts: list[list[int]],
+) -> tuple[StepResult, bool]:
+    """One verify of `drafts` (per scheduled request, num_scheduled tokens each) and the next
+    proposals; whether it ran as a decode step."""
+    batch = runner.input_batch
+    result = StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     num_drafts = np.array([len(d) for d in drafts], np.int64)
-    if _decode_shaped(runner, plan, rows, num_drafts):
-        samples = _verify_as_decode(runner, plan, rows, num_drafts)
+    proposals = None  # computed on the device with the verify (a draft model's chain)
+    decode_shaped = _decode_shaped(runner, num_scheduled, rows, num_drafts)
+    if decode_shaped:
+        samples, proposals = _verify_as_decode(runner, plan, rows, num_drafts)
     else:
         samples = _verify_general(runner, plan, rows, num_drafts, result)
     _accept(runner, result, samples, dict(zip(plan.scheduled, drafts)))
     if plan.propose and result.handles:
         assert runner.proposer is not None
         sampling_rows = np.fromiter((batch.row_of[h] for h in result.handles), np.int64)
-        proposals = runner.proposer.propose(batch, sampling_rows)
+        if proposals is None:
+            proposals = runner.proposer.propose(batch, sampling_rows)
         result.draft_token_ids = runner.structured.without_drafts(sampling_rows, proposals)
-    return result
+    return result, decode_shaped
+
+
+def _within_room(
+    runner: ModelRunner, rows: np.ndarray, proposals: list[list[int]]
+) -> list[list[int]] | None:
+    """The proposals of another round, cut to the KV blocks each request holds and the
+    model's length; None when some request has no room for even its own next token."""
+    batch, max_len = runner.input_batch, runner.config.max_model_len
+    assert max_len is not None
+    capacity = batch.num_blocks[rows] * runner.block_size
+    room = np.minimum(capacity - batch.num_tokens[rows], max_len - 1 - batch.num_tokens[rows])
+    if (room < 0).any():
+        return None
+    return [proposed[: int(r)] for proposed, r in zip(proposals, room)]
+
+
+def _merged(rounds: list[StepResult], drafts: list[list[list[int]]]) -> StepResult:
+    """One result of several rounds (every request samples in each, in the same order): each
+    request's tokens and logprobs round after round, its verified drafts and verifies, and the
+    last round's proposals."""
+    first, last = rounds[0], rounds[-1]
+    merged = StepResult(step_id=first.step_id, handles=first.handles, sampled_token_ids=[],
+                        draft_token_ids=last.draft_token_ids)  # fmt: skip
+    merged.logprobs = None if first.logprobs is None else []
+    offsets = [0] * len(rounds)
+    for i in range(len(first.handles)):
+        for r, result in enumerate(rounds):
+            count, start = result.num_sampled[i], offsets[r]
+            merged.sampled_token_ids += result.sampled_token_ids[start : start + count]
+            if merged.logprobs is not None and result.logprobs is not None:
+                merged.logprobs += result.logprobs[start : start + count]
+            offsets[r] += count
+        merged.num_sampled.append(sum(result.num_sampled[i] for result in rounds))
+        merged.num_drafts_verified.append(sum(len(d[i]) for d in drafts))
+        merged.num_verifies.append(len(rounds))
+    return merged
 
 
 def _decode_shaped(
-    runner: ModelRunner, plan: StepPlan, rows: np.ndarray, num_drafts: np.ndarray
+    runner: ModelRunner, num_scheduled: list[int], rows: np.ndarray, num_drafts: np.ndarray
 ) -> bool:
     """Every request runs its last known token and its drafts, within the decode graphs."""
     batch, step = runner.input_batch, runner.decode_step
     if step is None or int((1 + num_drafts).sum()) > step.max_batch:
         return False
-    one_each = np.asarray(plan.num_scheduled_tokens) == 1 + num_drafts
+    one_each = np.asarray(num_scheduled) == 1 + num_drafts
     at_last_token = batch.num_computed_tokens[rows] == batch.num_tokens[rows] - 1
     return bool(one_each.all() and at_last_token.all())
 
 
 def _verify_as_decode(
     runner: ModelRunner, plan: StepPlan, rows: np.ndarray, num_drafts: np.ndarray
-) -> Samples:
-    batch = runner.input_batch
+) -> tuple[Samples, list[list[int]] | None]:
+    """The verify as one decode step (a graph replay), and a proposer that can start from
+    its samples on the device queued right behind it: one device-to-host sync for both."""
+    batch, proposer = runner.input_batch, runner.proposer
+    assert proposer is not None and runner.decode_step is not None
     counts = 1 + num_drafts
     total = int(counts.sum())
     within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -83,8 +161,20 @@ def _verify_as_decode(
     decoded = runner.run_decode(expanded, positions, np.full(total, -1, np.int64))
     assert decoded is not None, "speculative decoding runs without pipeline stages"
     tokens, logprobs = decoded
+    proposed = None
+    if plan.propose:
+        starts = np.cumsum(counts) - counts  # each request's first verify row
+        proposed = proposer.propose_after_verify(
+            runner.decode_step, batch, rows, starts, num_drafts
+        )
+    if proposed is None:
+        sampled, proposals = tokens.tolist(), None
+    else:  # one transfer for both
+        flat = torch.cat([tokens, proposed.flatten()]).tolist()
+        sampled, k = flat[:total], proposed.shape[1]
+        proposals = [flat[total + i * k : total + (i + 1) * k] for i in range(len(rows))]
     as_list = None if logprobs is None else logprobs.to_list()
-    return list(plan.scheduled), counts.tolist(), tokens.tolist(), as_list
+    return (list(plan.scheduled), counts.tolist(), sampled, as_list), proposals
 
 
 def _verify_general(
