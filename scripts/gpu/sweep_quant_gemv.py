@@ -31,6 +31,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import multiprocessing
 import os
 import sys
@@ -100,6 +101,18 @@ FIELDS = ("use_dot", "block_n", "block_k", "num_warps", "unroll", "num_stages", 
           "convert", "unpack", "w_evict")  # fmt: skip
 
 
+def variants(tq: types.ModuleType, scheme: str, m: int, limit: int | None) -> list[tuple]:
+    """(config or None for "current", group-major scales) pairs to time for an M-row product:
+    "current", the first `limit` variant configs, and for the integer schemes the first fma
+    and the first dot config again with group-major scales and zeros."""
+    configs = variant_configs(tq, scheme, m)[:limit]
+    pairs: list[tuple] = [(None, False), *((c, False) for c in configs)]
+    if scheme != "fp8":
+        for use_dot in (False, True):
+            pairs += [(c, True) for c in configs if c.use_dot == use_dot][:1]
+    return pairs
+
+
 def variant_configs(tq: types.ModuleType, scheme: str, m: int) -> list:
     """The QuantGemvConfigs to time for an M-row product (int8 has no int4 unpack choice:
     its "reshape" variants are dropped)."""
@@ -130,7 +143,7 @@ class Operands:
     """One weight in a scheme's form, its fp32 dequantized copy and its bytes."""
 
     scheme: str
-    run: Callable  # (x, config) -> y
+    run: Callable  # (x, config, group_major) -> y
     dense: object  # torch.Tensor [N, K] fp32 (None when compiling only)
     nbytes: int
     tensors: tuple = ()  # fp8: (wq, w_scale)
@@ -154,7 +167,7 @@ def make_operands(tq: types.ModuleType, scheme: str, n: int, k: int, device: str
         else:
             wq = torch.empty(n, k, dtype=quant_ref.FP8_DTYPE, device=device)
             w_scale, dense = torch.ones(n, device=device), None
-        return Operands(scheme, lambda x, c: tq.fp8_weight_gemv(x, wq, w_scale, config=c),
+        return Operands(scheme, lambda x, c, _gm: tq.fp8_weight_gemv(x, wq, w_scale, config=c),
                         dense, n * k + 4 * n, (wq, w_scale))  # fmt: skip
     bits = 4 if scheme == "int4" else 8
     groups = k // GROUP
@@ -168,9 +181,15 @@ def make_operands(tq: types.ModuleType, scheme: str, n: int, k: int, device: str
     scales = (torch.rand(n, groups, device=device, generator=gen) * 2e-3 + 5e-4).bfloat16()
     zeros = torch.randint(0, 2**bits, (n, groups), device=device, generator=gen).bfloat16()
     weight = quant_ref.IntWeight(qweight, scales, zeros, bits, GROUP)
+    # the same values with group-major strides (one group's scales contiguous over N)
+    scales_gm, zeros_gm = (t.t().contiguous().t() for t in (scales, zeros))
+    weight_gm = quant_ref.IntWeight(qweight, scales_gm, zeros_gm, bits, GROUP)
     dense = quant_ref.dequantize_int_weight(weight, torch.float32) if fill else None
-    return Operands(scheme, lambda x, c: tq.int_weight_gemv(x, weight, config=c), dense,
-                    n * k * bits // 8 + 4 * n * groups)  # fmt: skip
+
+    def run(x: torch.Tensor, config: object, group_major: bool) -> torch.Tensor:
+        return tq.int_weight_gemv(x, weight_gm if group_major else weight, config=config)
+
+    return Operands(scheme, run, dense, n * k * bits // 8 + 4 * n * groups)
 
 
 # --------------------------------------------------------------------------- phase 1: compile
@@ -192,7 +211,7 @@ _WORKER: dict[str, object] = {}
 
 def compile_task(task: tuple) -> tuple[tuple, float, str]:
     """Worker: compile one task_of() launch; (task, seconds, error)."""
-    scheme, _name, n, k, m, frozen = task
+    scheme, _name, n, k, m, frozen, group_major = task
     start = time.perf_counter()
     try:
         import torch
@@ -207,7 +226,7 @@ def compile_task(task: tuple) -> tuple[tuple, float, str]:
             _WORKER["key"] = key
         x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
         config = None if frozen is None else tq.QuantGemvConfig(**dict(frozen))
-        _WORKER["ops"].run(x, config)
+        _WORKER["ops"].run(x, config, group_major)
         return task, time.perf_counter() - start, ""
     except Exception as exc:  # reported; the timing phase skips the variant
         return task, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"[:300]
@@ -239,6 +258,7 @@ class Result:
 
     label: str
     config: object | None
+    group_major: bool = False  # int schemes: scales / zeros with group-major strides
     programs: int = 0
     us: float | None = None
     abs_err: float | None = None
@@ -335,11 +355,11 @@ def baselines(case: Case, x: object, w_bf16: object, ops: Operands,
     return out
 
 
-def task_of(case: Case, config: object | None) -> tuple:
-    """(scheme, name, n, k, m, the config's fields as sorted pairs or None): hashable and
-    picklable (the compile workers rebuild the config)."""
+def task_of(case: Case, config: object | None, group_major: bool) -> tuple:
+    """(scheme, name, n, k, m, the config's fields as sorted pairs or None, group_major):
+    hashable and picklable (the compile workers rebuild the config)."""
     frozen = None if config is None else tuple(sorted(dataclasses.asdict(config).items()))
-    return (case.scheme, case.name, case.n, case.k, case.m, frozen)
+    return (case.scheme, case.name, case.n, case.k, case.m, frozen, group_major)
 
 
 def run_case(tq: types.ModuleType, case: Case, ops: Operands, x: object, w_bf16: object,
@@ -348,17 +368,17 @@ def run_case(tq: types.ModuleType, case: Case, ops: Operands, x: object, w_bf16:
     """Every variant of the case (and "current", and the baselines) checked and timed."""
     reference = x.float() @ ops.dense.t()
     group = case.k if case.scheme == "fp8" else GROUP
-    configs = variant_configs(tq, case.scheme, case.m)[:max_variants]
-    for label, config in [("current", None), *((c.describe(), c) for c in configs)]:
-        result = Result(label, config)
-        case.results.append(result)
+    for config, group_major in variants(tq, case.scheme, case.m, max_variants):
         plan = tq.plan_quant_gemv(case.scheme, case.m, case.n, case.k, group, num_sms, config)
-        result.programs = plan.programs
-        if config is None:
-            result.label = "current: " + plan.config.describe()
-        measure(result, lambda config=config: ops.run(x, config), reference, time_us)
-        if not result.ok and compile_errors.get(task_of(case, config)):
-            result.error += " (compile worker: " + compile_errors[task_of(case, config)] + ")"
+        label = plan.config.describe() if config else "current: " + plan.config.describe()
+        result = Result(label + (" + group-major scales" if group_major else ""), config)
+        result.group_major, result.programs = group_major, plan.programs
+        case.results.append(result)
+        run = functools.partial(ops.run, x, config, group_major)
+        measure(result, run, reference, time_us)
+        error = compile_errors.get(task_of(case, config, group_major))
+        if not result.ok and error:
+            result.error += f" (compile worker: {error})"
     case.results += baselines(case, x, w_bf16, ops, time_us)
 
 
@@ -433,7 +453,8 @@ def tuned_literal(cases: list[Case], num_sms: int) -> list[str]:
         if best is None or best.config is None:
             continue
         current = next((r for r in case.results if r.label.startswith("current")), None)
-        lines.append(f"    # {case.title}: {fmt_us(current)} -> {fmt_us(best)} µs")
+        layout = " (needs group-major scales / zeros)" if best.group_major else ""
+        lines.append(f"    # {case.title}: {fmt_us(current)} -> {fmt_us(best)} µs{layout}")
         lines.append(f"    ({num_sms}, {case.scheme!r}, {case.m}, {case.n}, {case.k}): "
                      f"{best.config!r},")  # fmt: skip
     return [*lines, "}", "```", ""]
@@ -480,9 +501,9 @@ def main() -> int:
     if not args.dry_run:
         by_weight = sorted(cases, key=lambda c: (c.scheme, c.n, c.k, c.m))
         tasks = [
-            task_of(c, config)
+            task_of(c, config, group_major)
             for c in by_weight
-            for config in [None, *variant_configs(tq, c.scheme, c.m)[:max_variants]]
+            for config, group_major in variants(tq, c.scheme, c.m, max_variants)
         ]
         compile_errors = compile_all(tasks, args.workers)
         failed = sorted({e for e in compile_errors.values() if e})
