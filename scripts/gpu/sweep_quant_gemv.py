@@ -34,6 +34,7 @@ import datetime
 import functools
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 import types
@@ -54,6 +55,10 @@ SCHEMES = ("fp8", "int8", "int4")
 GROUP = 128
 LAYERS = 32
 MAX_ERROR = 2.0**-8  # of max |y|: one bf16 ulp of the largest output
+SLEEP_CYCLES = 20_000_000  # ~10 ms spin ahead of each timed burst (see timer)
+BURST_CALLS = 24
+ROUNDS = 5
+COPIES_BYTES = 160_000_000  # > 3x the H200's L2
 
 # Variants: (use_dot, block_n, block_k, num_warps, unroll, num_stages, split_k, convert, unpack,
 # w_evict) as QuantGemvConfig fields; per scheme and batch bucket.
@@ -140,35 +145,48 @@ def kernels() -> types.ModuleType:
 
 @dataclass
 class Operands:
-    """One weight in a scheme's form, its fp32 dequantized copy and its bytes."""
+    """One weight in a scheme's form (and copies of it: see copies_for), its fp32 dequantized
+    copy and its bytes."""
 
     scheme: str
-    run: Callable  # (x, config, group_major) -> y
+    run: Callable  # (x, config, group_major, copy) -> y
+    copies: int
     dense: object  # torch.Tensor [N, K] fp32 (None when compiling only)
     nbytes: int
-    tensors: tuple = ()  # fp8: (wq, w_scale)
+    tensors: list = dataclasses.field(default_factory=list)  # fp8: (wq, w_scale) a copy
+
+    def calls(self, x: object, config: object, group_major: bool) -> list[Callable]:
+        """One call per copy."""
+        return [functools.partial(self.run, x, config, group_major, i) for i in range(self.copies)]
 
 
 def make_operands(tq: types.ModuleType, scheme: str, n: int, k: int, device: str,
                   fill: bool) -> Operands:  # fmt: skip
     """Random codes (asymmetric, bf16 scales ~1e-3 and integer zeros) or fp8-quantized
-    N(0, 0.02) weights; fill False: uninitialised (compiling only)."""
+    N(0, 0.02) weights; fill False: uninitialised and one copy (compiling only)."""
     import torch
 
     from pagedserve.kernels import quant_ref
 
     gen = torch.Generator(device=device).manual_seed(n * 7 + k)
     if scheme == "fp8":
-        w = torch.randn(n, k, device=device, generator=gen) * 0.02 if fill else None
-        if w is not None:
+        if fill:
+            w = torch.randn(n, k, device=device, generator=gen) * 0.02
             wq, w_scale = quant_ref.quantize_fp8_rows(w)
+            del w
             wq, w_scale = wq.contiguous(), w_scale.squeeze(1).contiguous()
             dense = wq.float() * w_scale[:, None]
         else:
             wq = torch.empty(n, k, dtype=quant_ref.FP8_DTYPE, device=device)
             w_scale, dense = torch.ones(n, device=device), None
-        return Operands(scheme, lambda x, c, _gm: tq.fp8_weight_gemv(x, wq, w_scale, config=c),
-                        dense, n * k + 4 * n, (wq, w_scale))  # fmt: skip
+        nbytes = n * k + 4 * n
+        copies = copies_for(nbytes) if fill else 1
+        tensors = [(wq, w_scale), *((wq.clone(), w_scale.clone()) for _ in range(copies - 1))]
+
+        def run_fp8(x: torch.Tensor, config: object, _gm: bool, i: int) -> torch.Tensor:
+            return tq.fp8_weight_gemv(x, *tensors[i], config=config)
+
+        return Operands(scheme, run_fp8, copies, dense, nbytes, tensors)
     bits = 4 if scheme == "int4" else 8
     groups = k // GROUP
     if fill:
@@ -180,16 +198,21 @@ def make_operands(tq: types.ModuleType, scheme: str, n: int, k: int, device: str
         qweight = torch.empty(shape, dtype=dtype, device=device)
     scales = (torch.rand(n, groups, device=device, generator=gen) * 2e-3 + 5e-4).bfloat16()
     zeros = torch.randint(0, 2**bits, (n, groups), device=device, generator=gen).bfloat16()
-    weight = quant_ref.IntWeight(qweight, scales, zeros, bits, GROUP)
+    first = quant_ref.IntWeight(qweight, scales, zeros, bits, GROUP)
+    dense = quant_ref.dequantize_int_weight(first, torch.float32) if fill else None
+    nbytes = n * k * bits // 8 + 4 * n * groups
+    copies = copies_for(nbytes) if fill else 1
+    weights = [first, *(quant_ref.IntWeight(qweight.clone(), scales.clone(), zeros.clone(), bits,
+                                            GROUP) for _ in range(copies - 1))]  # fmt: skip
     # the same values with group-major strides (one group's scales contiguous over N)
-    scales_gm, zeros_gm = (t.t().contiguous().t() for t in (scales, zeros))
-    weight_gm = quant_ref.IntWeight(qweight, scales_gm, zeros_gm, bits, GROUP)
-    dense = quant_ref.dequantize_int_weight(weight, torch.float32) if fill else None
+    group_major = [quant_ref.IntWeight(w.qweight, w.scales.t().contiguous().t(),
+                                       w.zeros.t().contiguous().t(), bits, GROUP)
+                   for w in weights]  # fmt: skip
 
-    def run(x: torch.Tensor, config: object, group_major: bool) -> torch.Tensor:
-        return tq.int_weight_gemv(x, weight_gm if group_major else weight, config=config)
+    def run(x: torch.Tensor, config: object, gm: bool, i: int) -> torch.Tensor:
+        return tq.int_weight_gemv(x, (group_major if gm else weights)[i], config=config)
 
-    return Operands(scheme, run, dense, n * k * bits // 8 + 4 * n * groups)
+    return Operands(scheme, run, copies, dense, nbytes)
 
 
 # --------------------------------------------------------------------------- phase 1: compile
@@ -226,7 +249,7 @@ def compile_task(task: tuple) -> tuple[tuple, float, str]:
             _WORKER["key"] = key
         x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
         config = None if frozen is None else tq.QuantGemvConfig(**dict(frozen))
-        _WORKER["ops"].run(x, config, group_major)
+        _WORKER["ops"].run(x, config, group_major, 0)
         return task, time.perf_counter() - start, ""
     except Exception as exc:  # reported; the timing phase skips the variant
         return task, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"[:300]
@@ -293,34 +316,53 @@ class Case:
         return next((r for r in self.results if r.label == label), None)
 
 
-def timer(device: str) -> Callable[[Callable], float]:
-    """µs of one call: do_bench's median (L2 flushed before each call) on a GPU; one timed
-    call on the CPU (dry run)."""
+def timer(device: str) -> Callable[[list[Callable]], float]:
+    """µs of one call given one callable per weight copy: on a GPU the median over ROUNDS
+    bursts of BURST_CALLS back-to-back calls (cycling through the copies), each burst queued
+    behind a SLEEP_CYCLES spin kernel so that the CPU has enqueued all of it before the GPU
+    starts: CUDA events around the burst time the kernels, not the Python launch overhead
+    (which exceeds these kernels: do_bench's per-call timing measured the launchers); one
+    timed call on the CPU (dry run)."""
     if device == "cpu":
 
-        def once(fn: Callable) -> float:
+        def once(fns: list[Callable]) -> float:
             start = time.perf_counter()
-            fn()
+            fns[0]()
             return (time.perf_counter() - start) * 1e6
 
         return once
-    import triton.testing
+    import torch
 
-    return lambda fn: 1e3 * triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+    def burst(fns: list[Callable]) -> float:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(ROUNDS):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            start.record()
+            for i in range(BURST_CALLS):
+                fns[i % len(fns)]()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / BURST_CALLS)
+        return statistics.median(samples)
+
+    return burst
 
 
-def measure(result: Result, fn: Callable, reference: object, time_us: Callable) -> None:
-    """Check fn() against the fp32 reference (max abs error <= MAX_ERROR max|ref|), then time
-    it; an exception or a failed check is recorded, never raised."""
+def measure(result: Result, fns: list[Callable], reference: object, time_us: Callable) -> None:
+    """Check fns[0]() against the fp32 reference (max abs error <= MAX_ERROR max|ref|), then
+    time the calls (one per weight copy); an exception or a failed check is recorded, never
+    raised."""
     try:
-        got = fn()
+        got = fns[0]()
         result.abs_err = float((got.float() - reference).abs().max())
         limit = MAX_ERROR * float(reference.abs().max())
         result.ok = result.abs_err <= limit and bool(got.isfinite().all())
         if not result.ok:
             result.error = f"error {result.abs_err:.2e} > {limit:.2e}"
             return
-        result.us = time_us(fn)
+        result.us = time_us(fns)
     except Exception as exc:
         result.ok, result.error = False, f"{type(exc).__name__}: {exc}"[:200]
 
@@ -337,22 +379,31 @@ def baselines(case: Case, x: object, w_bf16: object, ops: Operands,
 
     out = []
     reference = F.linear(x.float(), w_bf16.float())
-    for label, fn in (("bf16 Triton GEMV", lambda: triton_gemv.skinny_linear(x, w_bf16)),
-                      ("bf16 cuBLAS", lambda: F.linear(x, w_bf16))):  # fmt: skip
+    weights = [w_bf16, *(w_bf16.clone() for _ in range(copies_for(w_bf16.numel() * 2) - 1))]
+    skinny = [functools.partial(triton_gemv.skinny_linear, x, w) for w in weights]
+    cublas = [functools.partial(F.linear, x, w) for w in weights]
+    for label, fns in (("bf16 Triton GEMV", skinny), ("bf16 cuBLAS", cublas)):
         out.append(Result(label, None))
-        measure(out[-1], fn, reference, time_us)
+        measure(out[-1], fns, reference, time_us)
     if case.scheme == "fp8" and x.device.type == "cuda":
-        wq, w_scale = ops.tensors
 
-        def scaled_mm() -> torch.Tensor:
+        def scaled_mm(wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
             xq, x_scale = triton_quant.quantize_fp8_rows(x)
             return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1),
                                     out_dtype=x.dtype)  # fmt: skip
 
         out.append(Result("W8A8 _scaled_mm", None))
+        wq, w_scale = ops.tensors[0]
         w8a8_reference = quant_ref.fp8_linear(x.float(), wq, w_scale, None)
-        measure(out[-1], scaled_mm, w8a8_reference, time_us)
+        fns = [functools.partial(scaled_mm, *tensors) for tensors in ops.tensors]
+        measure(out[-1], fns, w8a8_reference, time_us)
     return out
+
+
+def copies_for(nbytes: int) -> int:
+    """Weight copies holding at least COPIES_BYTES in all (calls cycle through them, so each
+    streams its weight from HBM, not from the 50 MB L2), at most 16."""
+    return max(1, min(16, -(-COPIES_BYTES // nbytes)))
 
 
 def task_of(case: Case, config: object | None, group_major: bool) -> tuple:
@@ -374,8 +425,7 @@ def run_case(tq: types.ModuleType, case: Case, ops: Operands, x: object, w_bf16:
         result = Result(label + (" + group-major scales" if group_major else ""), config)
         result.group_major, result.programs = group_major, plan.programs
         case.results.append(result)
-        run = functools.partial(ops.run, x, config, group_major)
-        measure(result, run, reference, time_us)
+        measure(result, ops.calls(x, config, group_major), reference, time_us)
         error = compile_errors.get(task_of(case, config, group_major))
         if not result.ok and error:
             result.error += f" (compile worker: {error})"
