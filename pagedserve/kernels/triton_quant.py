@@ -14,6 +14,7 @@
           P[m, n] = sum_k x[m, k] * q[n, k]          (exact codes; fma reduce or tl.dot)
           acc[m, n] += s[n, g] * (P[m, n] - z[n, g] * sum_k x[m, k])
           = sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g]
+          or ("tile", fma) acc[m, n, k] += x[m, k] * (q s - z s)[n, k], reduced after the loop
 
   int4 words are loaded as a [BLOCK_N, BLOCK_K / 8] int32 tile and unpacked in registers (code k
   is nibble k % 8 of word k // 8: `tl.interleave` three times then shifts, or shifts on a
@@ -62,7 +63,9 @@ class QuantGemvConfig:
     steps whose weight loads are issued together (bytes in flight; fma only). split_k: None
     = automatic (about QUANT_PROGRAMS_PER_SM programs an SM). convert: "bits" or "cvt" (module
     doc); unpack (int4): "interleave" or "reshape"; w_evict: the weight loads' L1/L2 eviction
-    policy ("" or "evict_first")."""
+    policy ("" or "evict_first"); accumulate (integer fma loop): "chunk" (reduce each chunk,
+    then scale) or "tile" (dequantize each weight in registers into an elementwise
+    accumulator reduced after the loop, as the fp8 loop)."""
 
     use_dot: bool
     block_n: int
@@ -74,13 +77,14 @@ class QuantGemvConfig:
     convert: str = "bits"
     unpack: str = "interleave"
     w_evict: str = "evict_first"
+    accumulate: str = "chunk"
 
     def describe(self) -> str:
         loop = "dot" if self.use_dot else "fma"
         split = "auto" if self.split_k is None else self.split_k
         return (f"{loop} BN{self.block_n} BK{self.block_k} u{self.unroll} w{self.num_warps} "
                 f"s{self.num_stages} split{split} {self.convert} {self.unpack} "
-                f"{self.w_evict or 'no-evict'}")  # fmt: skip
+                f"{self.w_evict or 'no-evict'} {self.accumulate}")  # fmt: skip
 
 
 def _fma(bn: int, bk: int, warps: int, unroll: int = 1) -> QuantGemvConfig:
@@ -173,6 +177,7 @@ def check_quant_gemv_config(config: QuantGemvConfig) -> None:
     _check(config.convert in ("bits", "cvt"), f"convert: 'bits' or 'cvt': {config}")
     _check(config.unpack in ("interleave", "reshape"), f"unpack: interleave / reshape: {config}")
     _check(config.w_evict in ("", "evict_first"), f"w_evict: '' or 'evict_first': {config}")
+    _check(config.accumulate in ("chunk", "tile"), f"accumulate: chunk / tile: {config}")
 
 
 _check_config_once = functools.cache(check_quant_gemv_config)
@@ -356,15 +361,25 @@ def _group_update(acc, part, x_sum, s_ptrs, z_ptrs, col, group_size, stride_sg, 
 
 @triton.jit
 def _int_chunk(acc, codes, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size, stride_sg, K,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, CONVERT: tl.constexpr):  # fmt: skip
-    """acc updated with one chunk of BLOCK_K columns (one group) on CUDA cores: P = sum_k x q
-    reduced across the chunk, then _group_update."""
-    cols = col + tl.arange(0, BLOCK_K)[None, :]
-    x = _load_x(x_ptrs, x_ok, cols, K, EVEN_K)
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, CONVERT: tl.constexpr,
+               ACCUMULATE: tl.constexpr):  # fmt: skip
+    """acc updated with one chunk of BLOCK_K columns (one group g) on CUDA cores. "chunk":
+    acc [BLOCK_M, BLOCK_N] + _group_update of P = sum_k x q (reduced across the chunk);
+    "tile": acc [BLOCK_M, BLOCK_N, BLOCK_K] + x[m, k] * (q s - z s)[n, k] elementwise (the
+    weight dequantized in registers, no reduction until after the loop; x_ptrs 3-D)."""
     q = _codes_to_float(codes, CONVERT)
-    part = tl.sum(x[:, None, :] * q[None, :, :], axis=2)
-    return _group_update(acc, part, tl.sum(x, axis=1), s_ptrs, z_ptrs, col, group_size,
-                         stride_sg, K, 0.0)  # fmt: skip
+    if ACCUMULATE == "tile":
+        x = _load_x(x_ptrs, x_ok, col + tl.arange(0, BLOCK_K)[None, None, :], K, EVEN_K)
+        group = tl.minimum(col, K - 1) // group_size
+        scale = tl.load(s_ptrs + group * stride_sg).to(tl.float32)
+        zero = tl.load(z_ptrs + group * stride_sg).to(tl.float32)
+        w = q * scale[:, None] - (zero * scale)[:, None]
+        return acc + x * w[None, :, :]
+    else:
+        x = _load_x(x_ptrs, x_ok, col + tl.arange(0, BLOCK_K)[None, :], K, EVEN_K)
+        part = tl.sum(x[:, None, :] * q[None, :, :], axis=2)
+        return _group_update(acc, part, tl.sum(x, axis=1), s_ptrs, z_ptrs, col, group_size,
+                             stride_sg, K, 0.0)  # fmt: skip
 
 
 @triton.jit
@@ -372,16 +387,21 @@ def _int_fma_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K, grou
                       stride_sg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, EVEN_K: tl.constexpr,
                       KIND: tl.constexpr, CONVERT: tl.constexpr, UNPACK: tl.constexpr,
-                      W_EVICT: tl.constexpr):  # fmt: skip
+                      ACCUMULATE: tl.constexpr, W_EVICT: tl.constexpr):  # fmt: skip
     """sum over the K range of x[m, k] (q[n, k] - z[n, g]) s[n, g] -> [BLOCK_M, BLOCK_N]: the
-    UNROLL chunks' weights are loaded first (in flight together), then reduced chunk by chunk.
-    w_ptrs: [BLOCK_N, BLOCK_K / codes a storage unit] at k_start."""
+    UNROLL chunks' weights are loaded first (in flight together), then applied chunk by chunk
+    (_int_chunk). w_ptrs: [BLOCK_N, BLOCK_K / codes a storage unit] at k_start."""
     PER_UNIT: tl.constexpr = 8 if KIND == "int4" else 1
     UNITS: tl.constexpr = BLOCK_K // PER_UNIT
     ru = tl.arange(0, UNITS)
-    x_ok = (tl.arange(0, BLOCK_M) < M)[:, None]
     k_units = K // PER_UNIT
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ACCUMULATE == "tile":
+        x_ptrs = x_ptrs[:, None, :]
+        x_ok = (tl.arange(0, BLOCK_M) < M)[:, None, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        x_ok = (tl.arange(0, BLOCK_M) < M)[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K * UNROLL):
         u = k // PER_UNIT + ru
         qa = _load_codes(w_ptrs, u, k_units, KIND, UNPACK, EVEN_K, W_EVICT)
@@ -393,20 +413,24 @@ def _int_fma_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K, grou
             qd = _load_codes(w_ptrs + 3 * UNITS, u + 3 * UNITS, k_units, KIND, UNPACK, EVEN_K,
                              W_EVICT)  # fmt: skip
         acc = _int_chunk(acc, qa, x_ptrs, x_ok, k, s_ptrs, z_ptrs, group_size, stride_sg, K,
-                         BLOCK_K, EVEN_K, CONVERT)  # fmt: skip
+                         BLOCK_K, EVEN_K, CONVERT, ACCUMULATE)  # fmt: skip
         if UNROLL >= 2:
             acc = _int_chunk(acc, qb, x_ptrs + BLOCK_K, x_ok, k + BLOCK_K, s_ptrs, z_ptrs,
-                             group_size, stride_sg, K, BLOCK_K, EVEN_K, CONVERT)  # fmt: skip
+                             group_size, stride_sg, K, BLOCK_K, EVEN_K, CONVERT,
+                             ACCUMULATE)  # fmt: skip
         if UNROLL >= 4:
             acc = _int_chunk(acc, qc, x_ptrs + 2 * BLOCK_K, x_ok, k + 2 * BLOCK_K, s_ptrs,
-                             z_ptrs, group_size, stride_sg, K, BLOCK_K, EVEN_K,
-                             CONVERT)  # fmt: skip
+                             z_ptrs, group_size, stride_sg, K, BLOCK_K, EVEN_K, CONVERT,
+                             ACCUMULATE)  # fmt: skip
             acc = _int_chunk(acc, qd, x_ptrs + 3 * BLOCK_K, x_ok, k + 3 * BLOCK_K, s_ptrs,
-                             z_ptrs, group_size, stride_sg, K, BLOCK_K, EVEN_K,
-                             CONVERT)  # fmt: skip
+                             z_ptrs, group_size, stride_sg, K, BLOCK_K, EVEN_K, CONVERT,
+                             ACCUMULATE)  # fmt: skip
         x_ptrs += BLOCK_K * UNROLL
         w_ptrs += UNITS * UNROLL
-    return acc
+    if ACCUMULATE == "tile":
+        return tl.sum(acc, axis=2)
+    else:
+        return acc
 
 
 @triton.jit
@@ -450,7 +474,8 @@ def _quant_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, par
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        UNROLL: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
                        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, CONVERT: tl.constexpr,
-                       UNPACK: tl.constexpr, DOT_OFFSET: tl.constexpr, UPCAST: tl.constexpr,
+                       UNPACK: tl.constexpr, ACCUMULATE: tl.constexpr,
+                       DOT_OFFSET: tl.constexpr, UPCAST: tl.constexpr,
                        W_EVICT: tl.constexpr):  # fmt: skip
     """Program (t, s): rows n in [t BLOCK_N, (t + 1) BLOCK_N) (those >= N read the clamped row
     N - 1, never stored), K range [s k_per_split, min((s + 1) k_per_split, K)); P_s[m, n] the
@@ -489,7 +514,8 @@ def _quant_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, par
         else:
             acc = _int_fma_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K,
                                     group_size, stride_sg, BLOCK_M, BLOCK_N, BLOCK_K, UNROLL,
-                                    EVEN_K, KIND, CONVERT, UNPACK, W_EVICT)  # fmt: skip
+                                    EVEN_K, KIND, CONVERT, UNPACK, ACCUMULATE,
+                                    W_EVICT)  # fmt: skip
     if SPLIT:
         _split_k_finish(acc, out_ptr, bias_ptr, partial_ptr, counter_ptr, rm, rn, M, N,
                         stride_om, BLOCK_M, BLOCK_N, HAS_BIAS)  # fmt: skip
@@ -684,6 +710,7 @@ def _launch_gemv(
         BLOCK_K=c.block_k, UNROLL=c.unroll, USE_DOT=c.use_dot,
         EVEN_K=k % (c.block_k * c.unroll) == 0, SPLIT=plan.split_k > 1,
         HAS_BIAS=bias is not None, CONVERT=c.convert, UNPACK=c.unpack,
+        ACCUMULATE=c.accumulate,
         DOT_OFFSET=_dot_offset(kind, c, x.dtype),
         UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16, W_EVICT=c.w_evict,
         num_warps=c.num_warps, num_stages=c.num_stages,

@@ -61,8 +61,9 @@ ROUNDS = 5
 COPIES_BYTES = 160_000_000  # > 3x the H200's L2
 
 # Variants: (use_dot, block_n, block_k, num_warps, unroll, num_stages, split_k, convert, unpack,
-# w_evict) as QuantGemvConfig fields; per scheme and batch bucket.
+# w_evict, accumulate) as QuantGemvConfig fields; per scheme and batch bucket.
 F, T = False, True
+IL, EF = "interleave", "evict_first"
 FP8_VARIANTS = {
     1: [(F, 4, 2048, 4, 1, 1, None, "cvt"), (F, 4, 2048, 4, 1, 1, None, "bits"),
         (F, 2, 2048, 4, 1, 1, None, "cvt"), (F, 2, 2048, 4, 1, 1, None, "bits"),
@@ -91,19 +92,33 @@ INT_VARIANTS = {
         (F, 128, 128, 4, 4, 1, None, "bits"), (F, 32, 128, 1, 2, 1, None, "bits"),
         (T, 16, 128, 4, 1, 3, None, "bits"), (T, 16, 128, 4, 1, 3, None, "cvt"),
         (T, 32, 128, 4, 1, 4, None, "bits"), (T, 64, 128, 4, 1, 3, None, "bits"),
-        (T, 16, 128, 4, 1, 3, None, "bits", "reshape")],
+        (T, 16, 128, 4, 1, 3, None, "bits", "reshape"),
+        (F, 32, 128, 4, 2, 1, None, "bits", IL, EF, "tile"),
+        (F, 16, 128, 4, 2, 1, None, "bits", IL, EF, "tile"),
+        (F, 64, 128, 4, 1, 1, None, "bits", IL, EF, "tile"),
+        (F, 32, 128, 4, 4, 1, None, "bits", IL, EF, "tile"),
+        (F, 16, 128, 2, 2, 1, None, "bits", IL, EF, "tile"),
+        (F, 32, 128, 4, 2, 1, None, "cvt", IL, EF, "tile"),
+        (F, 32, 128, 4, 2, 1, None, "bits", "reshape", EF, "tile"),
+        (F, 32, 128, 4, 2, 1, 8, "bits", IL, EF, "tile"),
+        (T, 64, 128, 4, 1, 4, None, "bits"), (T, 128, 128, 8, 1, 3, None, "bits"),
+        (T, 64, 128, 8, 1, 3, None, "bits"), (T, 64, 64, 4, 1, 4, None, "bits"),
+        (T, 64, 128, 4, 1, 3, 4, "bits")],
     4: [(F, 16, 128, 4, 2, 1, None, "bits"), (F, 16, 128, 4, 2, 1, None, "bits", "reshape"),
         (F, 8, 128, 2, 2, 1, None, "bits"), (F, 32, 128, 4, 2, 1, None, "bits"),
         (T, 16, 128, 4, 1, 3, None, "bits"), (T, 16, 128, 4, 1, 3, None, "cvt"),
         (T, 32, 128, 4, 1, 4, None, "bits"), (T, 64, 128, 4, 1, 3, None, "bits"),
-        (T, 16, 128, 4, 1, 3, None, "bits", "reshape")],
+        (T, 16, 128, 4, 1, 3, None, "bits", "reshape"),
+        (F, 8, 128, 4, 2, 1, None, "bits", IL, EF, "tile"),
+        (F, 16, 128, 4, 1, 1, None, "bits", IL, EF, "tile"),
+        (T, 128, 128, 8, 1, 3, None, "bits"), (T, 64, 128, 4, 1, 4, None, "bits")],
     16: [(T, 32, 128, 4, 1, 4, None, "bits"), (T, 32, 128, 4, 1, 4, None, "cvt"),
          (T, 16, 128, 4, 1, 3, None, "bits"), (T, 64, 128, 4, 1, 3, None, "bits"),
          (T, 16, 128, 2, 1, 4, None, "bits"), (T, 128, 128, 8, 1, 3, None, "bits"),
          (T, 32, 128, 4, 1, 4, None, "bits", "reshape")],
 }  # fmt: skip
 FIELDS = ("use_dot", "block_n", "block_k", "num_warps", "unroll", "num_stages", "split_k",
-          "convert", "unpack", "w_evict")  # fmt: skip
+          "convert", "unpack", "w_evict", "accumulate")  # fmt: skip
 
 
 def variants(tq: types.ModuleType, scheme: str, m: int, limit: int | None) -> list[tuple]:
