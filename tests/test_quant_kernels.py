@@ -224,8 +224,26 @@ INT_VARIANTS = [
     dict(use_dot=True, block_n=16, block_k=64, num_warps=4, split_k=2),
     dict(use_dot=True, block_n=32, block_k=128, num_warps=4, convert="cvt", unpack="reshape"),
     dict(use_dot=False, block_n=8, block_k=128, num_warps=1, unroll=2, accumulate="tile"),
-    dict(use_dot=False, block_n=16, block_k=64, num_warps=2, split_k=3, accumulate="tile",
-         convert="cvt", unpack="reshape"),  # fmt: skip
+    dict(
+        use_dot=False,
+        block_n=16,
+        block_k=64,
+        num_warps=2,
+        split_k=3,
+        accumulate="tile",
+        convert="cvt",
+        unpack="reshape",
+    ),
+    dict(use_dot=False, block_n=8, block_k=128, num_warps=1, unroll=2, unpack="planes"),
+    dict(
+        use_dot=False,
+        block_n=16,
+        block_k=64,
+        num_warps=2,
+        split_k=3,
+        unpack="planes",
+        accumulate="tile",
+    ),
 ]
 FP8_VARIANTS = [
     dict(use_dot=False, block_n=4, block_k=64, num_warps=1),
@@ -240,7 +258,8 @@ FP8_VARIANTS = [
 @pytest.mark.parametrize("rows", [1, 3])
 def test_triton_int_weight_gemv_variants(variant: dict, bits: int, rows: int) -> None:
     """Every launch variant (fma / dot, K splits, unrolled loads, codes by bits or conversion,
-    int4 unpacked by interleave or reshape, chunk or tile accumulation), K = 3 groups (a chunk pair runs past K), N not a
+    int4 unpacked by interleave or reshape or left packed (planes), chunk or tile
+    accumulation), K = 3 groups (a chunk pair runs past K), N not a
     multiple of the tile, asymmetric codes: the float64 dequantized product."""
     assert tq is not None
     config = tq.QuantGemvConfig(**variant)

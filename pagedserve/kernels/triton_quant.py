@@ -152,7 +152,8 @@ def plan_quant_gemv(
         while group_size % block_k:
             block_k //= 2
         _check(block_k >= 16, f"group size {group_size} needs chunks of >= 16 columns")
-    config = replace(config, block_n=block_n, block_k=block_k)
+    unpack = config.unpack if kind == "int4" else "interleave"  # only int4 codes are packed
+    config = replace(config, block_n=block_n, block_k=block_k, unpack=unpack)
     tiles, step = triton.cdiv(n, block_n), block_k * config.unroll
     steps = triton.cdiv(k, step)
     split_k = config.split_k
@@ -175,7 +176,9 @@ def check_quant_gemv_config(config: QuantGemvConfig) -> None:
     _check(config.num_warps <= 16 and config.num_stages >= 1, f"bad warps / stages: {config}")
     _check(config.split_k is None or config.split_k >= 1, f"split_k must be >= 1: {config}")
     _check(config.convert in ("bits", "cvt"), f"convert: 'bits' or 'cvt': {config}")
-    _check(config.unpack in ("interleave", "reshape"), f"unpack: interleave / reshape: {config}")
+    _check(config.unpack in ("interleave", "reshape", "planes"),
+           f"unpack: interleave / reshape / planes: {config}")  # fmt: skip
+    _check(config.unpack != "planes" or not config.use_dot, f"planes: fma only: {config}")
     _check(config.w_evict in ("", "evict_first"), f"w_evict: '' or 'evict_first': {config}")
     _check(config.accumulate in ("chunk", "tile"), f"accumulate: chunk / tile: {config}")
 
@@ -252,7 +255,7 @@ def _load_codes(w_ptrs, col, limit, KIND: tl.constexpr, UNPACK: tl.constexpr,
         raw = tl.load(w_ptrs, eviction_policy=W_EVICT)
     else:
         raw = tl.load(w_ptrs, mask=(col < limit)[None, :], other=0, eviction_policy=W_EVICT)
-    if KIND == "int4":
+    if KIND == "int4" and UNPACK != "planes":
         return _unpack_int4(raw, UNPACK)
     elif KIND == "int8":
         return raw.to(tl.int32)
@@ -362,11 +365,14 @@ def _group_update(acc, part, x_sum, s_ptrs, z_ptrs, col, group_size, stride_sg, 
 @triton.jit
 def _int_chunk(acc, codes, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size, stride_sg, K,
                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, CONVERT: tl.constexpr,
-               ACCUMULATE: tl.constexpr):  # fmt: skip
+               UNPACK: tl.constexpr, ACCUMULATE: tl.constexpr):  # fmt: skip
     """acc updated with one chunk of BLOCK_K columns (one group g) on CUDA cores. "chunk":
     acc [BLOCK_M, BLOCK_N] + _group_update of P = sum_k x q (reduced across the chunk);
     "tile": acc [BLOCK_M, BLOCK_N, BLOCK_K] + x[m, k] * (q s - z s)[n, k] elementwise (the
     weight dequantized in registers, no reduction until after the loop; x_ptrs 3-D)."""
+    if UNPACK == "planes":
+        return _int4_planes_chunk(acc, codes, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size,
+                                  stride_sg, K, BLOCK_K, EVEN_K, ACCUMULATE)  # fmt: skip
     q = _codes_to_float(codes, CONVERT)
     if ACCUMULATE == "tile":
         x = _load_x(x_ptrs, x_ok, col + tl.arange(0, BLOCK_K)[None, None, :], K, EVEN_K)
@@ -383,6 +389,46 @@ def _int_chunk(acc, codes, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size, stride
 
 
 @triton.jit
+def _int4_planes_chunk(acc, words, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size, stride_sg,
+                       K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                       ACCUMULATE: tl.constexpr):  # fmt: skip
+    """_int_chunk for int4 words [BLOCK_N, W = BLOCK_K / 8] left packed: the sum is taken plane
+    by plane, plane i pairing nibble i of every word (code 8 j + i) with x[8 j + i] (x_ptrs
+    [.., W] at columns 8 j), so no code is moved between lanes. Nibble i sits at bits 4 p of
+    the word (p = i; for i >= 5, p = i - 3 of the word shifted right by 12), and (bits & 0xF
+    << 4 p) | 2^23's bits, minus 2^23, is q 16^p exactly: x is scaled by 16^-p (exact)."""
+    group = tl.minimum(col, K - 1) // group_size
+    scale = tl.load(s_ptrs + group * stride_sg).to(tl.float32)
+    zero = tl.load(z_ptrs + group * stride_sg).to(tl.float32)
+    high = words >> 12
+    if ACCUMULATE == "tile":
+        cols = col + 8 * tl.arange(0, BLOCK_K // 8)[None, None, :]
+        zero_scale = (zero * scale)[:, None]
+    else:
+        cols = col + 8 * tl.arange(0, BLOCK_K // 8)[None, :]
+        part = tl.zeros_like(acc)
+        x_sum = tl.sum(part, axis=1)
+    for i in tl.static_range(8):
+        if i < 5:
+            bits = words & (0xF << (4 * i))
+            inverse: tl.constexpr = 1.0 / (1 << (4 * i))
+        else:
+            bits = high & (0xF << (4 * (i - 3)))
+            inverse: tl.constexpr = 1.0 / (1 << (4 * (i - 3)))
+        q = (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # q 16^p
+        x = _load_x(x_ptrs + i, x_ok, cols + i, K, EVEN_K)
+        if ACCUMULATE == "tile":
+            acc += x * (q * (scale * inverse)[:, None] - zero_scale)[None, :, :]
+        else:
+            part += tl.sum((x * inverse)[:, None, :] * q[None, :, :], axis=2)
+            x_sum += tl.sum(x, axis=1)
+    if ACCUMULATE == "tile":
+        return acc
+    else:
+        return acc + (part - x_sum[:, None] * zero[None, :]) * scale[None, :]
+
+
+@triton.jit
 def _int_fma_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K, group_size,
                       stride_sg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, EVEN_K: tl.constexpr,
@@ -395,10 +441,11 @@ def _int_fma_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K, grou
     UNITS: tl.constexpr = BLOCK_K // PER_UNIT
     ru = tl.arange(0, UNITS)
     k_units = K // PER_UNIT
+    X_COLS: tl.constexpr = BLOCK_K // 8 if UNPACK == "planes" else BLOCK_K
     if ACCUMULATE == "tile":
         x_ptrs = x_ptrs[:, None, :]
         x_ok = (tl.arange(0, BLOCK_M) < M)[:, None, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, X_COLS), dtype=tl.float32)
     else:
         x_ok = (tl.arange(0, BLOCK_M) < M)[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -413,18 +460,18 @@ def _int_fma_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K, grou
             qd = _load_codes(w_ptrs + 3 * UNITS, u + 3 * UNITS, k_units, KIND, UNPACK, EVEN_K,
                              W_EVICT)  # fmt: skip
         acc = _int_chunk(acc, qa, x_ptrs, x_ok, k, s_ptrs, z_ptrs, group_size, stride_sg, K,
-                         BLOCK_K, EVEN_K, CONVERT, ACCUMULATE)  # fmt: skip
+                         BLOCK_K, EVEN_K, CONVERT, UNPACK, ACCUMULATE)  # fmt: skip
         if UNROLL >= 2:
             acc = _int_chunk(acc, qb, x_ptrs + BLOCK_K, x_ok, k + BLOCK_K, s_ptrs, z_ptrs,
-                             group_size, stride_sg, K, BLOCK_K, EVEN_K, CONVERT,
+                             group_size, stride_sg, K, BLOCK_K, EVEN_K, CONVERT, UNPACK,
                              ACCUMULATE)  # fmt: skip
         if UNROLL >= 4:
             acc = _int_chunk(acc, qc, x_ptrs + 2 * BLOCK_K, x_ok, k + 2 * BLOCK_K, s_ptrs,
                              z_ptrs, group_size, stride_sg, K, BLOCK_K, EVEN_K, CONVERT,
-                             ACCUMULATE)  # fmt: skip
+                             UNPACK, ACCUMULATE)  # fmt: skip
             acc = _int_chunk(acc, qd, x_ptrs + 3 * BLOCK_K, x_ok, k + 3 * BLOCK_K, s_ptrs,
                              z_ptrs, group_size, stride_sg, K, BLOCK_K, EVEN_K, CONVERT,
-                             ACCUMULATE)  # fmt: skip
+                             UNPACK, ACCUMULATE)  # fmt: skip
         x_ptrs += BLOCK_K * UNROLL
         w_ptrs += UNITS * UNROLL
     if ACCUMULATE == "tile":
@@ -491,7 +538,10 @@ def _quant_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, par
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     PER_UNIT: tl.constexpr = 8 if KIND == "int4" else 1
-    x_cols = k_start + tl.arange(0, BLOCK_K)
+    if UNPACK == "planes":  # int4 left packed: x columns 8 j (+ the plane, see the chunk)
+        x_cols = k_start + 8 * tl.arange(0, BLOCK_K // 8)
+    else:
+        x_cols = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (rm.to(tl.int64) * stride_xm)[:, None] + x_cols[None, :]
     unit_cols = k_start // PER_UNIT + tl.arange(0, BLOCK_K // PER_UNIT)
     w_ptrs = w_ptr + (rows * stride_wn)[:, None] + unit_cols[None, :]

@@ -63,7 +63,7 @@ COPIES_BYTES = 160_000_000  # > 3x the H200's L2
 # Variants: (use_dot, block_n, block_k, num_warps, unroll, num_stages, split_k, convert, unpack,
 # w_evict, accumulate) as QuantGemvConfig fields; per scheme and batch bucket.
 F, T = False, True
-IL, EF = "interleave", "evict_first"
+IL, PL, EF = "interleave", "planes", "evict_first"
 FP8_VARIANTS = {
     1: [(F, 4, 2048, 4, 1, 1, None, "cvt"), (F, 4, 2048, 4, 1, 1, None, "bits"),
         (F, 2, 2048, 4, 1, 1, None, "cvt"), (F, 2, 2048, 4, 1, 1, None, "bits"),
@@ -103,7 +103,16 @@ INT_VARIANTS = {
         (F, 32, 128, 4, 2, 1, 8, "bits", IL, EF, "tile"),
         (T, 64, 128, 4, 1, 4, None, "bits"), (T, 128, 128, 8, 1, 3, None, "bits"),
         (T, 64, 128, 8, 1, 3, None, "bits"), (T, 64, 64, 4, 1, 4, None, "bits"),
-        (T, 64, 128, 4, 1, 3, 4, "bits")],
+        (T, 64, 128, 4, 1, 3, 4, "bits"),
+        (F, 64, 128, 4, 2, 1, None, "bits", PL), (F, 32, 128, 4, 2, 1, None, "bits", PL),
+        (F, 128, 128, 4, 2, 1, None, "bits", PL), (F, 64, 128, 4, 4, 1, None, "bits", PL),
+        (F, 64, 128, 8, 2, 1, None, "bits", PL), (F, 32, 128, 2, 2, 1, None, "bits", PL),
+        (F, 32, 128, 4, 2, 1, None, "bits", PL, EF, "tile"),
+        (F, 64, 128, 4, 1, 1, None, "bits", PL, EF, "tile"),
+        (F, 16, 128, 2, 2, 1, None, "bits", PL, EF, "tile"),
+        (F, 32, 128, 4, 4, 1, None, "bits", PL, EF, "tile"),
+        (F, 32, 128, 4, 2, 1, 8, "bits", PL, EF, "tile"),
+        (F, 64, 128, 4, 2, 1, 8, "bits", PL)],
     4: [(F, 16, 128, 4, 2, 1, None, "bits"), (F, 16, 128, 4, 2, 1, None, "bits", "reshape"),
         (F, 8, 128, 2, 2, 1, None, "bits"), (F, 32, 128, 4, 2, 1, None, "bits"),
         (T, 16, 128, 4, 1, 3, None, "bits"), (T, 16, 128, 4, 1, 3, None, "cvt"),
@@ -111,7 +120,10 @@ INT_VARIANTS = {
         (T, 16, 128, 4, 1, 3, None, "bits", "reshape"),
         (F, 8, 128, 4, 2, 1, None, "bits", IL, EF, "tile"),
         (F, 16, 128, 4, 1, 1, None, "bits", IL, EF, "tile"),
-        (T, 128, 128, 8, 1, 3, None, "bits"), (T, 64, 128, 4, 1, 4, None, "bits")],
+        (T, 128, 128, 8, 1, 3, None, "bits"), (T, 64, 128, 4, 1, 4, None, "bits"),
+        (F, 16, 128, 4, 2, 1, None, "bits", PL), (F, 32, 128, 4, 2, 1, None, "bits", PL),
+        (F, 8, 128, 4, 2, 1, None, "bits", PL, EF, "tile"),
+        (F, 16, 128, 4, 1, 1, None, "bits", PL, EF, "tile")],
     16: [(T, 32, 128, 4, 1, 4, None, "bits"), (T, 32, 128, 4, 1, 4, None, "cvt"),
          (T, 16, 128, 4, 1, 3, None, "bits"), (T, 64, 128, 4, 1, 3, None, "bits"),
          (T, 16, 128, 2, 1, 4, None, "bits"), (T, 128, 128, 8, 1, 3, None, "bits"),
