@@ -235,6 +235,7 @@ INT_VARIANTS = [
         unpack="reshape",
     ),
     dict(use_dot=False, block_n=8, block_k=128, num_warps=1, unroll=2, unpack="planes"),
+    dict(use_dot=True, block_n=16, block_k=128, num_warps=4, split_k=2, unpack="planes"),
     dict(
         use_dot=False,
         block_n=16,
@@ -276,14 +277,16 @@ def test_triton_int_weight_gemv_dot_operand_bits(dtype: torch.dtype, bits: int) 
     """16-bit activations on the tensor-core loop with codes built from bits (bf16: 128 + q
     for int4; fp16: 1024 + q), and group-major scales (the strides a caller may pick)."""
     assert tq is not None
-    weight = random_int_weight(32, 256, bits, 64, False, seed=bits)
+    weight = random_int_weight(32, 256, bits, 128, False, seed=bits)
     weight.scales = weight.scales.to(dtype).t().contiguous().t()
     weight.zeros = weight.zeros.to(dtype).t().contiguous().t()
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(9)).to(dtype)
-    config = tq.QuantGemvConfig(use_dot=True, block_n=16, block_k=64, num_warps=4, split_k=2)
-    out = tq.int_weight_gemv(x, weight, config=config)
     expected = int_reference(x, weight, None)
-    torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2**-7)
+    for unpack in ("interleave", "planes"):
+        config = tq.QuantGemvConfig(use_dot=True, block_n=16, block_k=128, num_warps=4,
+                                    split_k=2, unpack=unpack)  # fmt: skip
+        out = tq.int_weight_gemv(x, weight, config=config)
+        torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2**-7)
 
 
 @pytest.mark.parametrize("variant", FP8_VARIANTS)

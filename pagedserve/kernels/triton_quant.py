@@ -153,6 +153,8 @@ def plan_quant_gemv(
             block_k //= 2
         _check(block_k >= 16, f"group size {group_size} needs chunks of >= 16 columns")
     unpack = config.unpack if kind == "int4" else "interleave"  # only int4 codes are packed
+    if unpack == "planes" and config.use_dot and block_k < 128:
+        unpack = "interleave"  # a plane's tl.dot needs a depth of >= 16 words
     config = replace(config, block_n=block_n, block_k=block_k, unpack=unpack)
     tiles, step = triton.cdiv(n, block_n), block_k * config.unroll
     steps = triton.cdiv(k, step)
@@ -178,7 +180,6 @@ def check_quant_gemv_config(config: QuantGemvConfig) -> None:
     _check(config.convert in ("bits", "cvt"), f"convert: 'bits' or 'cvt': {config}")
     _check(config.unpack in ("interleave", "reshape", "planes"),
            f"unpack: interleave / reshape / planes: {config}")  # fmt: skip
-    _check(config.unpack != "planes" or not config.use_dot, f"planes: fma only: {config}")
     _check(config.w_evict in ("", "evict_first"), f"w_evict: '' or 'evict_first': {config}")
     _check(config.accumulate in ("chunk", "tile"), f"accumulate: chunk / tile: {config}")
 
@@ -481,6 +482,26 @@ def _int_fma_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K, grou
 
 
 @triton.jit
+def _int4_planes_dot(part, words, x_ptrs, x_ok, col, K, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, DOT_OFFSET: tl.constexpr,
+                     UPCAST: tl.constexpr):  # fmt: skip
+    """(part + sum_i x_i @ q_i^T, sum_k x) for int4 words [BLOCK_N, W] left packed: plane i
+    (nibble i of each word, codes 8 j + i) against x_i = x[:, 8 j + i] (x_ptrs [16, W] at
+    columns 8 j), one tl.dot of depth W a plane; no code moves between lanes."""
+    cols = col + 8 * tl.arange(0, BLOCK_K // 8)[None, :]
+    x_sum = tl.sum(part, axis=1)
+    for i in tl.static_range(8):
+        if EVEN_K:
+            x = tl.load(x_ptrs + i, mask=x_ok, other=0.0)
+        else:
+            x = tl.load(x_ptrs + i, mask=x_ok & (cols + i < K), other=0.0)
+        codes = (words >> (4 * i)) & 0xF
+        part = _dot(x, _codes_to_operand(codes, x.dtype, DOT_OFFSET, UPCAST), part, UPCAST)
+        x_sum += tl.sum(x.to(tl.float32), axis=1)
+    return part, x_sum
+
+
+@triton.jit
 def _int_dot_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K, group_size,
                       stride_sg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, KIND: tl.constexpr,
@@ -497,13 +518,17 @@ def _int_dot_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K, grou
     for k in range(k_start, k_end, BLOCK_K):
         codes = _load_codes(w_ptrs, k // PER_UNIT + ru, K // PER_UNIT, KIND, UNPACK, EVEN_K,
                             W_EVICT)  # fmt: skip
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
-        else:
-            x = tl.load(x_ptrs, mask=x_ok & (k + rk < K), other=0.0)
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        part = _dot(x, _codes_to_operand(codes, x.dtype, DOT_OFFSET, UPCAST), zero, UPCAST)
-        x_sum = tl.sum(x.to(tl.float32), axis=1)
+        if UNPACK == "planes":
+            part, x_sum = _int4_planes_dot(zero, codes, x_ptrs, x_ok, k, K, BLOCK_K, EVEN_K,
+                                           DOT_OFFSET, UPCAST)  # fmt: skip
+        else:
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=x_ok & (k + rk < K), other=0.0)
+            part = _dot(x, _codes_to_operand(codes, x.dtype, DOT_OFFSET, UPCAST), zero, UPCAST)
+            x_sum = tl.sum(x.to(tl.float32), axis=1)
         acc = _group_update(acc, part, x_sum, s_ptrs, z_ptrs, k, group_size, stride_sg, K,
                             DOT_OFFSET)  # fmt: skip
         x_ptrs += BLOCK_K
