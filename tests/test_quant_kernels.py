@@ -51,7 +51,7 @@ def _interpreted(name: str, kernel: str) -> ModuleType | None:
     return module
 
 
-tq = _interpreted("pagedserve.kernels.triton_quant", "_wq_gemv_kernel")
+tq = _interpreted("pagedserve.kernels.triton_quant", "_quant_gemv_kernel")
 ta = _interpreted("pagedserve.kernels.triton_attention", "_prefill_kernel")
 FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_interpreter_process"
 
@@ -213,6 +213,120 @@ def test_triton_fp8_weight_gemv(rows: int) -> None:
     out = tq.fp8_weight_gemv(x, wq, w_scale, bias)
     expected = F.linear(x.double(), wq.double() * w_scale.double()[:, None], bias.double())
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-6)
+
+
+# Launch variants (QuantGemvConfig fields) the sweep compares; each must compute the same product.
+INT_VARIANTS = [
+    dict(use_dot=False, block_n=8, block_k=128, num_warps=1),
+    dict(use_dot=False, block_n=16, block_k=64, num_warps=2, unroll=2, split_k=3),
+    dict(use_dot=False, block_n=16, block_k=64, num_warps=1, unroll=4, convert="cvt"),
+    dict(use_dot=False, block_n=8, block_k=128, num_warps=1, unroll=2, unpack="reshape"),
+    dict(use_dot=True, block_n=16, block_k=64, num_warps=4, split_k=2),
+    dict(use_dot=True, block_n=32, block_k=128, num_warps=4, convert="cvt", unpack="reshape"),
+    dict(use_dot=False, block_n=8, block_k=128, num_warps=1, unroll=2, accumulate="tile"),
+    dict(
+        use_dot=False,
+        block_n=16,
+        block_k=64,
+        num_warps=2,
+        split_k=3,
+        accumulate="tile",
+        convert="cvt",
+        unpack="reshape",
+    ),
+    dict(use_dot=False, block_n=8, block_k=128, num_warps=1, unroll=2, unpack="planes"),
+    dict(use_dot=True, block_n=16, block_k=128, num_warps=4, split_k=2, unpack="planes"),
+    dict(
+        use_dot=False,
+        block_n=16,
+        block_k=64,
+        num_warps=2,
+        split_k=3,
+        unpack="planes",
+        accumulate="tile",
+    ),
+]
+FP8_VARIANTS = [
+    dict(use_dot=False, block_n=4, block_k=64, num_warps=1),
+    dict(use_dot=False, block_n=8, block_k=32, num_warps=1, unroll=4, split_k=3),
+    dict(use_dot=False, block_n=8, block_k=64, num_warps=2, unroll=2, convert="cvt"),
+    dict(use_dot=True, block_n=16, block_k=64, num_warps=4, split_k=2),
+]
+
+
+@pytest.mark.parametrize("variant", INT_VARIANTS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_triton_int_weight_gemv_variants(variant: dict, bits: int, rows: int) -> None:
+    """Every launch variant (fma / dot, K splits, unrolled loads, codes by bits or conversion,
+    int4 unpacked by interleave or reshape or left packed (planes), chunk or tile
+    accumulation), K = 3 groups (a chunk pair runs past K), N not a
+    multiple of the tile, asymmetric codes: the float64 dequantized product."""
+    assert tq is not None
+    config = tq.QuantGemvConfig(**variant)
+    weight = random_int_weight(40, 384, bits, 128, False, seed=bits + rows)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 384, generator=gen), torch.randn(40, generator=gen)
+    out = tq.int_weight_gemv(x, weight, bias, config=config)
+    torch.testing.assert_close(out.double(), int_reference(x, weight, bias), atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_triton_int_weight_gemv_dot_operand_bits(dtype: torch.dtype, bits: int) -> None:
+    """16-bit activations on the tensor-core loop with codes built from bits (bf16: 128 + q
+    for int4; fp16: 1024 + q), and group-major scales (the strides a caller may pick)."""
+    assert tq is not None
+    weight = random_int_weight(32, 256, bits, 128, False, seed=bits)
+    weight.scales = weight.scales.to(dtype).t().contiguous().t()
+    weight.zeros = weight.zeros.to(dtype).t().contiguous().t()
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(9)).to(dtype)
+    expected = int_reference(x, weight, None)
+    for unpack in ("interleave", "planes"):
+        config = tq.QuantGemvConfig(use_dot=True, block_n=16, block_k=128, num_warps=4,
+                                    split_k=2, unpack=unpack)  # fmt: skip
+        out = tq.int_weight_gemv(x, weight, config=config)
+        torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2**-7)
+
+
+@pytest.mark.parametrize("variant", FP8_VARIANTS)
+@pytest.mark.parametrize("rows", [1, 6])
+def test_triton_fp8_weight_gemv_variants(variant: dict, rows: int) -> None:
+    """Every fp8 launch variant, K = 200 (a tail chunk), subnormal and zero weights included:
+    the float64 product of the fp8 values and channel scales."""
+    assert tq is not None
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(24, 200, generator=gen)
+    w[:, :8] = torch.tensor([0.0, -0.0, 0.002, -0.003, 0.01, -0.0137, 1.0, 448.0])  # subnormals
+    wq, w_scale = quant_ref.quantize_fp8_rows(w)
+    w_scale = w_scale.squeeze(1)
+    x, bias = torch.randn(rows, 200, generator=gen), torch.randn(24, generator=gen)
+    out = tq.fp8_weight_gemv(x, wq, w_scale, bias, config=tq.QuantGemvConfig(**variant))
+    expected = F.linear(x.double(), wq.double() * w_scale.double()[:, None], bias.double())
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-6)
+
+
+def test_triton_quant_gemv_plans() -> None:
+    """Plans: blocks clamped to the problem, integer chunks inside one group, the automatic
+    split filling the SMs, tuned entries found by (SMs, scheme, M bucket, N, K)."""
+    assert tq is not None
+    fma = tq.QuantGemvConfig(use_dot=False, block_n=64, block_k=256, num_warps=4, unroll=2)
+    plan = tq.plan_quant_gemv("int4", 1, 4096, 4096, 128, 132, fma)
+    assert plan.config.block_k == 128 and plan.tiles == 64 and plan.split_k == 8
+    assert plan.k_per_split % (128 * 2) == 0 and plan.k_per_split * plan.split_k >= 4096
+    assert tq.plan_quant_gemv("fp8", 1, 8, 100, 100, 132, fma).config.block_n == 8
+    assert tq.m_bucket("int8", 3) == 4 and tq.m_bucket("fp8", 16) == 16
+    with pytest.raises(ValueError, match="at most 16"):
+        tq.m_bucket("int8", 17)
+    with pytest.raises(ValueError, match="power of 2"):
+        tq.check_quant_gemv_config(tq.QuantGemvConfig(False, 3, 128, 4))
+    tuned = tq.QuantGemvConfig(use_dot=True, block_n=16, block_k=64, num_warps=4)
+    key = (132, "int8", 4, 4096, 4096)
+    tq.QUANT_GEMV_TUNED[key] = tuned
+    try:
+        assert tq.plan_quant_gemv("int8", 3, 4096, 4096, 128, 132).config == tuned
+    finally:
+        del tq.QUANT_GEMV_TUNED[key]
 
 
 def test_triton_fp8_row_quantization() -> None:
