@@ -250,6 +250,7 @@ FP8_VARIANTS = [
     dict(use_dot=False, block_n=4, block_k=64, num_warps=1),
     dict(use_dot=False, block_n=8, block_k=32, num_warps=1, unroll=4, split_k=3),
     dict(use_dot=False, block_n=8, block_k=64, num_warps=2, unroll=2, convert="cvt"),
+    dict(use_dot=False, block_n=4, block_k=64, num_warps=1, unroll=2, convert="cvt", fold=16),
     dict(use_dot=True, block_n=16, block_k=64, num_warps=4, split_k=2),
 ]
 
