@@ -250,13 +250,15 @@ FP8_VARIANTS = [
     dict(use_dot=False, block_n=4, block_k=64, num_warps=1),
     dict(use_dot=False, block_n=8, block_k=32, num_warps=1, unroll=4, split_k=3),
     dict(use_dot=False, block_n=8, block_k=64, num_warps=2, unroll=2, convert="cvt"),
+    dict(use_dot=False, block_n=4, block_k=64, num_warps=1, unroll=2, convert="cvt", fold=16),
     dict(use_dot=True, block_n=16, block_k=64, num_warps=4, split_k=2),
 ]
 
 
-@pytest.mark.parametrize("variant", INT_VARIANTS)
+@pytest.mark.parametrize(
+    "variant,rows", [(v, 1 + 2 * (i % 2)) for i, v in enumerate(INT_VARIANTS)]
+)  # every variant once, at 1 row (M = 1 compiles apart) or 3
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 3])
 def test_triton_int_weight_gemv_variants(variant: dict, bits: int, rows: int) -> None:
     """Every launch variant (fma / dot, K splits, unrolled loads, codes by bits or conversion,
     int4 unpacked by interleave or reshape or left packed (planes), chunk or tile

@@ -62,10 +62,12 @@ class QuantGemvConfig:
     power of two; for the integer schemes clamped to a divisor of the group size. unroll:
     steps whose weight loads are issued together (bytes in flight; fma only). split_k: None
     = automatic (about QUANT_PROGRAMS_PER_SM programs an SM). convert: "bits" or "cvt" (module
-    doc); unpack (int4): "interleave" or "reshape"; w_evict: the weight loads' L1/L2 eviction
-    policy ("" or "evict_first"); accumulate (integer fma loop): "chunk" (reduce each chunk,
-    then scale) or "tile" (dequantize each weight in registers into an elementwise
-    accumulator reduced after the loop, as the fp8 loop)."""
+    doc); unpack (int4): "interleave", "reshape" or "planes" (left packed); w_evict: the
+    weight loads' L1/L2 eviction policy ("" or "evict_first"); accumulate (integer fma loop):
+    "chunk" (reduce each chunk, then scale) or "tile" (dequantize each weight in registers
+    into an elementwise accumulator reduced after the loop, as the fp8 loop). fold (fp8 fma
+    loop): products of `fold` adjacent columns summed in the thread before accumulating (an
+    accumulator of BLOCK_K / fold columns: fewer registers, more programs resident)."""
 
     use_dot: bool
     block_n: int
@@ -78,13 +80,14 @@ class QuantGemvConfig:
     unpack: str = "interleave"
     w_evict: str = "evict_first"
     accumulate: str = "chunk"
+    fold: int = 1
 
     def describe(self) -> str:
         loop = "dot" if self.use_dot else "fma"
         split = "auto" if self.split_k is None else self.split_k
         return (f"{loop} BN{self.block_n} BK{self.block_k} u{self.unroll} w{self.num_warps} "
                 f"s{self.num_stages} split{split} {self.convert} {self.unpack} "
-                f"{self.w_evict or 'no-evict'} {self.accumulate}")  # fmt: skip
+                f"{self.w_evict or 'no-evict'} {self.accumulate} fold{self.fold}")  # fmt: skip
 
 
 def _fma(bn: int, bk: int, warps: int, unroll: int = 1) -> QuantGemvConfig:
@@ -174,7 +177,7 @@ def plan_quant_gemv(
 
 def check_quant_gemv_config(config: QuantGemvConfig) -> None:
     """ValueError unless the config is launchable."""
-    for name in ("block_n", "block_k", "num_warps", "unroll"):
+    for name in ("block_n", "block_k", "num_warps", "unroll", "fold"):
         value = getattr(config, name)
         _check(value >= 1 and value & (value - 1) == 0, f"{name} must be a power of 2: {config}")
     _check(config.unroll <= 4 and (config.unroll == 1 or not config.use_dot),
@@ -285,17 +288,18 @@ def _dot(x, w, acc, UPCAST: tl.constexpr):
 @triton.jit
 def _fp8_fma_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-                      EVEN_K: tl.constexpr, CONVERT: tl.constexpr,
+                      EVEN_K: tl.constexpr, CONVERT: tl.constexpr, FOLD: tl.constexpr,
                       W_EVICT: tl.constexpr):  # fmt: skip
     """sum over the K range of x[m, k] * Wq[n, k] in fp32 -> [BLOCK_M, BLOCK_N] (times 2^-8
-    with "bits"), accumulated elementwise in a [BLOCK_M, BLOCK_N, BLOCK_K] tile and reduced
-    once after the loop; x [BLOCK_M, 1, BLOCK_K] and W [1, BLOCK_N, BLOCK_K] load straight
-    into the accumulator's layout (triton_gemv's fma loop)."""
+    with "bits"), accumulated elementwise in a [BLOCK_M, BLOCK_N, BLOCK_K / FOLD] tile (FOLD
+    adjacent products summed first) and reduced once after the loop; x [BLOCK_M, 1, BLOCK_K]
+    and W [1, BLOCK_N, BLOCK_K] load straight into the accumulator's layout (triton_gemv's
+    fma loop)."""
     rk = tl.arange(0, BLOCK_K)[None, None, :]
     x_ok = (tl.arange(0, BLOCK_M) < M)[:, None, None]
     x3 = x_ptrs[:, None, :]
     w3 = w_ptrs[None, :, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // FOLD), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K * UNROLL):
         wa = _load_fp8(w3, k + rk, K, EVEN_K, W_EVICT)
         if UNROLL >= 2:
@@ -303,18 +307,30 @@ def _fp8_fma_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M: tl.constexp
         if UNROLL >= 4:
             wc = _load_fp8(w3 + 2 * BLOCK_K, k + 2 * BLOCK_K + rk, K, EVEN_K, W_EVICT)
             wd = _load_fp8(w3 + 3 * BLOCK_K, k + 3 * BLOCK_K + rk, K, EVEN_K, W_EVICT)
-        acc += _load_x(x3, x_ok, k + rk, K, EVEN_K) * _fp8_to_float(wa, CONVERT)
+        acc += _fold(_load_x(x3, x_ok, k + rk, K, EVEN_K) * _fp8_to_float(wa, CONVERT), FOLD)
         if UNROLL >= 2:
             xb = _load_x(x3 + BLOCK_K, x_ok, k + BLOCK_K + rk, K, EVEN_K)
-            acc += xb * _fp8_to_float(wb, CONVERT)
+            acc += _fold(xb * _fp8_to_float(wb, CONVERT), FOLD)
         if UNROLL >= 4:
             xc = _load_x(x3 + 2 * BLOCK_K, x_ok, k + 2 * BLOCK_K + rk, K, EVEN_K)
-            acc += xc * _fp8_to_float(wc, CONVERT)
+            acc += _fold(xc * _fp8_to_float(wc, CONVERT), FOLD)
             xd = _load_x(x3 + 3 * BLOCK_K, x_ok, k + 3 * BLOCK_K + rk, K, EVEN_K)
-            acc += xd * _fp8_to_float(wd, CONVERT)
+            acc += _fold(xd * _fp8_to_float(wd, CONVERT), FOLD)
         x3 += BLOCK_K * UNROLL
         w3 += BLOCK_K * UNROLL
     return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _fold(products, FOLD: tl.constexpr):
+    """[A, B, C] -> [A, B, C / FOLD]: sums of FOLD adjacent columns (FOLD 1: as is)."""
+    if FOLD == 1:
+        return products
+    else:
+        a: tl.constexpr = products.shape[0]
+        b: tl.constexpr = products.shape[1]
+        c: tl.constexpr = products.shape[2]
+        return tl.sum(tl.reshape(products, (a, b, c // FOLD, FOLD)), axis=3)
 
 
 @triton.jit
@@ -550,7 +566,7 @@ def _quant_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, par
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        UNROLL: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
                        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, CONVERT: tl.constexpr,
-                       UNPACK: tl.constexpr, ACCUMULATE: tl.constexpr,
+                       UNPACK: tl.constexpr, ACCUMULATE: tl.constexpr, FOLD: tl.constexpr,
                        DOT_OFFSET: tl.constexpr, UPCAST: tl.constexpr,
                        W_EVICT: tl.constexpr):  # fmt: skip
     """Program (t, s): rows n in [t BLOCK_N, (t + 1) BLOCK_N) (those >= N read the clamped row
@@ -580,7 +596,7 @@ def _quant_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, par
                                     BLOCK_K, EVEN_K, UPCAST, W_EVICT)  # fmt: skip
         else:
             acc = _fp8_fma_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M, BLOCK_N,
-                                    BLOCK_K, UNROLL, EVEN_K, CONVERT, W_EVICT)  # fmt: skip
+                                    BLOCK_K, UNROLL, EVEN_K, CONVERT, FOLD, W_EVICT)  # fmt: skip
             if CONVERT == "bits":
                 acc *= 256.0  # the fp16 bits held the values * 2^-8
         acc *= tl.load(scale_ptr + rows).to(tl.float32)[None, :]
@@ -789,7 +805,7 @@ def _launch_gemv(
         BLOCK_K=c.block_k, UNROLL=c.unroll, USE_DOT=c.use_dot,
         EVEN_K=k % (c.block_k * c.unroll) == 0, SPLIT=plan.split_k > 1,
         HAS_BIAS=bias is not None, CONVERT=c.convert, UNPACK=c.unpack,
-        ACCUMULATE=c.accumulate,
+        ACCUMULATE=c.accumulate, FOLD=min(c.fold, c.block_k),
         DOT_OFFSET=_dot_offset(kind, c, x.dtype),
         UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16, W_EVICT=c.w_evict,
         num_warps=c.num_warps, num_stages=c.num_stages,

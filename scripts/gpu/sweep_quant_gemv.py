@@ -61,7 +61,7 @@ ROUNDS = 5
 COPIES_BYTES = 160_000_000  # > 3x the H200's L2
 
 # Variants: (use_dot, block_n, block_k, num_warps, unroll, num_stages, split_k, convert, unpack,
-# w_evict, accumulate) as QuantGemvConfig fields; per scheme and batch bucket.
+# w_evict, accumulate, fold) as QuantGemvConfig fields; per scheme and batch bucket.
 F, T = False, True
 IL, PL, EF = "interleave", "planes", "evict_first"
 FP8_VARIANTS = {
@@ -72,8 +72,18 @@ FP8_VARIANTS = {
         (F, 2, 1024, 2, 2, 1, None, "cvt"), (F, 4, 2048, 4, 1, 1, 2, "cvt"),
         (F, 4, 2048, 4, 1, 1, None, "cvt", "interleave", ""),
         (F, 4, 2048, 4, 2, 1, None, "cvt"), (F, 2, 4096, 8, 1, 1, None, "cvt"),
-        (F, 4, 2048, 4, 1, 1, 4, "cvt"), (T, 16, 256, 4, 1, 3), (T, 32, 128, 4, 1, 4)],
+        (F, 4, 2048, 4, 1, 1, 4, "cvt"), (T, 16, 256, 4, 1, 3), (T, 32, 128, 4, 1, 4),
+        (F, 4, 2048, 4, 1, 1, None, "cvt", IL, EF, "chunk", 16),
+        (F, 8, 2048, 4, 1, 1, None, "cvt", IL, EF, "chunk", 16),
+        (F, 4, 2048, 4, 2, 1, None, "cvt", IL, EF, "chunk", 16),
+        (F, 4, 1024, 2, 1, 1, None, "cvt", IL, EF, "chunk", 16),
+        (F, 8, 1024, 2, 2, 1, None, "cvt", IL, EF, "chunk", 16),
+        (F, 2, 4096, 8, 1, 1, None, "cvt", IL, EF, "chunk", 16),
+        (F, 4, 2048, 4, 1, 1, None, "cvt", IL, EF, "chunk", 4),
+        (T, 64, 128, 4, 1, 3)],
     4: [(F, 1, 2048, 4, 1, 1, None, "cvt"), (F, 1, 2048, 4, 1, 1, None, "bits"),
+        (F, 2, 2048, 4, 1, 1, None, "cvt", IL, EF, "chunk", 16),
+        (F, 4, 1024, 2, 1, 1, None, "cvt", IL, EF, "chunk", 16),
         (F, 2, 1024, 4, 1, 1, None, "cvt"), (F, 1, 1024, 2, 2, 1, None, "cvt"),
         (T, 16, 256, 4, 1, 3), (T, 32, 128, 4, 1, 4), (T, 16, 128, 4, 1, 4),
         (T, 64, 128, 4, 1, 3), (T, 16, 512, 4, 1, 3)],
@@ -133,7 +143,7 @@ INT_VARIANTS = {
          (T, 32, 128, 4, 1, 4, None, "bits", PL), (T, 128, 128, 8, 1, 3, None, "bits", PL)],
 }  # fmt: skip
 FIELDS = ("use_dot", "block_n", "block_k", "num_warps", "unroll", "num_stages", "split_k",
-          "convert", "unpack", "w_evict", "accumulate")  # fmt: skip
+          "convert", "unpack", "w_evict", "accumulate", "fold")  # fmt: skip
 
 
 def variants(tq: types.ModuleType, scheme: str, m: int, limit: int | None) -> list[tuple]:
