@@ -4,15 +4,13 @@ The scheduler owns every request's state: its token history, its sampling settin
 its KV blocks and its route back to the client. Workers and the detokenizer hold caches of it,
 keyed by the request's handle.
 
-There are no prefill/decode phases: every step, each request's `num_computed_tokens` catches
-up with the tokens the worker will know for it, within one token budget. Running requests go
-first (in order), then waiting ones (FCFS). Plans are diffs against the worker's persistent
-batch. Scheduling is asynchronous: a plan may be made before the previous plan's result
-arrives, so each request counts the sampled tokens still in flight (`num_inflight`), and the
-scheduler records, for each plan in flight, the requests it samples for; the worker appends its
-own sampled tokens, so it knows them when it runs the next plan (pipeline parallelism differs:
-see layout.plan_capacity). A step of running decodes is planned, and its result applied, in
-bulk over the requests' counter columns (decode_path.py, columns.py)."""
+No prefill/decode phases: each step, every request's `num_computed_tokens` catches up with the
+tokens the worker will know for it, within one token budget; running requests first, then
+waiting ones (FCFS). Plans are diffs against the worker's persistent batch, made before the
+previous result arrives (async): requests count their sampled tokens in flight
+(`num_inflight`), plans in flight record whom they sample for, and the worker appends its own
+samples (pipeline parallelism: layout.plan_capacity). Running decodes are planned and applied
+in bulk over counter columns (decode_path.py, columns.py)."""
 
 from __future__ import annotations
 
@@ -370,16 +368,13 @@ class Scheduler:
         use_lp = req.sampling.logprobs is not None and all(lp is not None for lp in logprobs)
         return req.output(kept, logprobs[: len(kept)] if use_lp else None)  # type: ignore[arg-type]
 
-    def _settle_drafts(
-        self, req: Request, emitted: int, verified: int | None, verifies: int
-    ) -> None:
-        """Count the verified drafts (the plan's, or with rounds the worker's count), and roll
-        the KV of the rejected ones back: every emitted token but the last is computed."""
-        drafts, req.num_drafts_in_flight = req.num_drafts_in_flight, 0
-        counters = self.counters
-        counters.spec_num_drafts += verifies
+    def _settle_drafts(self, req: Request, emitted: int, verified: int | None, n: int) -> None:
+        """Count the verified drafts (with rounds, the worker's count) and roll the rejected
+        ones' KV back: every emitted token but the last is computed. n: verifies."""
+        drafts, req.num_drafts_in_flight, counters = req.num_drafts_in_flight, 0, self.counters
+        counters.spec_num_drafts += n
         counters.spec_num_draft_tokens += drafts if verified is None else verified
-        counters.spec_num_accepted_tokens += emitted - verifies
+        counters.spec_num_accepted_tokens += emitted - n
         counters.spec_num_emitted_tokens += emitted
         if req.status is RequestStatus.RUNNING:
             req.num_computed_tokens -= drafts - (emitted - 1)
