@@ -1,0 +1,79 @@
+"""The engine's command-line flags (vLLM's names), shared by every subcommand that starts one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from pagedserve.config import DEFAULT_MODEL
+
+ENGINE_FLAGS: dict[str, tuple[type, str]] = {
+    "tokenizer": (str, "tokenizer directory or cached hub id (default: the model's)"),
+    "dtype": (str, "weights and activations dtype: auto, float32, bfloat16, float16"),
+    "load_format": (str, "auto (safetensors) or dummy (random weights of the real config)"),
+    "max_model_len": (int, "longest prompt + output in tokens (default: the model's limit)"),
+    "max_num_seqs": (int, "most requests running at once"),
+    "max_num_batched_tokens": (int, "token budget of one engine step"),
+    "block_size": (int, "tokens per KV-cache block"),
+    "num_kv_blocks": (int, "number of KV-cache blocks (default: from memory)"),
+    "gpu_memory_utilization": (float, "fraction of GPU memory for weights, activations and KV"),
+    "tensor_parallel_size": (int, "number of GPUs to shard the model over"),
+    "pipeline_parallel_size": (int, "pipeline stages: the model's layers split over that many"),
+    "pipeline_layer_partition": (
+        lambda text: [int(n) for n in text.split(",")],  # an int list: "15,17"
+        "decoder layers of each pipeline stage, e.g. 15,17 (default: as even as possible)",
+    ),
+    "distributed_executor_backend": (
+        str,
+        "where the workers run: mp (processes on this machine) or ray (the nodes of an "
+        "existing Ray cluster; pip install 'pagedserve[ray]')",
+    ),
+    "device": (str, "auto, cpu or cuda"),
+    "attention_backend": (str, "auto, torch, triton or cuda"),
+    "seed": (int, "engine seed (dummy weights, unseeded sampling)"),
+    "speculative_config": (
+        json.loads,
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        'or \'{"model": PATH, "num_speculative_tokens": 4}\'',
+    ),
+    "chat_template": (str, "a Jinja chat template, or the path of a file holding one"),
+    "generation_config": (
+        str,
+        "sampling defaults for fields a request leaves unset: auto (the model's "
+        "generation_config.json), vllm (none) or a directory holding one",
+    ),
+    "quantization": (str, "fp8, gptq, awq, compressed-tensors or int8 (default: the checkpoint's)"),
+    "kv_cache_dtype": (str, "auto (the model's dtype) or fp8 (E4M3, per-tensor scales)"),
+}
+SHORT_FLAGS = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
+ENGINE_SWITCHES = {  # vLLM's on/off flags; unset leaves the engine's default
+    "skip_tokenizer_init": "no tokenizer: token ids in and out",
+    "enforce_eager": "no CUDA graphs",
+    "trust_remote_code": "accepted for vLLM compatibility; pagedserve runs only its own code",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="HF model directory or cached hub id"
+    )
+    group = parser.add_argument_group("engine")
+    for name, (kind, help_text) in ENGINE_FLAGS.items():
+        flags = ["--" + name.replace("_", "-"), *SHORT_FLAGS.get(name, [])]
+        group.add_argument(*flags, dest=name, type=kind, default=None, help=help_text)
+    for name, help_text in ENGINE_SWITCHES.items():
+        group.add_argument(
+            "--" + name.replace("_", "-"), action="store_true", default=None, help=help_text
+        )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="automatic prefix caching (on by default)",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = [*ENGINE_FLAGS, *ENGINE_SWITCHES, "enable_prefix_caching"]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
