@@ -90,6 +90,27 @@ def test_engine_profile_window_through_the_worker(tmp_path: Path) -> None:
     assert scheduler["handle"]["s"] > 0
 
 
+def test_engine_profile_timelines_join_into_each_requests_first_token_path(
+    tmp_path: Path,
+) -> None:
+    """With profiling on, the scheduler, the worker and the detokenizer mark each request's
+    first token on its way; the marks join by handle and step into one ordered path each."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.actors.timeline import FIRST_TOKEN_PATH, first_token_marks
+
+    out = tmp_path / "timeline"
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    with LLM(profile=ProfileConfig(output_dir=str(out), num_steps=0)) as llm:
+        for prompt in ("ROMEO:", "JULIET: O", "Enter a"):
+            llm.generate(prompt, params, use_tqdm=False)
+    requests = first_token_marks(str(out))
+    assert len(requests) == 3
+    for times in requests:
+        assert len(times) == len(FIRST_TOKEN_PATH)
+        assert times == sorted(times), "each mark of the path follows the one before"
+    assert requests[0][-1] <= requests[1][0] <= requests[1][-1] <= requests[2][0]
+
+
 def test_step_log_totals_steps_by_kind_and_ranks_the_slowest() -> None:
     compiles = TritonCompileLog()
     log = StepLog(torch.device("cpu"), compiles)

@@ -20,6 +20,7 @@ once, and every later Welcome or Pong carries the reason, so clients fail fast.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from pagedserve.actors.messages import (
     TokenLogprobs,
     Welcome,
 )
+from pagedserve.actors.timeline import Timeline
 
 
 @dataclass
@@ -116,8 +118,11 @@ class StreamedText:
 
 class DetokenizerActor(Actor):
     name = "detokenizer"
+    timeline: Timeline | None = None
 
     async def setup(self) -> dict:
+        if self.config.profile is not None:
+            self.timeline = Timeline()
         self.decoder = None
         if not self.config.skip_tokenizer_init:
             self.decoder = TokenDecoder.load(self.config.tokenizer_path)
@@ -136,6 +141,12 @@ class DetokenizerActor(Actor):
 
     def queue_depths(self) -> dict[str, int]:
         return {"streams": len(self.streams)}
+
+    def close(self) -> None:
+        if self.timeline is not None and self.config.profile is not None:
+            path = os.path.join(self.config.profile.output_dir, "detokenizer.timeline.json")
+            self.timeline.write(path)
+        super().close()
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -182,6 +193,8 @@ class DetokenizerActor(Actor):
 
     async def on_outputs(self, message: EngineOutputs) -> None:
         """One frame per client: the deltas of all its requests in this step."""
+        if self.timeline is not None:
+            self.timeline.mark_all("detok_in", (o.handle for o in message.outputs))
         batches: dict[bytes, list[RequestDelta]] = defaultdict(list)
         stopped: list[int] = []
         for route in message.routes:
@@ -204,6 +217,8 @@ class DetokenizerActor(Actor):
             batches[stream.client].append(self.close_if_final(output.handle, delta))
         for client, deltas in batches.items():
             await self.clients.send(client, DeltaBatch(deltas))
+        if self.timeline is not None:
+            self.timeline.mark_all("detok_out", (o.handle for o in message.outputs))
         if stopped:
             await self.to_scheduler.send(StopRequests(stopped))
 

@@ -3,10 +3,10 @@
 each, sent one at a time through the ZeroMQ client to an engine with profiling on. Prints the
 client's time to first token next to the worker's own view of the same steps (StepLog: host
 time of each step's launch and its device time, by kind), the loop timers of the worker and
-the scheduler (where their wall time went), and a torch.profiler window over a few of the
-prefill steps (device busy fraction, kernels per step, the largest gaps). The difference
-between the client's TTFT and the worker's step time is the path: client -> scheduler ->
-worker -> scheduler -> detokenizer -> client.
+the scheduler (where their wall time went), each hop of the request's own timeline (client
+-> scheduler -> worker -> scheduler -> detokenizer -> client; actors/timeline.py), and a
+torch.profiler window over a few of the prefill steps (device busy fraction, kernels per
+step, the largest gaps).
 
     python scripts/gpu/first_token_anatomy.py [--models qwen3-0.6b llama-3.1-8b] [--out FILE]
 """
@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.actors.supervisor import Supervisor  # noqa: E402
+from pagedserve.actors.timeline import FIRST_TOKEN_PATH, first_token_marks  # noqa: E402
 from pagedserve.api import bench  # noqa: E402
 from pagedserve.api.client import Client  # noqa: E402
 from pagedserve.config import EngineConfig, ProfileConfig  # noqa: E402
@@ -35,15 +36,44 @@ ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 WARMUP, MEASURED = 10, 30
 
 
-def client_ttfts(address: str, credentials: object, prompts: list[list[int]]) -> list[float]:
+def client_ttfts(
+    address: str, credentials: object, prompts: list[list[int]]
+) -> list[tuple[float, float]]:
+    """(sent, first token received) of each prompt, perf_counter seconds."""
     times = []
     with Client(address, credentials=credentials) as client:
         for prompt in prompts:
             start = time.perf_counter()
             next(iter(client.generate(prompt, ONE_TOKEN)))
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append((start, time.perf_counter()))
             time.sleep(0.02)  # the engine idles between requests, as a lone client's would
     return times
+
+
+HOPS = (
+    ["client -> scheduler"]
+    + [f"{a[1]} -> {b[1]}" for a, b in zip(FIRST_TOKEN_PATH, FIRST_TOKEN_PATH[1:])]
+    + ["detok_out -> client"]
+)
+
+
+def hop_table(directory: Path, client_times: list[tuple[float, float]]) -> list[str]:
+    """Median µs of each hop of the measured requests' first tokens (the actors' timelines
+    joined with the client's own send and receive times)."""
+    engine = first_token_marks(str(directory))
+    if len(engine) != len(client_times):
+        return [f"timeline: {len(engine)} joined requests for {len(client_times)} sent: skipped"]
+    hops: list[list[float]] = [[] for _ in HOPS]
+    for (sent, received), marks in list(zip(client_times, engine))[WARMUP:]:
+        path = [sent, *marks, received]
+        for index, (a, b) in enumerate(zip(path, path[1:])):
+            hops[index].append((b - a) * 1e6)
+    lines = ["| hop | median µs | p90 µs |", "|---|---:|---:|"]
+    for name, values in zip(HOPS, hops):
+        values.sort()
+        lines.append(f"| {name} | {statistics.median(values):.0f} | "
+                     f"{values[int(0.9 * (len(values) - 1))]:.0f} |")  # fmt: skip
+    return lines
 
 
 def anatomy(model: str, device: str) -> list[str]:
@@ -59,15 +89,17 @@ def anatomy(model: str, device: str) -> list[str]:
     supervisor.start()
     try:
         address = supervisor.addresses.engine_address
-        times = client_ttfts(address, supervisor.credentials.for_clients(), prompts)
+        client_times = client_ttfts(address, supervisor.credentials.for_clients(), prompts)
     finally:
         supervisor.stop()
-    measured = sorted(times[WARMUP:])
+    measured = sorted((end - start) * 1e3 for start, end in client_times[WARMUP:])
     summary = (
         f"client TTFT ms: p50 {statistics.median(measured):.2f}, min {measured[0]:.2f}, "
         f"max {measured[-1]:.2f} ({len(measured)} requests after {WARMUP} warm-up)"
     )
     lines = [f"## {Path(model).name}", "", summary, ""]
+    lines += ["Where the first token's time goes (request timeline, profiling on):", ""]
+    lines += [*hop_table(out, client_times), ""]
     steps = json.loads((out / "worker0.steps.json").read_text())
     lines += ["| step kind | steps | tokens | host ms / step | device ms / step | compile s |",
               "|---|---:|---:|---:|---:|---:|"]  # fmt: skip

@@ -37,6 +37,7 @@ from pagedserve.actors.messages import (
     WorkersReady,
 )
 from pagedserve.actors.scheduler.scheduler import Scheduler
+from pagedserve.actors.timeline import Timeline
 from pagedserve.layout import plans_in_flight
 
 # How long a wait for the next message polls before it waits on the loop (bus.Receiver): the
@@ -48,9 +49,12 @@ POLL_FIRST_S = 0.005
 class SchedulerActor(Actor):
     name = "scheduler"
     timer = LoopTimer()
+    timeline: Timeline | None = None
 
     async def setup(self) -> dict:
         self.timer = LoopTimer()
+        if self.config.profile is not None:
+            self.timeline = Timeline()
         assert self.config.num_kv_blocks, "the supervisor sizes the scheduler"
         self.scheduler = Scheduler(self.config, self.config.num_kv_blocks, self.epoch)
         self.inbox: bus.Receiver[SchedulerInbound] = bus.Receiver(
@@ -88,12 +92,17 @@ class SchedulerActor(Actor):
             with self.timer.phase("send_outputs"):
                 if outputs.routes or outputs.outputs or outputs.errors:
                     await self.to_detokenizer.send(outputs)
+                    if self.timeline is not None:
+                        self.timeline.mark_all("output_sent", (o.handle for o in outputs.outputs))
             with self.timer.phase("plan"):
                 await self.plan_ahead()
 
     def close(self) -> None:
         if self.config.profile is not None:
-            self.timer.write(os.path.join(self.config.profile.output_dir, "scheduler.loop.json"))
+            directory = self.config.profile.output_dir
+            self.timer.write(os.path.join(directory, "scheduler.loop.json"))
+            if self.timeline is not None:
+                self.timeline.write(os.path.join(directory, "scheduler.timeline.json"))
         super().close()
 
     async def handle(
@@ -109,6 +118,8 @@ class SchedulerActor(Actor):
     ) -> None:
         scheduler = self.scheduler
         if isinstance(message, StepResult):
+            if self.timeline is not None:
+                self.timeline.mark("result_in", message.step_id)
             if message.step_id in self.inflight:  # else a lost step's, or an old scheduler's
                 self.inflight.remove(message.step_id)
                 outputs.outputs += scheduler.update_from_result(message)
@@ -123,6 +134,8 @@ class SchedulerActor(Actor):
                 outputs.errors.append(accepted)
             else:
                 outputs.routes.append(accepted)
+                if self.timeline is not None:
+                    self.timeline.mark("arrived", accepted.handle)
         elif isinstance(message, AbortRequest):
             outputs.outputs += scheduler.abort_requests(message.client, message.seqs)
         elif isinstance(message, StopRequests):
@@ -144,3 +157,6 @@ class SchedulerActor(Actor):
         frame = bus.encode(plan)  # once for every worker
         for sender in self.to_workers:
             await sender.send_frame(frame)
+        if self.timeline is not None:
+            self.timeline.mark("plan_sent", plan.step_id)
+            self.timeline.mark_all("scheduled", (r.handle for r in plan.new_requests), plan.step_id)

@@ -27,6 +27,7 @@ from pagedserve.actors.messages import (
     StepResult,
     WorkerInbound,
 )
+from pagedserve.actors.timeline import Timeline
 from pagedserve.actors.worker import startup
 from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.actors.worker.parallel_groups import join_worker_groups
@@ -44,6 +45,7 @@ class WorkerActor(Actor):
     name = "worker"
     profiler: StepProfiler | None = None
     step_log: StepLog | None = None
+    timeline: Timeline | None = None
     timer = LoopTimer()
 
     @property
@@ -75,6 +77,7 @@ class WorkerActor(Actor):
             self.step_log = StepLog(self.runner.device, compiles)
             assert self.config.profile is not None
             self.profiler = StepProfiler(self.config.profile, self.rank, self.runner.device)
+            self.timeline = Timeline()
         self.inbox: bus.Receiver[WorkerInbound] = bus.Receiver(
             self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound, bind=False
         )
@@ -95,6 +98,8 @@ class WorkerActor(Actor):
             self.timer.write(os.path.join(directory, "worker0.loop.json"))
             if self.step_log is not None:
                 self.step_log.write(os.path.join(directory, "worker0.steps.json"))
+            if self.timeline is not None:
+                self.timeline.write(os.path.join(directory, "worker0.timeline.json"))
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         if hasattr(self, "runner"):  # a worker that failed before making it has none
@@ -137,15 +142,21 @@ class WorkerActor(Actor):
         """runner.launch, inside the profiling hooks when they are on."""
         if self.profiler is not None:
             self.profiler.on_launch()
+        if self.timeline is not None:
+            self.timeline.mark("plan_in", plan.step_id)
         if self.step_log is not None:
             self.step_log.begin(plan.num_scheduled_tokens)
         with self.timer.phase("launch"):
             result = self.runner.launch(plan)
         if self.step_log is not None:
             self.step_log.end()
+        if self.timeline is not None:
+            self.timeline.mark("launched", plan.step_id)
         return result
 
     async def report(self, result: StepResult | None) -> None:
         if result is not None and self.to_scheduler is not None:
+            if self.timeline is not None:
+                self.timeline.mark("sampled", result.step_id)
             with self.timer.phase("report"):
                 await self.to_scheduler.send(result)
