@@ -94,11 +94,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", default="cuda")
+    # the decode graphs' rows: a prompt of at most this many tokens replays one (the engine's
+    # static prefill), a longer one runs eagerly
+    parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config = EngineConfig(
         model=args.model, load_format="dummy", device=args.device, max_model_len=4096,
-        max_num_seqs=8, num_kv_blocks=256, skip_tokenizer_init=True,
+        max_num_seqs=args.max_num_seqs, num_kv_blocks=256, skip_tokenizer_init=True,
     ).resolve()  # fmt: skip
     runner = ModelRunner(config)
     runner.load_model()
@@ -106,8 +109,11 @@ def main() -> None:
     session = PrefillSession(args.prompt, runner.block_size)
     timed(runner, session, 3)  # warm-up: compiles, allocator
     launch_ms, execute_ms = timed(runner, session, args.iters)
+    path = "static (decode graph rows)" if runner.static_prefill else "eager"
+    if runner.static_prefill and args.prompt > (runner.decode_step or runner).max_batch:
+        path = "eager (longer than the decode graphs' rows)"
     lines = [f"# Prefill anatomy: {Path(args.model).name}, {args.prompt}-token prompt, "
-             f"{config.device}", "",
+             f"{config.device}, {path} path", "",
              f"- host launch (nothing in flight): {launch_ms:.3f} ms (median of {args.iters})",
              f"- step to completion (first token sampled): {execute_ms:.3f} ms", "",
              "```", profiled(runner, session, args.iters), "```"]  # fmt: skip
