@@ -59,10 +59,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(runner: ModelRunner, session: PrefillSession, iters: int) -> tuple[float, float]:
+def timed(
+    runner: ModelRunner, session: PrefillSession, iters: int, idle_s: float = 0.0
+) -> tuple[float, float]:
+    """Median ms of the launch and of the whole step; `idle_s` of sleep before each (the
+    engine between a lone client's requests: process, CPU and GPU idle)."""
     launches, executes = [], []
     for _ in range(iters):
         sync(runner.device)
+        time.sleep(idle_s)
         t0 = time.perf_counter()
         runner.launch(session.plan())
         t1 = time.perf_counter()
@@ -109,13 +114,16 @@ def main() -> None:
     session = PrefillSession(args.prompt, runner.block_size)
     timed(runner, session, 3)  # warm-up: compiles, allocator
     launch_ms, execute_ms = timed(runner, session, args.iters)
+    idle_launch_ms, idle_execute_ms = timed(runner, session, args.iters, idle_s=0.02)
     path = "static (decode graph rows)" if runner.static_prefill else "eager"
     if runner.static_prefill and args.prompt > (runner.decode_step or runner).max_batch:
         path = "eager (longer than the decode graphs' rows)"
     lines = [f"# Prefill anatomy: {Path(args.model).name}, {args.prompt}-token prompt, "
              f"{config.device}, {path} path", "",
              f"- host launch (nothing in flight): {launch_ms:.3f} ms (median of {args.iters})",
-             f"- step to completion (first token sampled): {execute_ms:.3f} ms", "",
+             f"- step to completion (first token sampled): {execute_ms:.3f} ms",
+             f"- the same after 20 ms idle before each: launch {idle_launch_ms:.3f} ms, "
+             f"step {idle_execute_ms:.3f} ms", "",
              "```", profiled(runner, session, args.iters), "```"]  # fmt: skip
     text = "\n".join(lines)
     print(text)
