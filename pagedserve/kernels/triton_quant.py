@@ -98,20 +98,99 @@ def _dot(bn: int, bk: int, warps: int, stages: int) -> QuantGemvConfig:
     return QuantGemvConfig(True, bn, bk, warps, 1, stages)
 
 
-# M buckets (the first whose bound >= M applies) -> config, per scheme. From the first H200
-# sweep (scripts/results/quant_sweep_h200.md; its timer was launch-bound, so only the large
-# shapes' orderings carried over): the fp8 fma loop with converted fp8 values at M = 1, and
-# the tensor-core loop (64 channels, 3 stages) everywhere else, which was the fastest or
-# within noise of it on gate_up / down at every M, where the fma integer loops were 1.5x
-# (M = 1) to 5x (M = 4) slower. Per-shape entries go into QUANT_GEMV_TUNED.
+# M buckets (the first whose bound >= M applies) -> config, per scheme: per bucket the config
+# with the least time summed over Llama-3.1-8B's four projections in the last H200 sweep
+# (scripts/results/session7/call1_quant_sweep.md), so that other shapes and GPUs start from
+# the winning family. M = 1: the fma loops (fp8: 4 channels, 1024-column chunks, 16 adjacent
+# products folded; int4: 32 channels, each weight dequantized into an elementwise "tile"
+# accumulator); M >= 4: the tensor-core loop (int4 left packed in "planes" at M = 4). int8
+# keeps the tensor-core loop everywhere (within 2 % of each shape's best).
 _DOT64 = _dot(64, 128, 4, 3)
 QUANT_GEMV_DEFAULTS: dict[str, tuple[tuple[int, QuantGemvConfig], ...]] = {
-    "fp8": ((1, replace(_fma(4, 1024, 2), convert="cvt")), (4, _DOT64), (16, _DOT64)),
+    "fp8": (
+        (1, replace(_fma(4, 1024, 2), convert="cvt", fold=16)),
+        (4, _dot(32, 128, 4, 4)),
+        (16, _dot(32, 256, 4, 3)),
+    ),
     "int8": ((1, _DOT64), (4, _DOT64), (16, _DOT64)),
-    "int4": ((1, _DOT64), (4, _DOT64), (16, _DOT64)),
+    "int4": (
+        (1, replace(_fma(32, 128, 4, 2), convert="cvt", accumulate="tile")),
+        (4, replace(_DOT64, unpack="planes")),
+        (16, _DOT64),
+    ),
 }
-# (SM count, scheme, M bucket, N, K) -> config, measured by scripts/gpu/sweep_quant_gemv.py.
-QUANT_GEMV_TUNED: dict[tuple[int, str, int, int, int], QuantGemvConfig] = {}
+# (SM count, scheme, M bucket, N, K) -> the fastest config of scripts/gpu/sweep_quant_gemv.py
+# (its literal in session7/call1_quant_sweep.md; µs: that sweep's default -> this config).
+QUANT_GEMV_TUNED: dict[tuple[int, str, int, int, int], QuantGemvConfig] = {
+    # fp8 qkv 6144x4096 M=1: 11.3 -> 9.6 µs
+    (132, "fp8", 1, 6144, 4096): QuantGemvConfig(False, 4, 1024, 2, convert="cvt", fold=16),
+    # int8 qkv 6144x4096 M=1: 22.5 -> 21.6 µs
+    (132, "int8", 1, 6144, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3, split_k=4),
+    # int4 qkv 6144x4096 M=1: 33.4 -> 16.7 µs
+    (132, "int4", 1, 6144, 4096): QuantGemvConfig(False, 32, 128, 4, unroll=4, accumulate="tile"),
+    # fp8 o_proj 4096x4096 M=1: 7.8 -> 7.5 µs
+    (132, "fp8", 1, 4096, 4096): QuantGemvConfig(False, 4, 2048, 4, convert="cvt", fold=16),
+    # int8 o_proj 4096x4096 M=1: 16.6 -> 16.5 µs
+    (132, "int8", 1, 4096, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # int4 o_proj 4096x4096 M=1: 24.4 -> 12.6 µs
+    (132, "int4", 1, 4096, 4096): QuantGemvConfig(
+        False, 32, 128, 4, unroll=2, convert="cvt", accumulate="tile"
+    ),
+    # fp8 gate_up 28672x4096 M=1: 36.0 -> 31.8 µs
+    (132, "fp8", 1, 28672, 4096): QuantGemvConfig(False, 4, 1024, 2, convert="cvt", fold=16),
+    # int8 gate_up 28672x4096 M=1: 85.6 -> 72.9 µs
+    (132, "int8", 1, 28672, 4096): QuantGemvConfig(False, 32, 128, 1, unroll=2),
+    # int4 gate_up 28672x4096 M=1: 128.4 -> 53.3 µs
+    (132, "int4", 1, 28672, 4096): QuantGemvConfig(False, 16, 128, 4, unroll=2, accumulate="tile"),
+    # fp8 down 4096x14336 M=1: 18.2 -> 17.3 µs
+    (132, "fp8", 1, 4096, 14336): QuantGemvConfig(False, 4, 2048, 4, convert="cvt", fold=16),
+    # int8 down 4096x14336 M=1: 42.4 -> 42.0 µs
+    (132, "int8", 1, 4096, 14336): QuantGemvConfig(True, 128, 128, 8, num_stages=3),
+    # int4 down 4096x14336 M=1: 72.1 -> 30.3 µs
+    (132, "int4", 1, 4096, 14336): QuantGemvConfig(
+        False, 32, 128, 4, unroll=2, convert="cvt", accumulate="tile"
+    ),
+    # fp8 qkv 6144x4096 M=4: 14.3 -> 14.2 µs
+    (132, "fp8", 4, 6144, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # int8 qkv 6144x4096 M=4: 22.6 -> 22.4 µs
+    (132, "int8", 4, 6144, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=4),
+    # int4 qkv 6144x4096 M=4: 31.6 -> 24.7 µs
+    (132, "int4", 4, 6144, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3, unpack="planes"),
+    # fp8 o_proj 4096x4096 M=4: 11.7 -> 11.4 µs
+    (132, "fp8", 4, 4096, 4096): QuantGemvConfig(True, 32, 128, 4, num_stages=4),
+    # int4 o_proj 4096x4096 M=4: 24.3 -> 17.5 µs
+    (132, "int4", 4, 4096, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3, unpack="planes"),
+    # fp8 gate_up 28672x4096 M=4: 49.4 -> 43.2 µs
+    (132, "fp8", 4, 28672, 4096): QuantGemvConfig(True, 32, 128, 4, num_stages=4),
+    # int8 gate_up 28672x4096 M=4: 86.4 -> 85.7 µs
+    (132, "int8", 4, 28672, 4096): QuantGemvConfig(True, 128, 128, 8, num_stages=3),
+    # int4 gate_up 28672x4096 M=4: 128.6 -> 93.9 µs
+    (132, "int4", 4, 28672, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3, unpack="planes"),
+    # fp8 down 4096x14336 M=4: 26.3 -> 26.3 µs
+    (132, "fp8", 4, 4096, 14336): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # int4 down 4096x14336 M=4: 70.8 -> 46.8 µs
+    (132, "int4", 4, 4096, 14336): QuantGemvConfig(True, 64, 128, 4, num_stages=3, unpack="planes"),
+    # fp8 qkv 6144x4096 M=16: 14.7 -> 14.3 µs
+    (132, "fp8", 16, 6144, 4096): QuantGemvConfig(True, 32, 256, 4, num_stages=3),
+    # int8 qkv 6144x4096 M=16: 22.7 -> 22.6 µs
+    (132, "int8", 16, 6144, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # int4 qkv 6144x4096 M=16: 31.8 -> 31.4 µs
+    (132, "int4", 16, 6144, 4096): QuantGemvConfig(True, 128, 128, 8, num_stages=3),
+    # fp8 o_proj 4096x4096 M=16: 12.0 -> 11.1 µs
+    (132, "fp8", 16, 4096, 4096): QuantGemvConfig(True, 32, 256, 4, num_stages=3),
+    # int4 o_proj 4096x4096 M=16: 24.6 -> 23.7 µs
+    (132, "int4", 16, 4096, 4096): QuantGemvConfig(True, 128, 128, 8, num_stages=3),
+    # fp8 gate_up 28672x4096 M=16: 49.4 -> 43.1 µs
+    (132, "fp8", 16, 28672, 4096): QuantGemvConfig(True, 32, 256, 4, num_stages=3),
+    # int8 gate_up 28672x4096 M=16: 84.6 -> 84.4 µs
+    (132, "int8", 16, 28672, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # int4 gate_up 28672x4096 M=16: 127.7 -> 127.3 µs
+    (132, "int4", 16, 28672, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # fp8 down 4096x14336 M=16: 26.9 -> 25.7 µs
+    (132, "fp8", 16, 4096, 14336): QuantGemvConfig(True, 32, 256, 4, num_stages=3),
+    # int4 down 4096x14336 M=16: 71.2 -> 66.5 µs
+    (132, "int4", 16, 4096, 14336): QuantGemvConfig(True, 128, 128, 8, num_stages=3),
+}
 QUANT_PROGRAMS_PER_SM = 4
 QUANT_MAX_SPLIT_K = 16
 _COUNTER_SLOTS = 4096  # triton_gemv's per-device arrival counters

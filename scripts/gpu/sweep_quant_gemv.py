@@ -545,9 +545,18 @@ def tuned_literal(cases: list[Case], num_sms: int) -> list[str]:
         current = next((r for r in case.results if r.label.startswith("current")), None)
         layout = " (needs group-major scales / zeros)" if best.group_major else ""
         lines.append(f"    # {case.title}: {fmt_us(current)} -> {fmt_us(best)} µs{layout}")
-        lines.append(f"    ({num_sms}, {case.scheme!r}, {case.m}, {case.n}, {case.k}): "
-                     f"{best.config!r},")  # fmt: skip
+        lines.append(f'    ({num_sms}, "{case.scheme}", {case.m}, {case.n}, {case.k}): '
+                     f"{config_literal(best.config)},")  # fmt: skip
     return [*lines, "}", "```", ""]
+
+
+def config_literal(config: object) -> str:
+    """QuantGemvConfig(use_dot, block_n, block_k, num_warps, the fields off their defaults)."""
+    fields = dataclasses.fields(config)
+    head = [repr(getattr(config, f.name)) for f in fields[:4]]
+    rest = [f"{f.name}={getattr(config, f.name)!r}".replace("'", '"') for f in fields[4:]
+            if getattr(config, f.name) != f.default]  # fmt: skip
+    return f"QuantGemvConfig({', '.join(head + rest)})"
 
 
 def write_report(path: str | None, header: list[str], cases: list[Case], num_sms: int,
