@@ -508,13 +508,13 @@ def _int4_planes_chunk(acc, words, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size
         cols = col + 8 * tl.arange(0, BLOCK_K // 8)[None, :]
         part = tl.zeros_like(acc)
         x_sum = tl.sum(part, axis=1)
-    for i in tl.static_range(8):
-        if i < 5:
+    for i in tl.static_range(8):  # `inverse` a plain name: the compiler (not the interpreter)
+        if i < 5:  # refuses a reassigned tl.constexpr in the unrolled loop
             bits = words & (0xF << (4 * i))
-            inverse: tl.constexpr = 1.0 / (1 << (4 * i))
+            inverse = 1.0 / (1 << (4 * i))
         else:
             bits = high & (0xF << (4 * (i - 3)))
-            inverse: tl.constexpr = 1.0 / (1 << (4 * (i - 3)))
+            inverse = 1.0 / (1 << (4 * (i - 3)))
         q = (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # q 16^p
         x = _load_x(x_ptrs + i, x_ok, cols + i, K, EVEN_K)
         if ACCUMULATE == "tile":
