@@ -8,6 +8,7 @@ QUANT_GEMV_TUNED literal to paste into triton_quant.py.
     python3 scripts/gpu/sweep_quant_gemv.py --dry-run                      # CPU interpreter
     python3 scripts/gpu/sweep_quant_gemv.py --batches 1 --schemes int4 int8 --convert half \
         --out "$OUT/quant_half.md"    # the "half" variants against current only: < 60 s
+    python3 scripts/compile_quant_gemv.py    # no GPU: every variant compiled for sm_90
 
 Phases:
   1. compile: every (scheme, shape, batch, variant) launch compiled in parallel worker
