@@ -21,7 +21,11 @@
   [.., 8] axis and `tl.reshape`). Codes become floats by a conversion instruction ("cvt") or by
   building their bits ("bits": 2^23 + q as fp32 bits, minus 2^23, on the ALU / FMA pipes; fp8:
   its sign, exponent and mantissa placed into fp16 bits, = value * 2^-8, undone in the scale;
-  tl.dot with 16-bit x: OFFSET + q as bf16 / fp16 bits, OFFSET * sum_k x subtracted after).
+  tl.dot with 16-bit x: OFFSET + q as bf16 / fp16 bits, OFFSET * sum_k x subtracted after),
+  or ("half", integer fma loops) as fp16 bits 0x6400 | q = 1024 + q widened to fp32, the 1024
+  folded into the zero point (one subtraction a group: s (sum_k x v - (z + 1024) sum_k x));
+  int4 "planes" + "half" builds two codes a bit operation, ((word >> 4 p) & 0x000F000F) |
+  0x64006400 (_int4_half_planes_chunk).
   Launch parameters: QuantGemvConfig, looked up per (SMs, scheme, M bucket, N, K) in
   QUANT_GEMV_TUNED (scripts/gpu/sweep_quant_gemv.py measures them), else QUANT_GEMV_DEFAULTS.
 - `_dequantize_kernel` (large batches): W [N, K] in x's dtype from the integer layout, for a
@@ -51,6 +55,7 @@ QUANT_KINDS = ("fp8", "int8", "int4")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KINDS = {4: "int4", 8: "int8"}
 _DOT_OFFSETS = {torch.bfloat16: 128.0, torch.float16: 1024.0}  # "bits" dot operands, see doc
+HALF_OFFSET: tl.constexpr = tl.constexpr(1024.0)  # "half" codes: fp16 bits 0x6400 | q = 1024 + q
 
 
 # --------------------------------------------------------------------------- configs
@@ -61,9 +66,10 @@ class QuantGemvConfig:
     """Launch parameters of the quantized GEMV. block_k: weight columns (codes) a step, a
     power of two; for the integer schemes clamped to a divisor of the group size. unroll:
     steps whose weight loads are issued together (bytes in flight; fma only). split_k: None
-    = automatic (about QUANT_PROGRAMS_PER_SM programs an SM). convert: "bits" or "cvt" (module
-    doc); unpack (int4): "interleave", "reshape" or "planes" (left packed); w_evict: the
-    weight loads' L1/L2 eviction policy ("" or "evict_first"); accumulate (integer fma loop):
+    = automatic (about QUANT_PROGRAMS_PER_SM programs an SM). convert: "bits", "cvt" or "half"
+    (integer codes, fma loops; module doc); unpack (int4): "interleave", "reshape" or "planes"
+    (left packed); w_evict: the weight loads' L1/L2 eviction policy ("" or "evict_first");
+    accumulate (integer fma loop):
     "chunk" (reduce each chunk, then scale) or "tile" (dequantize each weight in registers
     into an elementwise accumulator reduced after the loop, as the fp8 loop). fold (fp8 fma
     loop): products of `fold` adjacent columns summed in the thread before accumulating (an
@@ -98,20 +104,99 @@ def _dot(bn: int, bk: int, warps: int, stages: int) -> QuantGemvConfig:
     return QuantGemvConfig(True, bn, bk, warps, 1, stages)
 
 
-# M buckets (the first whose bound >= M applies) -> config, per scheme. From the first H200
-# sweep (scripts/results/quant_sweep_h200.md; its timer was launch-bound, so only the large
-# shapes' orderings carried over): the fp8 fma loop with converted fp8 values at M = 1, and
-# the tensor-core loop (64 channels, 3 stages) everywhere else, which was the fastest or
-# within noise of it on gate_up / down at every M, where the fma integer loops were 1.5x
-# (M = 1) to 5x (M = 4) slower. Per-shape entries go into QUANT_GEMV_TUNED.
+# M buckets (the first whose bound >= M applies) -> config, per scheme: per bucket the config
+# with the least time summed over Llama-3.1-8B's four projections in the last H200 sweep
+# (scripts/results/session7/call1_quant_sweep.md), so that other shapes and GPUs start from
+# the winning family. M = 1: the fma loops (fp8: 4 channels, 1024-column chunks, 16 adjacent
+# products folded; int4: 32 channels, each weight dequantized into an elementwise "tile"
+# accumulator); M >= 4: the tensor-core loop (int4 left packed in "planes" at M = 4). int8
+# keeps the tensor-core loop everywhere (within 2 % of each shape's best).
 _DOT64 = _dot(64, 128, 4, 3)
 QUANT_GEMV_DEFAULTS: dict[str, tuple[tuple[int, QuantGemvConfig], ...]] = {
-    "fp8": ((1, replace(_fma(4, 1024, 2), convert="cvt")), (4, _DOT64), (16, _DOT64)),
+    "fp8": (
+        (1, replace(_fma(4, 1024, 2), convert="cvt", fold=16)),
+        (4, _dot(32, 128, 4, 4)),
+        (16, _dot(32, 256, 4, 3)),
+    ),
     "int8": ((1, _DOT64), (4, _DOT64), (16, _DOT64)),
-    "int4": ((1, _DOT64), (4, _DOT64), (16, _DOT64)),
+    "int4": (
+        (1, replace(_fma(32, 128, 4, 2), convert="cvt", accumulate="tile")),
+        (4, replace(_DOT64, unpack="planes")),
+        (16, _DOT64),
+    ),
 }
-# (SM count, scheme, M bucket, N, K) -> config, measured by scripts/gpu/sweep_quant_gemv.py.
-QUANT_GEMV_TUNED: dict[tuple[int, str, int, int, int], QuantGemvConfig] = {}
+# (SM count, scheme, M bucket, N, K) -> the fastest config of scripts/gpu/sweep_quant_gemv.py
+# (its literal in session7/call1_quant_sweep.md; µs: that sweep's default -> this config).
+QUANT_GEMV_TUNED: dict[tuple[int, str, int, int, int], QuantGemvConfig] = {
+    # fp8 qkv 6144x4096 M=1: 11.3 -> 9.6 µs
+    (132, "fp8", 1, 6144, 4096): QuantGemvConfig(False, 4, 1024, 2, convert="cvt", fold=16),
+    # int8 qkv 6144x4096 M=1: 22.5 -> 21.6 µs
+    (132, "int8", 1, 6144, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3, split_k=4),
+    # int4 qkv 6144x4096 M=1: 33.4 -> 16.7 µs
+    (132, "int4", 1, 6144, 4096): QuantGemvConfig(False, 32, 128, 4, unroll=4, accumulate="tile"),
+    # fp8 o_proj 4096x4096 M=1: 7.8 -> 7.5 µs
+    (132, "fp8", 1, 4096, 4096): QuantGemvConfig(False, 4, 2048, 4, convert="cvt", fold=16),
+    # int8 o_proj 4096x4096 M=1: 16.6 -> 16.5 µs
+    (132, "int8", 1, 4096, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # int4 o_proj 4096x4096 M=1: 24.4 -> 12.6 µs
+    (132, "int4", 1, 4096, 4096): QuantGemvConfig(
+        False, 32, 128, 4, unroll=2, convert="cvt", accumulate="tile"
+    ),
+    # fp8 gate_up 28672x4096 M=1: 36.0 -> 31.8 µs
+    (132, "fp8", 1, 28672, 4096): QuantGemvConfig(False, 4, 1024, 2, convert="cvt", fold=16),
+    # int8 gate_up 28672x4096 M=1: 85.6 -> 72.9 µs
+    (132, "int8", 1, 28672, 4096): QuantGemvConfig(False, 32, 128, 1, unroll=2),
+    # int4 gate_up 28672x4096 M=1: 128.4 -> 53.3 µs
+    (132, "int4", 1, 28672, 4096): QuantGemvConfig(False, 16, 128, 4, unroll=2, accumulate="tile"),
+    # fp8 down 4096x14336 M=1: 18.2 -> 17.3 µs
+    (132, "fp8", 1, 4096, 14336): QuantGemvConfig(False, 4, 2048, 4, convert="cvt", fold=16),
+    # int8 down 4096x14336 M=1: 42.4 -> 42.0 µs
+    (132, "int8", 1, 4096, 14336): QuantGemvConfig(True, 128, 128, 8, num_stages=3),
+    # int4 down 4096x14336 M=1: 72.1 -> 30.3 µs
+    (132, "int4", 1, 4096, 14336): QuantGemvConfig(
+        False, 32, 128, 4, unroll=2, convert="cvt", accumulate="tile"
+    ),
+    # fp8 qkv 6144x4096 M=4: 14.3 -> 14.2 µs
+    (132, "fp8", 4, 6144, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # int8 qkv 6144x4096 M=4: 22.6 -> 22.4 µs
+    (132, "int8", 4, 6144, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=4),
+    # int4 qkv 6144x4096 M=4: 31.6 -> 24.7 µs
+    (132, "int4", 4, 6144, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3, unpack="planes"),
+    # fp8 o_proj 4096x4096 M=4: 11.7 -> 11.4 µs
+    (132, "fp8", 4, 4096, 4096): QuantGemvConfig(True, 32, 128, 4, num_stages=4),
+    # int4 o_proj 4096x4096 M=4: 24.3 -> 17.5 µs
+    (132, "int4", 4, 4096, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3, unpack="planes"),
+    # fp8 gate_up 28672x4096 M=4: 49.4 -> 43.2 µs
+    (132, "fp8", 4, 28672, 4096): QuantGemvConfig(True, 32, 128, 4, num_stages=4),
+    # int8 gate_up 28672x4096 M=4: 86.4 -> 85.7 µs
+    (132, "int8", 4, 28672, 4096): QuantGemvConfig(True, 128, 128, 8, num_stages=3),
+    # int4 gate_up 28672x4096 M=4: 128.6 -> 93.9 µs
+    (132, "int4", 4, 28672, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3, unpack="planes"),
+    # fp8 down 4096x14336 M=4: 26.3 -> 26.3 µs
+    (132, "fp8", 4, 4096, 14336): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # int4 down 4096x14336 M=4: 70.8 -> 46.8 µs
+    (132, "int4", 4, 4096, 14336): QuantGemvConfig(True, 64, 128, 4, num_stages=3, unpack="planes"),
+    # fp8 qkv 6144x4096 M=16: 14.7 -> 14.3 µs
+    (132, "fp8", 16, 6144, 4096): QuantGemvConfig(True, 32, 256, 4, num_stages=3),
+    # int8 qkv 6144x4096 M=16: 22.7 -> 22.6 µs
+    (132, "int8", 16, 6144, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # int4 qkv 6144x4096 M=16: 31.8 -> 31.4 µs
+    (132, "int4", 16, 6144, 4096): QuantGemvConfig(True, 128, 128, 8, num_stages=3),
+    # fp8 o_proj 4096x4096 M=16: 12.0 -> 11.1 µs
+    (132, "fp8", 16, 4096, 4096): QuantGemvConfig(True, 32, 256, 4, num_stages=3),
+    # int4 o_proj 4096x4096 M=16: 24.6 -> 23.7 µs
+    (132, "int4", 16, 4096, 4096): QuantGemvConfig(True, 128, 128, 8, num_stages=3),
+    # fp8 gate_up 28672x4096 M=16: 49.4 -> 43.1 µs
+    (132, "fp8", 16, 28672, 4096): QuantGemvConfig(True, 32, 256, 4, num_stages=3),
+    # int8 gate_up 28672x4096 M=16: 84.6 -> 84.4 µs
+    (132, "int8", 16, 28672, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # int4 gate_up 28672x4096 M=16: 127.7 -> 127.3 µs
+    (132, "int4", 16, 28672, 4096): QuantGemvConfig(True, 64, 128, 4, num_stages=3),
+    # fp8 down 4096x14336 M=16: 26.9 -> 25.7 µs
+    (132, "fp8", 16, 4096, 14336): QuantGemvConfig(True, 32, 256, 4, num_stages=3),
+    # int4 down 4096x14336 M=16: 71.2 -> 66.5 µs
+    (132, "int4", 16, 4096, 14336): QuantGemvConfig(True, 128, 128, 8, num_stages=3),
+}
 QUANT_PROGRAMS_PER_SM = 4
 QUANT_MAX_SPLIT_K = 16
 _COUNTER_SLOTS = 4096  # triton_gemv's per-device arrival counters
@@ -148,6 +233,8 @@ def plan_quant_gemv(
     schemes' group, k for fp8): `config`, else QUANT_GEMV_TUNED's, else the bucket's default;
     blocks clamped to the problem, the K split automatic unless the config fixes it."""
     bucket = m_bucket(kind, m)
+    _check(config is None or kind != "fp8" or config.convert != "half",
+           "convert 'half' is for integer codes")  # fmt: skip
     if config is None:
         default = dict(QUANT_GEMV_DEFAULTS[kind])[bucket]
         config = QUANT_GEMV_TUNED.get((num_sms, kind, bucket, n, k), default)
@@ -184,7 +271,8 @@ def check_quant_gemv_config(config: QuantGemvConfig) -> None:
            f"unroll: 1, 2 or 4, and 1 with dot: {config}")  # fmt: skip
     _check(config.num_warps <= 16 and config.num_stages >= 1, f"bad warps / stages: {config}")
     _check(config.split_k is None or config.split_k >= 1, f"split_k must be >= 1: {config}")
-    _check(config.convert in ("bits", "cvt"), f"convert: 'bits' or 'cvt': {config}")
+    _check(config.convert in ("bits", "cvt", "half"), f"convert: bits / cvt / half: {config}")
+    _check(config.convert != "half" or not config.use_dot, f"'half': fma loops only: {config}")
     _check(config.unpack in ("interleave", "reshape", "planes"),
            f"unpack: interleave / reshape / planes: {config}")  # fmt: skip
     _check(config.w_evict in ("", "evict_first"), f"w_evict: '' or 'evict_first': {config}")
@@ -217,12 +305,22 @@ def _unpack_int4(words, UNPACK: tl.constexpr):
 
 @triton.jit
 def _codes_to_float(codes, CONVERT: tl.constexpr):
-    """int32 codes 0..255 -> their exact fp32 values: "bits" builds 2^23 + q from its bits
-    and subtracts 2^23 (no conversion instruction), "cvt" converts."""
+    """int32 codes 0..255 -> exact fp32 values: q ("bits" builds 2^23 + q from its bits and
+    subtracts 2^23, no conversion instruction; "cvt" converts), or HALF_OFFSET + q ("half":
+    0x6400 | q are the fp16 bits of 1024 + q, widened; the offset is left in, see
+    _int_chunk)."""
     if CONVERT == "bits":
         return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    elif CONVERT == "half":
+        return _half_bits_to_float(codes | 0x6400)
     else:
         return codes.to(tl.float32)
+
+
+@triton.jit
+def _half_bits_to_float(bits):
+    """int32 holding fp16 bits in its low 16 -> that fp16 value in fp32."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -391,22 +489,27 @@ def _int_chunk(acc, codes, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size, stride
     acc [BLOCK_M, BLOCK_N] + _group_update of P = sum_k x q (reduced across the chunk);
     "tile": acc [BLOCK_M, BLOCK_N, BLOCK_K] + x[m, k] * (q s - z s)[n, k] elementwise (the
     weight dequantized in registers, no reduction until after the loop; x_ptrs 3-D)."""
-    if UNPACK == "planes":
+    OFFSET: tl.constexpr = HALF_OFFSET if CONVERT == "half" else 0.0
+    if UNPACK == "planes" and CONVERT == "half":
+        return _int4_half_planes_chunk(acc, codes, x_ptrs, x_ok, col, s_ptrs, z_ptrs,
+                                       group_size, stride_sg, K, BLOCK_K, EVEN_K,
+                                       ACCUMULATE)  # fmt: skip
+    elif UNPACK == "planes":
         return _int4_planes_chunk(acc, codes, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size,
                                   stride_sg, K, BLOCK_K, EVEN_K, ACCUMULATE)  # fmt: skip
-    q = _codes_to_float(codes, CONVERT)
+    q = _codes_to_float(codes, CONVERT)  # q + OFFSET
     if ACCUMULATE == "tile":
         x = _load_x(x_ptrs, x_ok, col + tl.arange(0, BLOCK_K)[None, None, :], K, EVEN_K)
         group = tl.minimum(col, K - 1) // group_size
         scale = tl.load(s_ptrs + group * stride_sg).to(tl.float32)
         zero = tl.load(z_ptrs + group * stride_sg).to(tl.float32)
-        w = q * scale[:, None] - (zero * scale)[:, None]
+        w = q * scale[:, None] - ((zero + OFFSET) * scale)[:, None]
         return acc + x * w[None, :, :]
     else:
         x = _load_x(x_ptrs, x_ok, col + tl.arange(0, BLOCK_K)[None, :], K, EVEN_K)
         part = tl.sum(x[:, None, :] * q[None, :, :], axis=2)
         return _group_update(acc, part, tl.sum(x, axis=1), s_ptrs, z_ptrs, col, group_size,
-                             stride_sg, K, 0.0)  # fmt: skip
+                             stride_sg, K, OFFSET)  # fmt: skip
 
 
 @triton.jit
@@ -429,13 +532,13 @@ def _int4_planes_chunk(acc, words, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size
         cols = col + 8 * tl.arange(0, BLOCK_K // 8)[None, :]
         part = tl.zeros_like(acc)
         x_sum = tl.sum(part, axis=1)
-    for i in tl.static_range(8):
-        if i < 5:
+    for i in tl.static_range(8):  # `inverse` a plain name: the compiler (not the interpreter)
+        if i < 5:  # refuses a reassigned tl.constexpr in the unrolled loop
             bits = words & (0xF << (4 * i))
-            inverse: tl.constexpr = 1.0 / (1 << (4 * i))
+            inverse = 1.0 / (1 << (4 * i))
         else:
             bits = high & (0xF << (4 * (i - 3)))
-            inverse: tl.constexpr = 1.0 / (1 << (4 * (i - 3)))
+            inverse = 1.0 / (1 << (4 * (i - 3)))
         q = (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # q 16^p
         x = _load_x(x_ptrs + i, x_ok, cols + i, K, EVEN_K)
         if ACCUMULATE == "tile":
@@ -447,6 +550,52 @@ def _int4_planes_chunk(acc, words, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size
         return acc
     else:
         return acc + (part - x_sum[:, None] * zero[None, :]) * scale[None, :]
+
+
+@triton.jit
+def _int4_half_planes_chunk(acc, words, x_ptrs, x_ok, col, s_ptrs, z_ptrs, group_size,
+                            stride_sg, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                            ACCUMULATE: tl.constexpr):  # fmt: skip
+    """_int4_planes_chunk with two codes a bit operation ("half", the exponent magic number
+    of fp16): for p = 0..3, ((word >> 4 p) & 0x000F000F) | 0x64006400 holds the fp16 bits
+    of 1024 + q_lo in its low half and of 1024 + q_hi in its high half, q_lo = nibble p
+    (code 8 j + p), q_hi = nibble p + 4 (code 8 j + p + 4): no shift per code, no float
+    subtraction, no conversion from integer. With O = 1024 and, per group g, v_k = O + q_k:
+
+        sum_k x_k (q_k - z_g) s_g = s_g (sum_k x_k v_k - (z_g + O) sum_k x_k)
+
+    one subtraction folding the zero point and the offset, the scale applied once a group.
+    Word j's eight products are summed in its thread (P[m, n, j], X[m, j]); "tile" keeps
+    acc[m, n, j] += s (P - (z + O) X) elementwise (reduced after the loop: one FFMA a code
+    and two a word), "chunk" reduces over j each chunk. In fp32 the offset costs ~10 of the
+    sum's 24 bits (v_k ~ 1024 against q_k - z_g ~ 8): ~2^-13 of |y|, inside the 2^-8 max|y|
+    the products are checked to."""
+    group = tl.minimum(col, K - 1) // group_size
+    scale = tl.load(s_ptrs + group * stride_sg).to(tl.float32)
+    zero = tl.load(z_ptrs + group * stride_sg).to(tl.float32)
+    if ACCUMULATE == "tile":  # x_ptrs [BLOCK_M, 1, W], as acc
+        x_ptrs3, x_ok3 = x_ptrs, x_ok
+    else:
+        x_ptrs3, x_ok3 = x_ptrs[:, None, :], x_ok[:, :, None]
+    cols = col + 8 * tl.arange(0, BLOCK_K // 8)[None, None, :]
+    part = tl.zeros((x_ptrs3.shape[0], words.shape[0], words.shape[1]), dtype=tl.float32)
+    x_sum = tl.zeros((x_ptrs3.shape[0], 1, words.shape[1]), dtype=tl.float32)
+    for p in tl.static_range(4):
+        pair = ((words >> (4 * p)) & 0x000F000F) | 0x64006400
+        v_lo = _half_bits_to_float(pair)[None, :, :]
+        v_hi = _half_bits_to_float(pair >> 16)[None, :, :]
+        x_lo = _load_x(x_ptrs3 + p, x_ok3, cols + p, K, EVEN_K)
+        x_hi = _load_x(x_ptrs3 + p + 4, x_ok3, cols + p + 4, K, EVEN_K)
+        part += x_lo * v_lo  # two separate updates: each one FFMA
+        part += x_hi * v_hi
+        x_sum += x_lo
+        x_sum += x_hi
+    offset_zero = (zero + HALF_OFFSET)[None, :, None]
+    scaled = (part - x_sum * offset_zero) * scale[None, :, None]
+    if ACCUMULATE == "tile":
+        return acc + scaled
+    else:
+        return acc + tl.sum(scaled, axis=2)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ busiest ops. Dummy weights from a real config; KV
 contexts are declared computed (their contents are zeros), which changes no timing.
 
     python scripts/gpu/step_anatomy.py [--model scripts/gpu/configs/qwen3-0.6b]
-        [--batches 1 256] [--context 1024] [--device cuda] [--out FILE]
+        [--batches 1 256] [--context 1024] [--device cuda] [--quantization fp8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 (EngineConfig's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -160,6 +161,7 @@ def main() -> int:
         model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
         max_model_len=4096, max_num_seqs=max(args.batches), num_kv_blocks=blocks_needed,
         attention_backend=args.backend, enforce_eager=args.eager, skip_tokenizer_init=True,
+        quantization=args.quantization,
     ).resolve()  # fmt: skip
     runner = ModelRunner(config)
     t0 = time.perf_counter()
@@ -169,7 +171,8 @@ def main() -> int:
     t2 = time.perf_counter()
     graphs = runner.decode_step.graphs if runner.decode_step else {}
     lines = [
-        f"# Decode-step anatomy: {Path(args.model).name}, {args.dtype}, {config.device}, "
+        f"# Decode-step anatomy: {Path(args.model).name}, {args.dtype}, "
+        f"{args.quantization or 'unquantized'} weights, {config.device}, "
         f"backend {runner.attention_backend} ({datetime.datetime.now():%Y-%m-%d %H:%M})\n",
         f"command: `python scripts/gpu/step_anatomy.py {' '.join(sys.argv[1:])}`\n",
         f"- load {t1 - t0:.1f} s; KV cache + graph capture {t2 - t1:.1f} s; "

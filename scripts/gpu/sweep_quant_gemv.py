@@ -6,6 +6,9 @@ QUANT_GEMV_TUNED literal to paste into triton_quant.py.
 
     python3 scripts/gpu/sweep_quant_gemv.py --out "$OUT/quant_sweep.md"    # H200: ~2-3 min
     python3 scripts/gpu/sweep_quant_gemv.py --dry-run                      # CPU interpreter
+    python3 scripts/gpu/sweep_quant_gemv.py --batches 1 --schemes int4 int8 --convert half \
+        --out "$OUT/quant_half.md"    # the "half" variants against current only: < 60 s
+    python3 scripts/compile_quant_gemv.py    # no GPU: every variant compiled for sm_90
 
 Phases:
   1. compile: every (scheme, shape, batch, variant) launch compiled in parallel worker
@@ -123,7 +126,15 @@ INT_VARIANTS = {
         (F, 32, 128, 4, 4, 1, None, "bits", PL, EF, "tile"),
         (F, 32, 128, 4, 2, 1, 8, "bits", PL, EF, "tile"),
         (F, 64, 128, 4, 2, 1, 8, "bits", PL), (T, 64, 128, 4, 1, 3, None, "bits", PL),
-        (T, 32, 128, 4, 1, 4, None, "bits", PL), (T, 128, 128, 8, 1, 3, None, "bits", PL)],
+        (T, 32, 128, 4, 1, 4, None, "bits", PL), (T, 128, 128, 8, 1, 3, None, "bits", PL),
+        (F, 32, 128, 4, 2, 1, None, "half", PL, EF, "tile"),
+        (F, 32, 128, 4, 4, 1, None, "half", PL, EF, "tile"),
+        (F, 64, 128, 4, 2, 1, None, "half", PL, EF, "tile"),
+        (F, 16, 128, 2, 2, 1, None, "half", PL, EF, "tile"),
+        (F, 16, 128, 4, 2, 1, None, "half", PL, EF, "tile"),
+        (F, 32, 128, 4, 2, 1, None, "half", PL), (F, 64, 128, 4, 2, 1, None, "half", PL),
+        (F, 32, 128, 4, 2, 1, None, "half", IL, EF, "tile"),
+        (F, 32, 128, 4, 2, 1, None, "half"), (F, 32, 128, 1, 2, 1, None, "half")],
     4: [(F, 16, 128, 4, 2, 1, None, "bits"), (F, 16, 128, 4, 2, 1, None, "bits", "reshape"),
         (F, 8, 128, 2, 2, 1, None, "bits"), (F, 32, 128, 4, 2, 1, None, "bits"),
         (T, 16, 128, 4, 1, 3, None, "bits"), (T, 16, 128, 4, 1, 3, None, "cvt"),
@@ -135,7 +146,10 @@ INT_VARIANTS = {
         (F, 16, 128, 4, 2, 1, None, "bits", PL), (F, 32, 128, 4, 2, 1, None, "bits", PL),
         (F, 8, 128, 4, 2, 1, None, "bits", PL, EF, "tile"),
         (F, 16, 128, 4, 1, 1, None, "bits", PL, EF, "tile"),
-        (T, 64, 128, 4, 1, 3, None, "bits", PL), (T, 32, 128, 4, 1, 4, None, "bits", PL)],
+        (T, 64, 128, 4, 1, 3, None, "bits", PL), (T, 32, 128, 4, 1, 4, None, "bits", PL),
+        (F, 8, 128, 4, 2, 1, None, "half", PL, EF, "tile"),
+        (F, 16, 128, 4, 1, 1, None, "half", PL, EF, "tile"),
+        (F, 16, 128, 4, 2, 1, None, "half", PL), (F, 16, 128, 4, 2, 1, None, "half")],
     16: [(T, 32, 128, 4, 1, 4, None, "bits"), (T, 32, 128, 4, 1, 4, None, "cvt"),
          (T, 16, 128, 4, 1, 3, None, "bits"), (T, 64, 128, 4, 1, 3, None, "bits"),
          (T, 16, 128, 2, 1, 4, None, "bits"), (T, 128, 128, 8, 1, 3, None, "bits"),
@@ -146,11 +160,21 @@ FIELDS = ("use_dot", "block_n", "block_k", "num_warps", "unroll", "num_stages", 
           "convert", "unpack", "w_evict", "accumulate", "fold")  # fmt: skip
 
 
-def variants(tq: types.ModuleType, scheme: str, m: int, limit: int | None) -> list[tuple]:
+@dataclass(frozen=True)
+class Pick:
+    """Which variants a case times: the first `limit` (None: all) of those whose convert is in
+    `converts` (None: any); "current" and the baselines always."""
+
+    limit: int | None = None
+    converts: tuple[str, ...] | None = None
+
+
+def variants(tq: types.ModuleType, scheme: str, m: int, pick: Pick) -> list[tuple]:
     """(config or None for "current", group-major scales) pairs to time for an M-row product:
-    "current", the first `limit` variant configs, and for the integer schemes the first fma
-    and the first dot config again with group-major scales and zeros."""
-    configs = variant_configs(tq, scheme, m)[:limit]
+    "current", the picked variant configs, and for the integer schemes the first fma and the
+    first dot config again with group-major scales and zeros."""
+    configs = [c for c in variant_configs(tq, scheme, m)
+               if pick.converts is None or c.convert in pick.converts][: pick.limit]  # fmt: skip
     pairs: list[tuple] = [(None, False), *((c, False) for c in configs)]
     if scheme != "fp8":
         for use_dot in (False, True):
@@ -455,11 +479,11 @@ def task_of(case: Case, config: object | None, group_major: bool) -> tuple:
 
 def run_case(tq: types.ModuleType, case: Case, ops: Operands, x: object, w_bf16: object,
              compile_errors: dict[tuple, str], time_us: Callable, num_sms: int,
-             max_variants: int | None) -> None:  # fmt: skip
+             pick: Pick) -> None:  # fmt: skip
     """Every variant of the case (and "current", and the baselines) checked and timed."""
     reference = x.float() @ ops.dense.t()
     group = case.k if case.scheme == "fp8" else GROUP
-    for config, group_major in variants(tq, case.scheme, case.m, max_variants):
+    for config, group_major in variants(tq, case.scheme, case.m, pick):
         plan = tq.plan_quant_gemv(case.scheme, case.m, case.n, case.k, group, num_sms, config)
         label = plan.config.describe() if config else "current: " + plan.config.describe()
         result = Result(label + (" + group-major scales" if group_major else ""), config)
@@ -545,9 +569,18 @@ def tuned_literal(cases: list[Case], num_sms: int) -> list[str]:
         current = next((r for r in case.results if r.label.startswith("current")), None)
         layout = " (needs group-major scales / zeros)" if best.group_major else ""
         lines.append(f"    # {case.title}: {fmt_us(current)} -> {fmt_us(best)} µs{layout}")
-        lines.append(f"    ({num_sms}, {case.scheme!r}, {case.m}, {case.n}, {case.k}): "
-                     f"{best.config!r},")  # fmt: skip
+        lines.append(f'    ({num_sms}, "{case.scheme}", {case.m}, {case.n}, {case.k}): '
+                     f"{config_literal(best.config)},")  # fmt: skip
     return [*lines, "}", "```", ""]
+
+
+def config_literal(config: object) -> str:
+    """QuantGemvConfig(use_dot, block_n, block_k, num_warps, the fields off their defaults)."""
+    fields = dataclasses.fields(config)
+    head = [repr(getattr(config, f.name)) for f in fields[:4]]
+    rest = [f"{f.name}={getattr(config, f.name)!r}".replace("'", '"') for f in fields[4:]
+            if getattr(config, f.name) != f.default]  # fmt: skip
+    return f"QuantGemvConfig({', '.join(head + rest)})"
 
 
 def write_report(path: str | None, header: list[str], cases: list[Case], num_sms: int,
@@ -574,6 +607,20 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     parser.add_argument("--max-variants", type=int, default=None, help="per case (dry run: 3)")
+    parser.add_argument(
+        "--convert",
+        nargs="+",
+        choices=("bits", "cvt", "half"),
+        default=None,
+        help="time only these variants' code conversions (and current)",
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=[name for name, _, _ in SHAPES],
+        default=None,
+        help="only these projections (not with --dry-run)",
+    )
     args = parser.parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -582,7 +629,10 @@ def main() -> int:
     tq = kernels()
     device = "cpu" if args.dry_run else "cuda"
     shapes = DRY_SHAPES if args.dry_run else SHAPES
-    max_variants = args.max_variants or (3 if args.dry_run else None)
+    if args.shapes and not args.dry_run:
+        shapes = tuple(shape for shape in SHAPES if shape[0] in args.shapes)
+    pick = Pick(args.max_variants or (3 if args.dry_run else None),
+                tuple(args.convert) if args.convert else None)  # fmt: skip
     num_sms = tq._num_sms(torch.device(device))
     started = time.perf_counter()
     cases = [Case(s, name, n, k, m, 0) for m in args.batches for name, n, k in shapes
@@ -593,7 +643,7 @@ def main() -> int:
         tasks = [
             task_of(c, config, group_major)
             for c in by_weight
-            for config, group_major in variants(tq, c.scheme, c.m, max_variants)
+            for config, group_major in variants(tq, c.scheme, c.m, pick)
         ]
         compile_errors = compile_all(tasks, args.workers)
         failed = sorted({e for e in compile_errors.values() if e})
@@ -619,7 +669,7 @@ def main() -> int:
                 ops = make_operands(tq, case.scheme, n, k, device, fill=True)
                 case.nbytes = ops.nbytes
                 run_case(tq, case, ops, x, w_bf16, compile_errors, time_us, num_sms,
-                         max_variants)  # fmt: skip
+                         pick)  # fmt: skip
                 done.append(case)
                 best = case.best()
                 print(
