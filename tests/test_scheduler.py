@@ -114,14 +114,15 @@ class FakeWorker:
             req.logprobs = new.sampling.logprobs is not None
             self._check_kv(req, new.num_computed_tokens)  # prefix hit: written by earlier steps
             self.reqs[new.handle] = req
-        cached = plan.cached_requests
-        for rid, blocks, num_computed in zip(
-            cached.handles, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            assert self.reqs[rid].num_computed == num_computed
-            self.reqs[rid].block_ids.extend(blocks)
-        for rid, tokens in zip(cached.handles, cached.new_token_ids):
-            self.reqs[rid].tokens.extend(tokens)
+        cached = plan.cached_requests  # the plan's first scheduled requests, in flat lists
+        blocks, tokens = iter(cached.new_block_ids), iter(cached.new_token_ids)
+        for i, num_computed in enumerate(cached.num_computed_tokens):
+            req = self.reqs[plan.scheduled[i]]
+            assert req.num_computed == num_computed
+            req.block_ids.extend(itertools.islice(blocks, cached.num_new_blocks[i]))
+            if cached.num_new_tokens:
+                req.tokens.extend(itertools.islice(tokens, cached.num_new_tokens[i]))
+        assert next(blocks, None) is None and next(tokens, None) is None
         ids, sampled, logprobs = [], [], []
         for rid, n in zip(plan.scheduled, plan.num_scheduled_tokens):
             token = self._run(self.reqs[rid], n)
@@ -308,8 +309,8 @@ def test_chunked_prefill_splits_a_long_prompt_within_the_budget() -> None:
     assert plans[0].new_requests[0].num_computed_tokens == 0
     assert [p.cached_requests.num_computed_tokens for p in plans[1:4]] == [[16], [32], [48]]
     assert plans[0].new_requests[0].block_ids == [0, 1, 2, 3]
-    assert plans[1].cached_requests.new_block_ids == [[4, 5, 6, 7]]
-    assert plans[3].cached_requests.new_block_ids == [[12]]
+    assert plans[1].cached_requests.new_block_ids == [4, 5, 6, 7]
+    assert plans[3].cached_requests.new_block_ids == [12]
     assert out["a"].tokens == solo(add("a", prompt, max_tokens=3)).tokens
     assert sched.stats().num_prompt_tokens == 50 and sched.stats().num_generation_tokens == 3
 
@@ -849,7 +850,7 @@ def test_a_step_of_many_running_decodes_takes_the_fast_path_both_ways(
     monkeypatch.setattr(Scheduler, "_apply_tokens", loop)
     plan = sched.schedule()
     assert plan is not None and not plan.new_requests
-    assert plan.cached_requests.handles == plan.scheduled and len(plan.scheduled) == 64
+    assert len(plan.cached_requests.num_computed_tokens) == len(plan.scheduled) == 64
     assert plan.num_scheduled_tokens == [1] * 64
     assert plan.cached_requests.num_computed_tokens == [6] * 64
     abort(sched, ["r3"])

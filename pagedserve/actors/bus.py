@@ -36,6 +36,11 @@ T = TypeVar("T")
 
 _encoder = msgspec.msgpack.Encoder()
 
+# How long an inbox whose actor has nothing else to do while it waits (the scheduler, a worker)
+# polls for the next frame before it waits on the loop (Receiver's `poll_first_s`): a frame that
+# comes within it is taken without the loop's wake-up.
+POLL_FIRST_S = 0.005
+
 
 def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
@@ -252,8 +257,8 @@ class Receiver(Generic[T]):
     `poll_first_s`, `recv` then waits for the next frame in a blocking poll of up to that long
     (the thread sleeps in the kernel, the GIL released) before it waits on the loop: a frame
     that comes within it is taken without the loop's wake-up, about a third of a round trip
-    here. Only for an actor whose loop has nothing else to do meanwhile (the scheduler: its
-    loop's other tasks are housekeeping that a few milliseconds do not hurt)."""
+    here. Only for an actor whose loop has nothing else to do meanwhile (the scheduler and the
+    workers: their loops' other tasks are housekeeping that a few milliseconds do not hurt)."""
 
     def __init__(
         self,

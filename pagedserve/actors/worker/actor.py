@@ -76,8 +76,9 @@ class WorkerActor(Actor):
             assert self.config.profile is not None
             self.profiler = StepProfiler(self.config.profile, self.rank, self.runner.device)
         self.inbox: bus.Receiver[WorkerInbound] = bus.Receiver(
-            self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound, bind=False
-        )
+            self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound, bind=False,
+            poll_first_s=bus.POLL_FIRST_S,
+        )  # fmt: skip
         self.scheduler_epoch: int | None = None  # of the plans accepted: since the last reset
         self.to_scheduler: bus.Sender[SchedulerInbound] | None = None
         if self.rank == groups.layout.reporting_rank:
