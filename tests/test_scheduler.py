@@ -27,7 +27,8 @@ from pagedserve.actors.messages import (
     StepResult,
     TokenLogprobs,
 )
-from pagedserve.actors.scheduler.request import RequestStatus
+from pagedserve.actors.scheduler.request import Request, RequestStatus
+from pagedserve.actors.scheduler.routes import RouteTable
 from pagedserve.actors.scheduler.scheduler import Scheduler
 from pagedserve.config import EngineConfig
 
@@ -44,9 +45,13 @@ _seqs = itertools.count()
 
 def label_of(sched: Scheduler, handle: int) -> str:
     """The label of the request with this handle (live or finished)."""
-    for req in [*sched.requests.values(), *sched.routes.finished.values()]:
+    for req in sched.requests.values():
         if req.handle == handle:
             return LABELS[req.seq]
+    for client, seq in sched.routes.finished:
+        route = sched.routes.find((client, seq))
+        if route is not None and route.handle == handle:
+            return LABELS[seq]
     raise KeyError(handle)
 
 
@@ -596,6 +601,28 @@ def test_a_resubmitted_route_gets_its_request_back_not_a_copy() -> None:
     assert isinstance(done, Route) and done.handle == handle
     assert done.output_token_ids == [7, 8, 9] and done.finish_reason is FinishReason.LENGTH
     assert_no_leak(sched)
+
+
+def test_finished_routes_are_kept_encoded_newest_first_within_both_bounds() -> None:
+    """The route table keeps a finished request's final route as one encoded frame (not the
+    request), and forgets the oldest beyond its count or its bytes."""
+    routes = RouteTable(num_finished_kept=3, bytes_kept=10_000)
+    requests = []
+    for i in range(5):
+        req = Request.from_add(add(f"f{i}", [2 + i] * 4, max_tokens=2), handle=i, seed=0)
+        req.token_ids += [7, 8]
+        req.finish_reason, req.stop_reason = FinishReason.STOP, 8
+        routes.add(req)
+        routes.finish(req)
+        requests.append(req)
+    assert all(isinstance(frame, bytes) for frame in routes.finished.values())
+    assert [routes.find(r.route_key) for r in requests[:2]] == [None, None]
+    assert [routes.find(r.route_key) for r in requests[2:]] == [r.route() for r in requests[2:]]
+    assert routes.finished_bytes == sum(map(len, routes.finished.values()))
+    long = Request.from_add(add("long", [3000] * 4000, max_tokens=2), handle=9, seed=0)
+    routes.add(long)
+    routes.finish(long)  # alone beyond the bytes: only the newest one is kept
+    assert list(routes.finished) == [long.route_key] and routes.find(long.route_key) is not None
 
 
 def test_a_resumed_request_continues_after_the_tokens_its_client_holds() -> None:

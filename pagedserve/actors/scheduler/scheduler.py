@@ -87,7 +87,7 @@ class Scheduler:
         client). A resubmitted route that is known gets that request's route again."""
         known = self.routes.find((msg.client, msg.seq))
         if known is not None:
-            return known.route()
+            return known
         refusal = admission.refusal(
             msg, self.max_len, self.config.max_model_len, len(self.waiting), self.max_waiting
         )
