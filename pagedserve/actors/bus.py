@@ -270,12 +270,14 @@ class Receiver(Generic[T]):
     ) -> None:
         self.socket = _socket(ctx, zmq.PULL, address, bind)
         self._now = zmq.Socket.shadow(self.socket.underlying)  # the same socket, called directly
+        self._poll_in = [(self._now, zmq.POLLIN)]  # for zmq_poll: no Poller object per call
         self._poll_first_ms = int(poll_first_s * 1000)
         self.codec: Codec[T] = Codec(message_type, address, traffic_of(ctx))
 
     async def recv(self) -> T:
         while True:
-            if self.has_ready() or (self._poll_first_ms and self._now.poll(self._poll_first_ms)):
+            # a queued frame, or one within the poll (0 ms: only one already queued)
+            if zmq.zmq_poll(self._poll_in, self._poll_first_ms):
                 try:
                     frame = self._now.recv(zmq.NOBLOCK)
                 except zmq.Again:  # the poll's event was not a frame for us after all
