@@ -30,6 +30,7 @@ import time
 
 import anyio
 import msgspec
+import numpy as np
 import zmq
 from harness import latency_cells, percentiles, row
 
@@ -51,6 +52,7 @@ WARM_UP = 200  # round trips not counted: connections, allocations
 PROMPT_LEN = 20
 BLOCK_SIZE = 16
 VARIANTS = ("bus", "bus-worker-waits", "floor")
+SAMPLED = 7 + np.arange(4096, dtype=np.int64) % 50  # the tokens a step samples
 
 
 def decoding_scheduler(decodes: int, steps: int, epoch: int) -> Scheduler:
@@ -74,8 +76,9 @@ def decoding_scheduler(decodes: int, steps: int, epoch: int) -> Scheduler:
 
 
 def worker_result(plan: StepPlan) -> StepResult:
-    """What worker rank 0 answers for a step where every scheduled request samples a token."""
-    tokens = [7 + i % 50 for i in range(len(plan.scheduled))]
+    """What worker rank 0 answers for a step where every scheduled request samples a token
+    (its tokens come from the device as one array: `tolist()`)."""
+    tokens = SAMPLED[: len(plan.scheduled)].tolist()
     return StepResult(step_id=plan.step_id, handles=plan.scheduled, sampled_token_ids=tokens)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import compress
 
 import numpy as np
 import torch
@@ -292,7 +293,10 @@ class ModelRunner:
                                       layout.sampling)  # fmt: skip
             if decoded is None:  # a pipeline stage before the last
                 return step
-            step.handles = [h for h, s in zip(handles, layout.samples.tolist()) if s]
+            if layout.sampling is None:  # every request samples
+                step.handles = handles
+            else:
+                step.handles = list(compress(handles, layout.samples.tolist()))
             token_ids, step.logprobs = decoded
         else:
             no_drafts = np.zeros(len(rows), np.int64)
