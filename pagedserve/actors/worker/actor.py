@@ -104,7 +104,8 @@ class WorkerActor(Actor):
 
     async def run(self) -> None:
         """Launch each plan as it comes; report a step's result once the next step is queued
-        on the device behind it, or as soon as no plan is waiting."""
+        on the device behind it, or as soon as no plan is waiting. The inbox polls first
+        (bus.POLL_FIRST_S): the loop has nothing else to do while the worker waits for a plan."""
         while True:
             if self.runner.pending is not None and not self.inbox.has_ready():
                 with self.timer.phase("finish"), self.liveness.blocking("step"):
