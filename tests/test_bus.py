@@ -66,9 +66,9 @@ EXAMPLES: list[msgspec.Struct] = [
     m.StepPlan(
         step_id=4,
         new_requests=[m.NewRequestData(7, [1, 2, 3], 2, SAMPLING, 99, [0, 5], 0)],
-        cached_requests=m.CachedRequestData([8], [[7]], [33]),
-        scheduled=[7, 8],
-        num_scheduled_tokens=[3, 1],
+        cached_requests=m.CachedRequestData([33], [1], [7]),
+        scheduled=[8, 7],
+        num_scheduled_tokens=[1, 3],
         finished=[9],
         reset=True,
     ),

@@ -13,7 +13,6 @@ import torch
 import transformers
 
 from pagedserve.actors.messages import (
-    CachedRequestData,
     NewRequestData,
     SamplingParams,
     StepPlan,
@@ -109,7 +108,10 @@ class MiniScheduler:
         return all(r.finished for r in self.requests)
 
     def plan(self) -> StepPlan:
-        plan = StepPlan(step_id=self.step_id, cached_requests=CachedRequestData([], [], []))
+        """The requests the worker holds first (the plan's wire form), then new ones."""
+        plan = StepPlan(step_id=self.step_id)
+        cached: list[tuple[int, int, int, list[int]]] = []  # handle, tokens, computed, blocks
+        new: list[tuple[int, int]] = []  # handle, tokens
         for request in self.requests:
             if request.finished or request.arrival > self.step_id:
                 continue
@@ -117,13 +119,28 @@ class MiniScheduler:
                 request.finished = True
                 plan.finished.append(request.handle)
                 continue
-            self._schedule(request, plan)
+            self._schedule(request, plan, cached, new)
         if self.step_id % 2:  # the batch order is the plan's, not the arrival order
-            plan.scheduled.reverse()
-            plan.num_scheduled_tokens.reverse()
+            cached.reverse()
+            new.reverse()
+        for handle, num_tokens, computed, new_blocks in cached:
+            plan.cached_requests.num_computed_tokens.append(computed)
+            plan.cached_requests.num_new_blocks.append(len(new_blocks))
+            plan.cached_requests.new_block_ids.extend(new_blocks)
+            plan.scheduled.append(handle)
+            plan.num_scheduled_tokens.append(num_tokens)
+        for handle, num_tokens in new:
+            plan.scheduled.append(handle)
+            plan.num_scheduled_tokens.append(num_tokens)
         return plan
 
-    def _schedule(self, request: Request, plan: StepPlan) -> None:
+    def _schedule(
+        self,
+        request: Request,
+        plan: StepPlan,
+        cached: list[tuple[int, int, int, list[int]]],
+        new: list[tuple[int, int]],
+    ) -> None:
         num_tokens = len(request.tokens) - request.computed
         num_tokens = min(num_tokens, request.chunk or num_tokens)
         needed = cdiv(request.computed + num_tokens, BLOCK_SIZE) - len(request.blocks)
@@ -136,12 +153,9 @@ class MiniScheduler:
             )
             plan.new_requests.append(data)
             request.sent = True
+            new.append((request.handle, num_tokens))
         else:
-            plan.cached_requests.handles.append(request.handle)
-            plan.cached_requests.new_block_ids.append(new_blocks)
-            plan.cached_requests.num_computed_tokens.append(request.computed)
-        plan.scheduled.append(request.handle)
-        plan.num_scheduled_tokens.append(num_tokens)
+            cached.append((request.handle, num_tokens, request.computed, new_blocks))
         request.computed += num_tokens
 
     def run(self, runner: ModelRunner) -> list[Request]:

@@ -42,7 +42,8 @@ def test_plans_in_flight_split_the_running_requests() -> None:
     again = sched.schedule()
     assert again is not None and again.scheduled == first.scheduled
     # the plan brings the sampled tokens to every stage
-    assert again.cached_requests.new_token_ids == [[7], [8]]
+    assert again.cached_requests.num_new_tokens == [1, 1]
+    assert again.cached_requests.new_token_ids == [7, 8]
     assert again.num_scheduled_tokens == [1, 1]
 
 

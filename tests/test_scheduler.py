@@ -27,7 +27,8 @@ from pagedserve.actors.messages import (
     StepResult,
     TokenLogprobs,
 )
-from pagedserve.actors.scheduler.request import RequestStatus
+from pagedserve.actors.scheduler.request import Request, RequestStatus
+from pagedserve.actors.scheduler.routes import RouteTable
 from pagedserve.actors.scheduler.scheduler import Scheduler
 from pagedserve.config import EngineConfig
 
@@ -44,9 +45,13 @@ _seqs = itertools.count()
 
 def label_of(sched: Scheduler, handle: int) -> str:
     """The label of the request with this handle (live or finished)."""
-    for req in [*sched.requests.values(), *sched.routes.finished.values()]:
+    for req in sched.requests.values():
         if req.handle == handle:
             return LABELS[req.seq]
+    for client, seq in sched.routes.finished:
+        route = sched.routes.find((client, seq))
+        if route is not None and route.handle == handle:
+            return LABELS[seq]
     raise KeyError(handle)
 
 
@@ -114,14 +119,15 @@ class FakeWorker:
             req.logprobs = new.sampling.logprobs is not None
             self._check_kv(req, new.num_computed_tokens)  # prefix hit: written by earlier steps
             self.reqs[new.handle] = req
-        cached = plan.cached_requests
-        for rid, blocks, num_computed in zip(
-            cached.handles, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            assert self.reqs[rid].num_computed == num_computed
-            self.reqs[rid].block_ids.extend(blocks)
-        for rid, tokens in zip(cached.handles, cached.new_token_ids):
-            self.reqs[rid].tokens.extend(tokens)
+        cached = plan.cached_requests  # the plan's first scheduled requests, in flat lists
+        blocks, tokens = iter(cached.new_block_ids), iter(cached.new_token_ids)
+        for i, num_computed in enumerate(cached.num_computed_tokens):
+            req = self.reqs[plan.scheduled[i]]
+            assert req.num_computed == num_computed
+            req.block_ids.extend(itertools.islice(blocks, cached.num_new_blocks[i]))
+            if cached.num_new_tokens:
+                req.tokens.extend(itertools.islice(tokens, cached.num_new_tokens[i]))
+        assert next(blocks, None) is None and next(tokens, None) is None
         ids, sampled, logprobs = [], [], []
         for rid, n in zip(plan.scheduled, plan.num_scheduled_tokens):
             token = self._run(self.reqs[rid], n)
@@ -308,8 +314,8 @@ def test_chunked_prefill_splits_a_long_prompt_within_the_budget() -> None:
     assert plans[0].new_requests[0].num_computed_tokens == 0
     assert [p.cached_requests.num_computed_tokens for p in plans[1:4]] == [[16], [32], [48]]
     assert plans[0].new_requests[0].block_ids == [0, 1, 2, 3]
-    assert plans[1].cached_requests.new_block_ids == [[4, 5, 6, 7]]
-    assert plans[3].cached_requests.new_block_ids == [[12]]
+    assert plans[1].cached_requests.new_block_ids == [4, 5, 6, 7]
+    assert plans[3].cached_requests.new_block_ids == [12]
     assert out["a"].tokens == solo(add("a", prompt, max_tokens=3)).tokens
     assert sched.stats().num_prompt_tokens == 50 and sched.stats().num_generation_tokens == 3
 
@@ -597,6 +603,28 @@ def test_a_resubmitted_route_gets_its_request_back_not_a_copy() -> None:
     assert_no_leak(sched)
 
 
+def test_finished_routes_are_kept_encoded_newest_first_within_both_bounds() -> None:
+    """The route table keeps a finished request's final route as one encoded frame (not the
+    request), and forgets the oldest beyond its count or its bytes."""
+    routes = RouteTable(num_finished_kept=3, bytes_kept=10_000)
+    requests = []
+    for i in range(5):
+        req = Request.from_add(add(f"f{i}", [2 + i] * 4, max_tokens=2), handle=i, seed=0)
+        req.token_ids += [7, 8]
+        req.finish_reason, req.stop_reason = FinishReason.STOP, 8
+        routes.add(req)
+        routes.finish(req)
+        requests.append(req)
+    assert all(isinstance(frame, bytes) for frame in routes.finished.values())
+    assert [routes.find(r.route_key) for r in requests[:2]] == [None, None]
+    assert [routes.find(r.route_key) for r in requests[2:]] == [r.route() for r in requests[2:]]
+    assert routes.finished_bytes == sum(map(len, routes.finished.values()))
+    long = Request.from_add(add("long", [3000] * 4000, max_tokens=2), handle=9, seed=0)
+    routes.add(long)
+    routes.finish(long)  # alone beyond the bytes: only the newest one is kept
+    assert list(routes.finished) == [long.route_key] and routes.find(long.route_key) is not None
+
+
 def test_a_resumed_request_continues_after_the_tokens_its_client_holds() -> None:
     request = add("r", [5, 9, 13, 4], max_tokens=6, ignore_eos=True)
     want = solo(request).tokens
@@ -849,7 +877,7 @@ def test_a_step_of_many_running_decodes_takes_the_fast_path_both_ways(
     monkeypatch.setattr(Scheduler, "_apply_tokens", loop)
     plan = sched.schedule()
     assert plan is not None and not plan.new_requests
-    assert plan.cached_requests.handles == plan.scheduled and len(plan.scheduled) == 64
+    assert len(plan.cached_requests.num_computed_tokens) == len(plan.scheduled) == 64
     assert plan.num_scheduled_tokens == [1] * 64
     assert plan.cached_requests.num_computed_tokens == [6] * 64
     abort(sched, ["r3"])

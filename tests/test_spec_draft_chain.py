@@ -97,7 +97,7 @@ def test_drafts_are_the_draft_models_greedy_continuation(
         drafts = result.draft_token_ids
         plan = StepPlan(
             step_id=step, cached_requests=CachedRequestData(
-                list(handles), [[], []], [computed[h] for h in handles]
+                [computed[h] for h in handles], [0, 0]
             ), scheduled=list(handles), num_scheduled_tokens=[1 + len(d) for d in drafts],
             spec_token_ids=drafts, propose=True,
         )  # fmt: skip

@@ -36,6 +36,11 @@ T = TypeVar("T")
 
 _encoder = msgspec.msgpack.Encoder()
 
+# How long an inbox whose actor has nothing else to do while it waits (the scheduler, a worker)
+# polls for the next frame before it waits on the loop (Receiver's `poll_first_s`): a frame that
+# comes within it is taken without the loop's wake-up.
+POLL_FIRST_S = 0.005
+
 
 def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
@@ -252,8 +257,8 @@ class Receiver(Generic[T]):
     `poll_first_s`, `recv` then waits for the next frame in a blocking poll of up to that long
     (the thread sleeps in the kernel, the GIL released) before it waits on the loop: a frame
     that comes within it is taken without the loop's wake-up, about a third of a round trip
-    here. Only for an actor whose loop has nothing else to do meanwhile (the scheduler: its
-    loop's other tasks are housekeeping that a few milliseconds do not hurt)."""
+    here. Only for an actor whose loop has nothing else to do meanwhile (the scheduler and the
+    workers: their loops' other tasks are housekeeping that a few milliseconds do not hurt)."""
 
     def __init__(
         self,
@@ -265,12 +270,14 @@ class Receiver(Generic[T]):
     ) -> None:
         self.socket = _socket(ctx, zmq.PULL, address, bind)
         self._now = zmq.Socket.shadow(self.socket.underlying)  # the same socket, called directly
+        self._poll_in = [(self._now, zmq.POLLIN)]  # for zmq_poll: no Poller object per call
         self._poll_first_ms = int(poll_first_s * 1000)
         self.codec: Codec[T] = Codec(message_type, address, traffic_of(ctx))
 
     async def recv(self) -> T:
         while True:
-            if self.has_ready() or (self._poll_first_ms and self._now.poll(self._poll_first_ms)):
+            # a queued frame, or one within the poll (0 ms: only one already queued)
+            if zmq.zmq_poll(self._poll_in, self._poll_first_ms):
                 try:
                     frame = self._now.recv(zmq.NOBLOCK)
                 except zmq.Again:  # the poll's event was not a frame for us after all

@@ -246,12 +246,17 @@ class NewRequestData(msgspec.Struct, array_like=True):
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
-    """Columnar diff for requests already in the worker's persistent batch."""
+    """Columnar diff, in flat lists, for the requests already in the worker's persistent batch:
+    the plan's first `len(num_computed_tokens)` scheduled requests (a plan schedules them
+    before its new requests). Request i's new blocks are the next `num_new_blocks[i]` ids of
+    `new_block_ids` (most decodes get none); its new tokens, the same way."""
 
-    handles: list[int] = []
-    new_block_ids: list[list[int]] = []  # blocks appended to each block table this step
     num_computed_tokens: list[int] = []
-    new_token_ids: list[list[int]] = []  # pipeline parallelism: tokens new to the stages
+    num_new_blocks: list[int] = []  # blocks appended to each block table this step
+    new_block_ids: list[int] = []  # all of them, request after request
+    # pipeline parallelism: tokens new to the stages (empty lists without it)
+    num_new_tokens: list[int] = []
+    new_token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct, tag=True, kw_only=True):

@@ -128,11 +128,9 @@ class SpecSession:
         return self.batch * self.blocks_per_request
 
     def plan(self, speculate: bool) -> StepPlan:
-        cached = CachedRequestData([], [], [])
+        cached = CachedRequestData()
         if not self.pending_new:
-            cached = CachedRequestData(
-                list(self.ids), [[] for _ in self.ids], [self.num_computed[h] for h in self.ids]
-            )
+            cached = CachedRequestData([self.num_computed[h] for h in self.ids], [0] * self.batch)
         drafts = [self.drafts[h] if speculate else [] for h in self.ids]
         plan = StepPlan(
             step_id=self.step_id, new_requests=self.pending_new, cached_requests=cached,

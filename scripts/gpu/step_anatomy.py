@@ -61,11 +61,9 @@ class DecodeSession:
         return self.batch * self.blocks_per_request
 
     def plan(self) -> StepPlan:
-        cached = CachedRequestData([], [], [])
+        cached = CachedRequestData()
         if not self.pending_new:
-            cached = CachedRequestData(
-                list(self.ids), [[] for _ in self.ids], list(self.num_computed)
-            )
+            cached = CachedRequestData(list(self.num_computed), [0] * self.batch)
         plan = StepPlan(
             step_id=self.step_id, new_requests=self.pending_new, cached_requests=cached,
             scheduled=list(self.ids), num_scheduled_tokens=[1] * self.batch,

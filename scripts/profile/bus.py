@@ -1,15 +1,20 @@
-"""Bus alone: round trip of a real step over the actors' channels, between two processes.
+"""Bus alone: round trip of a real step plan over the actors' channels, between two processes.
 
-The driver (like the scheduler) sends a StepPlan of N decodes (N requests already in the
-worker's batch: the columnar diff) on an asyncio PUSH channel; the echo process (like worker
-rank 0) decodes it and answers a StepResult with one sampled token per request; the driver
-decodes that. With CURVE (the engine's setting) and without, to show what security costs.
+The driver plays the scheduler: a real `Scheduler` holds N running requests in decode, and each
+round trip it schedules the next step (the plan the engine sends: the flat columnar diff of N
+requests the worker holds), encodes it once and sends the frame, as the scheduler actor's
+`broadcast` does; its inbox polls first, as the scheduler's. The echo process plays worker
+rank 0: its inbox is the worker's (it connects, and polls first), it decodes the plan and
+answers the StepResult the model runner builds for a decode step (the scheduled handles, one
+token each), which the driver decodes. Timed: from the plan's encode to the result decoded;
+not timed: the scheduler making the plan and applying the result (scheduler.py profiles them).
 
-Each end builds its channels as its actor does: the driver's inbox polls first, like the
-scheduler's (scheduler/actor.py POLL_FIRST_S); the echo's as the worker's (no poll first;
-`--worker-poll-first` gives it the scheduler's, to show what that would change). The floor
-rows are the same bytes ping-ponged by plain synchronous ZeroMQ sockets, with no Python work
-but send and receive: what the machine and ZeroMQ cost (I/O threads, context switches).
+Variants, run in interleaved rounds so that a busy machine disturbs them alike:
+  bus               the engine's channels (bus.py), as the actors set them up
+  bus-worker-waits  the same, but the worker's inbox waits on the loop without polling first
+  floor             the same bytes ping-ponged by plain synchronous ZeroMQ sockets, with no
+                    Python work but send and receive: what the machine and ZeroMQ cost
+Every socket speaks CURVE, as the engine's do; `--no-curve` adds rows without it.
 
     python scripts/profile/bus.py --decodes 256 --iterations 3000
 """
@@ -25,37 +30,56 @@ import time
 
 import anyio
 import msgspec
+import numpy as np
 import zmq
 from harness import latency_cells, percentiles, row
 
 from pagedserve.actors import bus
 from pagedserve.actors.messages import (
-    CachedRequestData,
+    AddRequest,
+    SamplingParams,
     SchedulerInbound,
+    Shutdown,
     StepPlan,
     StepResult,
     WorkerInbound,
 )
-from pagedserve.actors.scheduler.actor import POLL_FIRST_S
+from pagedserve.actors.scheduler.scheduler import Scheduler
 from pagedserve.actors.security import Credentials
+from pagedserve.config import EngineConfig
 
 WARM_UP = 200  # round trips not counted: connections, allocations
+PROMPT_LEN = 20
+BLOCK_SIZE = 16
+VARIANTS = ("bus", "bus-worker-waits", "floor")
+SAMPLED = 7 + np.arange(4096, dtype=np.int64) % 50  # the tokens a step samples
 
 
-def decode_plan(step_id: int, decodes: int) -> StepPlan:
-    handles = list(range(1 << 40, (1 << 40) + decodes))
-    return StepPlan(
-        step_id=step_id,
-        cached_requests=CachedRequestData(handles, [[] for _ in handles], [300] * decodes),
-        scheduled=handles,
-        num_scheduled_tokens=[1] * decodes,
-    )
+def decoding_scheduler(decodes: int, steps: int, epoch: int) -> Scheduler:
+    """A scheduler of this epoch whose next `steps` plans are decodes of `decodes` running
+    requests (the first plan, their prefill, is taken here)."""
+    max_len = PROMPT_LEN + steps + 2
+    config = EngineConfig(
+        block_size=BLOCK_SIZE, max_model_len=max_len, max_num_seqs=decodes,
+        max_num_batched_tokens=max(decodes * PROMPT_LEN, 2048), max_waiting_requests=decodes,
+    )  # fmt: skip
+    scheduler = Scheduler(config, decodes * (-(-max_len // BLOCK_SIZE)), epoch)
+    sampling = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    for seq in range(decodes):
+        prompt = [2 + (seq + i) % 50 for i in range(PROMPT_LEN)]
+        scheduler.add_request(AddRequest(client=b"bus", seq=seq, prompt_token_ids=prompt,
+                                         sampling=sampling, eos_token_ids=[1]))  # fmt: skip
+    prefill = scheduler.schedule()
+    assert prefill is not None and len(prefill.new_requests) == decodes
+    scheduler.update_from_result(worker_result(prefill))
+    return scheduler
 
 
-def decode_result(plan: StepPlan) -> StepResult:
-    return StepResult(
-        step_id=plan.step_id, handles=plan.scheduled, sampled_token_ids=[7] * len(plan.scheduled)
-    )
+def worker_result(plan: StepPlan) -> StepResult:
+    """What worker rank 0 answers for a step where every scheduled request samples a token
+    (its tokens come from the device as one array: `tolist()`)."""
+    tokens = SAMPLED[: len(plan.scheduled)].tolist()
+    return StepResult(step_id=plan.step_id, handles=plan.scheduled, sampled_token_ids=tokens)
 
 
 async def echo(run_dir: str, credentials: Credentials | None, poll_first_s: float) -> None:
@@ -65,30 +89,32 @@ async def echo(run_dir: str, credentials: Credentials | None, poll_first_s: floa
         ctx, addresses.worker_inbox(0), WorkerInbound, bind=False, poll_first_s=poll_first_s
     )
     out: bus.Sender = bus.Sender(ctx, addresses.scheduler_inbox)
-    while True:
-        plan = await inbox.recv()
-        if not plan.scheduled:
-            break
-        await out.send(decode_result(plan))
+    while not isinstance(plan := await inbox.recv(), Shutdown):
+        await out.send(worker_result(plan))
     ctx.destroy(linger=0)
 
 
-async def drive(run_dir: str, credentials: Credentials | None, decodes: int, n: int) -> list[float]:
+async def drive(run_dir: str, credentials: Credentials | None, decodes: int, n: int,
+                epoch: int) -> list[float]:  # fmt: skip
+    scheduler = decoding_scheduler(decodes, n + WARM_UP, epoch)
     addresses = bus.Addresses(run_dir)
     ctx = bus.async_context(credentials)
     inbox: bus.Receiver = bus.Receiver(
-        ctx, addresses.scheduler_inbox, SchedulerInbound, poll_first_s=POLL_FIRST_S
+        ctx, addresses.scheduler_inbox, SchedulerInbound, poll_first_s=bus.POLL_FIRST_S
     )
     out: bus.Sender = bus.Sender(ctx, addresses.worker_inbox(0), bind=True)
     samples = []
     for i in range(n + WARM_UP):
+        plan = scheduler.schedule()
+        assert plan is not None and len(plan.scheduled) == decodes and not plan.new_requests
         start = time.perf_counter()
-        await out.send(decode_plan(i, decodes))
+        await out.send_frame(bus.encode(plan))
         result = await inbox.recv()
         if i >= WARM_UP:
             samples.append(time.perf_counter() - start)
-        assert result.step_id == i
-    await out.send(StepPlan(step_id=-1))
+        assert isinstance(result, StepResult) and result.step_id == plan.step_id
+        scheduler.update_from_result(result)
+    await out.send(Shutdown())
     ctx.destroy(linger=0)
     return samples
 
@@ -110,7 +136,16 @@ def floor_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
     return sock
 
 
-def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: int) -> list[float]:
+def typical_frames(decodes: int, epoch: int) -> tuple[bytes, bytes]:
+    """A decode plan of the scheduler and its result, encoded."""
+    scheduler = decoding_scheduler(decodes, 2, epoch)
+    plan = scheduler.schedule()
+    assert plan is not None
+    return bus.encode(plan), bus.encode(worker_result(plan))
+
+
+def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: int,
+          epoch: int) -> list[float]:  # fmt: skip
     """The same frames by synchronous sockets: `role` "echo" answers, "drive" times."""
     addresses, ctx, drives = bus.Addresses(run_dir), zmq.Context(), role == "drive"
     plans = floor_socket(
@@ -119,8 +154,7 @@ def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: in
     results = floor_socket(
         ctx, zmq.PULL if drives else zmq.PUSH, addresses.scheduler_inbox, drives, keys
     )
-    plan = bus.encode(decode_plan(0, decodes))
-    result = bus.encode(decode_result(decode_plan(0, decodes)))
+    plan, result = typical_frames(decodes, epoch)
     samples = []
     while not drives and len(plans.recv()) > 1:
         results.send(result)
@@ -135,55 +169,67 @@ def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: in
     return samples
 
 
-def measure(decodes: int, n: int, secure: bool, path: str, worker_poll_first: bool) -> dict:
+def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int) -> list[float]:
     run_dir = tempfile.mkdtemp(prefix="bus-profile-")
     credentials = Credentials.generate() if secure else None
     keys = msgspec.json.encode(credentials).decode() if credentials else ""
-    echo_args = ["--echo", run_dir, "--path", path, "--decodes", str(decodes)]
-    echo_args += ["--worker-poll-first"] if worker_poll_first else []
-    command = [sys.executable, __file__, *echo_args]
-    child = subprocess.Popen(command, stdin=subprocess.PIPE, text=True)
+    command = [sys.executable, __file__, "--echo", run_dir, "--variants", variant]
+    command += ["--epoch", str(epoch)]
+    child = subprocess.Popen(command + ["--decodes", str(decodes)], stdin=subprocess.PIPE,
+                             text=True)  # fmt: skip
     child.stdin.write(keys)  # type: ignore[union-attr]
     child.stdin.close()  # type: ignore[union-attr]
     try:
-        if path == "floor":
-            samples = floor(run_dir, credentials, "drive", decodes, n)
-        else:
-            samples = anyio.run(drive, run_dir, credentials, decodes, n)
+        if variant == "floor":
+            return floor(run_dir, credentials, "drive", decodes, n, epoch)
+        return anyio.run(drive, run_dir, credentials, decodes, n, epoch)
     finally:
         child.wait(30)
-    return {"plan_bytes": len(bus.encode(decode_plan(0, decodes)))} | percentiles(samples)
 
 
 def run_echo(args: argparse.Namespace) -> None:
     keys = sys.stdin.read()
     credentials = msgspec.json.decode(keys, type=Credentials) if keys else None
-    if args.path == "floor":
-        floor(args.echo, credentials, "echo", args.decodes[0], 0)
+    variant = args.variants[0]
+    if variant == "floor":
+        floor(args.echo, credentials, "echo", args.decodes[0], 0, args.epoch)
     else:
-        anyio.run(echo, args.echo, credentials, POLL_FIRST_S if args.worker_poll_first else 0.0)
+        poll_first_s = 0.0 if variant == "bus-worker-waits" else bus.POLL_FIRST_S
+        anyio.run(echo, args.echo, credentials, poll_first_s)
     os.rmdir(args.echo) if not os.listdir(args.echo) else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decodes", type=int, nargs="+", default=[256])
-    parser.add_argument("--iterations", type=int, default=3000)
-    parser.add_argument("--worker-poll-first", action="store_true")
+    parser.add_argument("--iterations", type=int, default=3000, help="per variant, all rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--no-curve", action="store_true", help="add rows without CURVE")
+    parser.add_argument("--epoch", type=int, default=0,
+                        help="the scheduler's (0: a fresh engine; from 1, after a restart, "
+                        "handles and step ids are above 2**40 and take 9 bytes each)")  # fmt: skip
     parser.add_argument("--echo", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--path", default="bus", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo is not None:
         return run_echo(args)
-    print("| decodes | CURVE | path | plan bytes | round trip µs p50 | p90 | p99 |")
-    print("|---:|:---:|---|---:|---:|---:|---:|")
+    print("| decodes | CURVE | path | plan bytes | result bytes | p50 µs each round "
+          "| round trip µs p50 | p90 | p99 |")  # fmt: skip
+    print("|---:|:---:|---|---:|---:|---|---:|---:|---:|")
     for decodes in args.decodes:
-        for path in ("bus", "floor"):
-            for secure in (True, False):
-                r = measure(decodes, args.iterations, secure, path, args.worker_poll_first)
-                label = "bus.py channels" if path == "bus" else "floor: sync zmq, same bytes"
-                cells = [decodes, "yes" if secure else "no", label, r["plan_bytes"]]
-                print(row(cells + latency_cells(r)), flush=True)
+        cases = [(v, True) for v in args.variants]
+        cases += [(v, False) for v in args.variants] if args.no_curve else []
+        samples: dict[tuple[str, bool], list[list[float]]] = {case: [] for case in cases}
+        for _ in range(args.rounds):
+            for variant, secure in cases:
+                n = args.iterations // args.rounds
+                samples[variant, secure].append(measure(variant, decodes, n, secure, args.epoch))
+        plan, result = typical_frames(decodes, args.epoch)
+        for (variant, secure), rounds in samples.items():
+            each = " / ".join(f"{percentiles(r)['p50_us']:.0f}" for r in rounds)
+            pooled = percentiles([s for r in rounds for s in r])
+            cells = [decodes, "yes" if secure else "no", variant, len(plan), len(result), each]
+            print(row(cells + latency_cells(pooled)), flush=True)
 
 
 if __name__ == "__main__":

@@ -45,10 +45,10 @@ def plans(batch: int, steps: int, blocks_each: int):
     for step in range(steps):
         position = PROMPT_LEN + step
         grow = position % BLOCK_SIZE == 0 and position // BLOCK_SIZE >= 2
-        new_blocks = [[t[position // BLOCK_SIZE]] if grow else [] for t in tables]
+        new_blocks = [t[position // BLOCK_SIZE] for t in tables] if grow else []
         yield StepPlan(
             step_id=step_id + 1 + step,
-            cached_requests=CachedRequestData(handles, new_blocks, [position] * batch),
+            cached_requests=CachedRequestData([position] * batch, [int(grow)] * batch, new_blocks),
             scheduled=handles, num_scheduled_tokens=[1] * batch,
         )  # fmt: skip
 

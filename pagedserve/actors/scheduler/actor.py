@@ -40,11 +40,6 @@ from pagedserve.actors.scheduler.scheduler import Scheduler
 from pagedserve.actors.timeline import Timeline
 from pagedserve.layout import plans_in_flight
 
-# How long a wait for the next message polls before it waits on the loop (bus.Receiver): the
-# loop has nothing else to do while the scheduler waits, and a result that comes within it is
-# taken without the loop's wake-up.
-POLL_FIRST_S = 0.005
-
 
 class SchedulerActor(Actor):
     name = "scheduler"
@@ -58,7 +53,10 @@ class SchedulerActor(Actor):
         assert self.config.num_kv_blocks, "the supervisor sizes the scheduler"
         self.scheduler = Scheduler(self.config, self.config.num_kv_blocks, self.epoch)
         self.inbox: bus.Receiver[SchedulerInbound] = bus.Receiver(
-            self.ctx, self.addresses.scheduler_inbox, SchedulerInbound, poll_first_s=POLL_FIRST_S
+            self.ctx,
+            self.addresses.scheduler_inbox,
+            SchedulerInbound,
+            poll_first_s=bus.POLL_FIRST_S,
         )
         self.to_detokenizer: bus.Sender[DetokenizerInbound] = bus.Sender(
             self.ctx, self.addresses.detokenizer_inbox

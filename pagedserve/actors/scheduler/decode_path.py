@@ -95,9 +95,9 @@ def plan_running(sched: Scheduler, plan: StepPlan, record: StepRecord, budget: i
         return None
     handles = cols.handle[rows].tolist()
     cached = plan.cached_requests
-    cached.handles += handles
-    cached.new_block_ids += new_blocks
     cached.num_computed_tokens += computed.tolist()
+    cached.num_new_blocks += new_blocks[0]
+    cached.new_block_ids += new_blocks[1]
     plan.scheduled += handles
     plan.num_scheduled_tokens += n.tolist()
     cols.num_computed[rows] = end
@@ -114,20 +114,22 @@ def plan_running(sched: Scheduler, plan: StepPlan, record: StepRecord, budget: i
 
 def _grow_block_tables(
     sched: Scheduler, reqs: list[Request], computed: np.ndarray, n: np.ndarray
-) -> list[list[int]] | None:
-    """The new blocks of each request's table (most get none), or None when the free blocks
-    do not suffice (nothing changed: the loop preempts)."""
+) -> tuple[list[int], list[int]] | None:
+    """How many blocks each request's table grows by (most: none) and those blocks, request
+    after request (the plan's flat form); None when the free blocks do not suffice (nothing
+    changed: the loop preempts)."""
     bs = sched.block_size
     grows = np.flatnonzero((computed + n + bs - 1) // bs > (computed + bs - 1) // bs).tolist()
-    new_blocks: list[list[int]] = [[] for _ in reqs]
+    counts, flat = [0] * len(reqs), []
     if grows:
         growing = [reqs[i] for i in grows]
         appended = sched.block_manager.append_slots_all(growing, n[grows].tolist())
         if appended is None:
             return None
         for i, blocks in zip(grows, appended):
-            new_blocks[i] = blocks
-    return new_blocks
+            counts[i] = len(blocks)
+            flat += blocks
+    return counts, flat
 
 
 def apply_result(sched: Scheduler, record: StepRecord, result: StepResult

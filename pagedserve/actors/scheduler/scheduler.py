@@ -87,7 +87,7 @@ class Scheduler:
         client). A resubmitted route that is known gets that request's route again."""
         known = self.routes.find((msg.client, msg.seq))
         if known is not None:
-            return known.route()
+            return known
         refusal = admission.refusal(
             msg, self.max_len, self.config.max_model_len, len(self.waiting), self.max_waiting
         )
@@ -135,9 +135,8 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         speculate = self._speculating()
         plan = StepPlan(
-            step_id=self.next_step_id, cached_requests=CachedRequestData([], [], [], []),
-            propose=speculate,
-        )  # fmt: skip
+            step_id=self.next_step_id, cached_requests=CachedRequestData(), propose=speculate
+        )
         record = self._record = StepRecord()
         budget = self.config.max_num_batched_tokens
         cap = plan_capacity(self.config, len(self.running) + len(self.waiting))
@@ -252,12 +251,15 @@ class Scheduler:
         self, plan: StepPlan, req: Request, n: int, new_blocks: list[int], drafts: list[int]
     ) -> None:
         if req.in_worker:
+            assert not plan.new_requests, "a plan schedules its cached requests first"
             cached = plan.cached_requests
-            cached.handles.append(req.handle)
-            cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(req.num_computed_tokens)
+            cached.num_new_blocks.append(len(new_blocks))
+            cached.new_block_ids += new_blocks
             if self.pipelined:
-                cached.new_token_ids.append(req.token_ids[req.num_sent_tokens :])
+                new_tokens = req.token_ids[req.num_sent_tokens :]
+                cached.num_new_tokens.append(len(new_tokens))
+                cached.new_token_ids += new_tokens
         else:
             plan.new_requests.append(
                 NewRequestData(

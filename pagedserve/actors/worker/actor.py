@@ -79,8 +79,9 @@ class WorkerActor(Actor):
             self.profiler = StepProfiler(self.config.profile, self.rank, self.runner.device)
             self.timeline = Timeline()
         self.inbox: bus.Receiver[WorkerInbound] = bus.Receiver(
-            self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound, bind=False
-        )
+            self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound, bind=False,
+            poll_first_s=bus.POLL_FIRST_S,
+        )  # fmt: skip
         self.scheduler_epoch: int | None = None  # of the plans accepted: since the last reset
         self.to_scheduler: bus.Sender[SchedulerInbound] | None = None
         if self.rank == groups.layout.reporting_rank:
@@ -108,7 +109,8 @@ class WorkerActor(Actor):
 
     async def run(self) -> None:
         """Launch each plan as it comes; report a step's result once the next step is queued
-        on the device behind it, or as soon as no plan is waiting."""
+        on the device behind it, or as soon as no plan is waiting. The inbox polls first
+        (bus.POLL_FIRST_S): the loop has nothing else to do while the worker waits for a plan."""
         while True:
             if self.runner.pending is not None and not self.inbox.has_ready():
                 with self.timer.phase("finish"), self.liveness.blocking("step"):

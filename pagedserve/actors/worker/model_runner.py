@@ -16,7 +16,9 @@ compile-only dry run, graph capture) lives beside this in startup.py. A pipeline
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import compress
 
 import numpy as np
 import torch
@@ -64,6 +66,18 @@ def select_device(name: str, rank: int) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device(name)
+
+
+def _pieces(
+    rows: np.ndarray, counts: list[int], flat: list[int]
+) -> Iterator[tuple[int, list[int]]]:
+    """(row, its piece of `flat`) for each row with a nonzero count: a plan's flat lists
+    (CachedRequestData) split per request."""
+    if not flat:
+        return
+    ends = np.cumsum(counts).tolist()
+    for i in np.flatnonzero(counts).tolist():
+        yield int(rows[i]), flat[ends[i] - counts[i] : ends[i]]
 
 
 class ModelRunner:
@@ -243,16 +257,15 @@ class ModelRunner:
             output_ids = new_request.token_ids[new_request.num_prompt_tokens :]
             self.structured.add(row, new_request.sampling.structured_outputs, output_ids)
         cached = plan.cached_requests
-        for handle, block_ids, num_computed in zip(
-            cached.handles, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            row = batch.row_of[handle]
-            if block_ids:
+        num_cached = len(cached.num_computed_tokens)
+        if num_cached:
+            row_of = batch.row_of.__getitem__
+            rows = np.fromiter(map(row_of, plan.scheduled[:num_cached]), np.int64, num_cached)
+            batch.num_computed_tokens[rows] = cached.num_computed_tokens
+            for row, block_ids in _pieces(rows, cached.num_new_blocks, cached.new_block_ids):
                 batch.append_block_ids(row, block_ids)
-            batch.num_computed_tokens[row] = num_computed
-        for handle, token_ids in zip(cached.handles, cached.new_token_ids):
-            if token_ids:
-                batch.append_tokens(batch.row_of[handle], token_ids)
+            for row, token_ids in _pieces(rows, cached.num_new_tokens, cached.new_token_ids):
+                batch.append_tokens(row, token_ids)
         for handle, drafts in zip(plan.scheduled, plan.spec_token_ids):
             if drafts:
                 batch.write_drafts(batch.row_of[handle], drafts)
@@ -280,7 +293,10 @@ class ModelRunner:
                                       layout.sampling)  # fmt: skip
             if decoded is None:  # a pipeline stage before the last
                 return step
-            step.handles = [h for h, s in zip(handles, layout.samples.tolist()) if s]
+            if layout.sampling is None:  # every request samples
+                step.handles = handles
+            else:
+                step.handles = list(compress(handles, layout.samples.tolist()))
             token_ids, step.logprobs = decoded
         else:
             no_drafts = np.zeros(len(rows), np.int64)
