@@ -215,10 +215,10 @@ class DetokenizerActor(Actor):
             if delta.finish_reason is not None and output.finish_reason is None:
                 stopped.append(output.handle)
             batches[stream.client].append(self.close_if_final(output.handle, delta))
+        if self.timeline is not None:  # marked before the sends: a client may be quicker
+            self.timeline.mark_all("detok_out", (o.handle for o in message.outputs))
         for client, deltas in batches.items():
             await self.clients.send(client, DeltaBatch(deltas))
-        if self.timeline is not None:
-            self.timeline.mark_all("detok_out", (o.handle for o in message.outputs))
         if stopped:
             await self.to_scheduler.send(StopRequests(stopped))
 

@@ -89,9 +89,9 @@ class SchedulerActor(Actor):
                     await self.handle(message, outputs)
             with self.timer.phase("send_outputs"):
                 if outputs.routes or outputs.outputs or outputs.errors:
-                    await self.to_detokenizer.send(outputs)
-                    if self.timeline is not None:
+                    if self.timeline is not None:  # marked first: the receiver may be quicker
                         self.timeline.mark_all("output_sent", (o.handle for o in outputs.outputs))
+                    await self.to_detokenizer.send(outputs)
             with self.timer.phase("plan"):
                 await self.plan_ahead()
 
@@ -153,8 +153,8 @@ class SchedulerActor(Actor):
 
     async def broadcast(self, plan: StepPlan) -> None:
         frame = bus.encode(plan)  # once for every worker
-        for sender in self.to_workers:
-            await sender.send_frame(frame)
-        if self.timeline is not None:
+        if self.timeline is not None:  # marked before the send: a worker may take it at once
             self.timeline.mark("plan_sent", plan.step_id)
             self.timeline.mark_all("scheduled", (r.handle for r in plan.new_requests), plan.step_id)
+        for sender in self.to_workers:
+            await sender.send_frame(frame)
