@@ -93,9 +93,11 @@ def prefill_tiles(
     device: torch.device, head_dim: int, group: int, max_query_len: int
 ) -> PrefillTiles:
     """The default tiles: the small tile (16 rows, or one query's heads) when the step's
-    longest chunk fits it, else the large one: on CUDA 128 rows x 64 keys, 8 warps, 3 stages
-    (Hopper: 3 x 32 KiB of K/V in flight, no register spill at head_dim 128), 64 rows x 32 keys
-    past head_dim 128 (shared memory, registers); 64 rows on the CPU interpreter. Two sizes
+    longest chunk fits it, else the large one: on CUDA 128 rows x 128 keys, 8 warps, 2 stages
+    at head_dim <= 128 (H200, block size 16, scripts/gpu/sweep_prefill.py: 369 TFLOP/s on
+    32 x 7.5k-token prompts, 245 registers, no spill; 128 x 64 keys: 331; 4 warps spill),
+    64 rows x 32 keys past head_dim 128 (shared memory, registers; not measured); 64 rows on
+    the CPU interpreter. Two sizes
     a shape, so that start-up compiles few variants; a mid-length chunk in the large tile
     computes masked rows (on attention that is small)."""
     small = max(16, triton.next_power_of_2(group))
@@ -104,7 +106,7 @@ def prefill_tiles(
     if device.type != "cuda":
         return PrefillTiles(max(small, 64), 64, 4, 2)
     if head_dim <= 128:
-        return PrefillTiles(max(small, 128), 64, 8, 3)
+        return PrefillTiles(max(small, 128), 128, 8, 2)
     return PrefillTiles(max(small, 64), 32, 4, 2)
 
 
@@ -254,10 +256,12 @@ def _kv_rows(
             blocks = tl.load(table_row + page, mask=page * BLOCK_SIZE < kv_len, other=0)
         else:
             blocks = tl.load(table_row + page)
-        blocks = blocks.to(tl.int64)[:, None]
-        in_block = tl.arange(0, BLOCK_SIZE)[None, :]
-        k_rows = tl.reshape(blocks * stride_kb + in_block * stride_kt, [TILE_N])
-        v_rows = tl.reshape(blocks * stride_vb + in_block * stride_vt, [TILE_N])
+        # each key's entry from the page's, in registers (a reshape of [pages, BLOCK_SIZE]
+        # offsets measured 40% slower on an H200: its layout conversion spills)
+        blocks = tl.gather(blocks.to(tl.int64), offs // BLOCK_SIZE, 0)
+        in_block = offs % BLOCK_SIZE
+        k_rows = blocks * stride_kb + in_block * stride_kt
+        v_rows = blocks * stride_vb + in_block * stride_vt
     else:
         offs_n = start_n + offs
         block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=offs_n < kv_len, other=0)

@@ -45,18 +45,18 @@ DTYPE = torch.bfloat16
 HEADS = [("llama-8b 32/8", 32, 8), ("qwen3-0.6b 16/8", 16, 8)]
 # variant name -> (tiles, longest-first order)
 VARIANTS: dict[str, tuple[ta.PrefillTiles, bool]] = {
+    "128x128 w8 s2": (ta.PrefillTiles(128, 128, 8, 2), True),
+    "128x128 w8 s2 batch-order": (ta.PrefillTiles(128, 128, 8, 2), False),
+    "128x128 w8 s3": (ta.PrefillTiles(128, 128, 8, 3), True),
     "128x64 w8 s3": (ta.PrefillTiles(128, 64, 8, 3), True),
-    "128x64 w8 s3 batch-order": (ta.PrefillTiles(128, 64, 8, 3), False),
     "128x64 w8 s2": (ta.PrefillTiles(128, 64, 8, 2), True),
-    "128x64 w8 s4": (ta.PrefillTiles(128, 64, 8, 4), True),
     "128x64 w4 s3 (old)": (ta.PrefillTiles(128, 64, 4, 3), True),
     "128x32 w8 s3": (ta.PrefillTiles(128, 32, 8, 3), True),
-    "128x128 w8 s2": (ta.PrefillTiles(128, 128, 8, 2), True),
     "64x64 w4 s3": (ta.PrefillTiles(64, 64, 4, 3), True),
     "64x128 w4 s2": (ta.PrefillTiles(64, 128, 4, 2), True),
     "256x64 w8 s2": (ta.PrefillTiles(256, 64, 8, 2), True),
 }
-QUICK_VARIANTS = ["128x64 w8 s3", "128x64 w8 s3 batch-order", "128x64 w4 s3 (old)", "64x64 w4 s3"]
+QUICK_VARIANTS = ["128x128 w8 s2", "128x128 w8 s2 batch-order", "128x64 w8 s3", "64x64 w4 s3"]
 CHECK_CASES = [(0, 1000), (500, 77), (0, 300), (130, 1), (1000, 260), (0, 2)]
 
 
