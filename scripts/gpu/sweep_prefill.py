@@ -50,7 +50,7 @@ VARIANTS: dict[str, tuple[ta.PrefillTiles, bool]] = {
     "128x128 w8 s3": (ta.PrefillTiles(128, 128, 8, 3), True),
     "128x64 w8 s3": (ta.PrefillTiles(128, 64, 8, 3), True),
     "128x64 w8 s2": (ta.PrefillTiles(128, 64, 8, 2), True),
-    "128x64 w4 s3 (old)": (ta.PrefillTiles(128, 64, 4, 3), True),
+    "128x64 w4 s3 (old config)": (ta.PrefillTiles(128, 64, 4, 3), True),
     "128x32 w8 s3": (ta.PrefillTiles(128, 32, 8, 3), True),
     "64x64 w4 s3": (ta.PrefillTiles(64, 64, 4, 3), True),
     "64x128 w4 s2": (ta.PrefillTiles(64, 128, 4, 2), True),
@@ -245,7 +245,7 @@ def main() -> int:
         best = max(ours, key=ours.__getitem__) if ours else "-"
         table.append(
             f"| {shape_name} | {heads_name} | {step.flops / 1e12:.2f} | "
-            + " | ".join(f"{t:.0f}" for t in cells)
+            + " | ".join(f"{t:.1f}" if t < 10 else f"{t:.0f}" for t in cells)
             + f" | {best} |"
         )
         del step
