@@ -36,7 +36,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch  # noqa: E402
 
 from pagedserve.kernels import ops  # noqa: E402
-from pagedserve.kernels.attention_metadata import build_attention_metadata, cdiv  # noqa: E402
+from pagedserve.kernels.attention_metadata import (  # noqa: E402
+    build_attention_metadata,
+    cdiv,
+    longest_first_order,
+)
 from pagedserve.kernels.attention_ref import paged_attention as reference_attention  # noqa: E402
 from pagedserve.kernels.attention_ref import write_kv_cache as reference_write  # noqa: E402
 from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
@@ -135,7 +139,8 @@ def make_step(
     return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "metadata": metadata}
 
 
-def check_attention(step: dict, num_splits: int | None = None) -> None:
+def check_attention(step: dict, num_splits: int | None = None, **launch: object) -> None:
+    """`launch`: paged_attention's keyword arguments (prefill_tiles, longest_first)."""
     q, k_cache, v_cache, metadata = step["q"], step["k_cache"], step["v_cache"], step["metadata"]
     scale = q.shape[-1] ** -0.5
     out = ta.paged_attention(
@@ -148,6 +153,7 @@ def check_attention(step: dict, num_splits: int | None = None) -> None:
         metadata.max_query_len,
         scale,
         num_splits=num_splits,
+        **launch,
     )
     expected = reference_attention(q.float(), k_cache.float(), v_cache.float(), metadata, scale).to(
         q.dtype
@@ -181,6 +187,56 @@ def test_paged_attention_prefill_only() -> None:
     """A long chunk (several query tiles and key tiles) and its neighbours, no decode."""
     step = make_step([(70, 10), (0, 80), (3, 2)], 16, 4, 1, 32, torch.float32, seed=5)
     check_attention(step)
+
+
+# requests of very different lengths: fresh prompts, chunks after a cached prefix (q_len <
+# kv_len), a decode (left to the decode kernel), a two-token chunk
+PREFILL_CASES = [(0, 150), (37, 3), (200, 41), (5, 1), (0, 9), (61, 64), (90, 2)]
+
+
+@pytest.mark.parametrize(
+    "block_size,block_m,block_n,dtype",
+    [
+        (4, 16, 16, torch.float32),  # 4 pages a key tile; 8 queries a tile, diagonal in 1-2 tiles
+        (16, 32, 16, torch.bfloat16),  # a key tile inside a page
+        (8, 64, 32, torch.float32),  # 32 queries a tile: the diagonal spans 2-3 key tiles
+        (12, 16, 32, torch.float32),  # pages and tiles not multiples: one table entry per key
+        (1, 16, 64, torch.float32),  # one-token pages
+    ],
+)
+@pytest.mark.parametrize("ordered", [True, False])
+def test_prefill_tiles_match_the_reference(
+    block_size: int, block_m: int, block_n: int, dtype: torch.dtype, ordered: bool
+) -> None:
+    """The prefill kernel under several launch configurations (query rows x keys, pages not
+    aligned with key tiles), in the longest-first order of the step or in batch order."""
+    step = make_step(PREFILL_CASES, block_size, 4, 2, 32, dtype, seed=block_size + block_m)
+    tiles = ta.PrefillTiles(block_m, block_n, num_warps=4, num_stages=2)
+    order = step["metadata"].longest_first if ordered else None
+    check_attention(step, prefill_tiles=tiles, longest_first=order)
+
+
+def test_longest_first_order_puts_the_longest_contexts_first() -> None:
+    query_lens = torch.tensor([3, 100, 1, 40])
+    seq_lens = torch.tensor([50, 100, 300, 100])
+    order = longest_first_order(query_lens, seq_lens)
+    assert order.dtype == torch.int32
+    assert order.tolist() == [2, 1, 3, 0] + [0, 1, 101, 141, 144]
+
+
+def test_prefill_tiles_are_checked() -> None:
+    step = make_step([(3, 20)], 4, 8, 2, 16, torch.float32, seed=2)
+    q, k_cache, v_cache, md = step["q"], step["k_cache"], step["v_cache"], step["metadata"]
+    args = (md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, 1.0)
+    for tiles, match in [
+        (ta.PrefillTiles(48, 16, 4, 2), "block_m must be a power of two"),
+        (ta.PrefillTiles(16, 8, 4, 2), "block_n must be a power of two >= 16"),
+        (ta.PrefillTiles(16, 16, 0, 2), "num_warps"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ta.paged_attention(q, k_cache, v_cache, *args, prefill_tiles=tiles)
+    with pytest.raises(ValueError, match="longest_first"):
+        ta.paged_attention(q, k_cache, v_cache, *args, longest_first=md.query_start_loc)
 
 
 @pytest.mark.parametrize(

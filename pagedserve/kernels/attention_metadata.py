@@ -48,6 +48,8 @@ class AttentionMetadata:
     query_lens_cpu: torch.Tensor  # [batch] int64
     seq_lens_cpu: torch.Tensor  # [batch] int64
     block_tables_cpu: torch.Tensor  # [batch, max_num_blocks] int32
+    # the prefill kernels' launch order (longest_first_order); None: batch order
+    longest_first: torch.Tensor | None = None  # [2 * batch + 1] int32, device
     output_rows: OutputRows | None = None  # None: every row's hidden state is needed
     plans: dict[Any, Any] = field(default_factory=dict)  # backends' plans, built once per step
 
@@ -74,6 +76,18 @@ def build_attention_metadata(
     return assemble_attention_metadata(uploaded, query_lens, seq_lens, block_tables, block_size)
 
 
+def longest_first_order(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """The prefill launch order of a step, longest first, as one int32 tensor [2 * batch + 1]:
+    order [batch] (the requests by decreasing seq_len, ties in batch order) then starts
+    [batch + 1] (the cumulative query_lens in that order, from 0). Computed once per step on
+    the host; the prefill kernels launch the longest requests' query blocks first, so that the
+    short ones fill the tail of the grid."""
+    order = torch.sort(seq_lens, descending=True, stable=True).indices
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+    torch.cumsum(query_lens[order], 0, out=starts[1:])
+    return torch.cat([order, starts]).to(torch.int32)
+
+
 def metadata_inputs(
     query_lens: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -81,7 +95,8 @@ def metadata_inputs(
     slot_mapping: torch.Tensor,
 ) -> list[torch.Tensor]:
     """The device half of AttentionMetadata as CPU tensors in the kernels' dtypes:
-    slot_mapping int64, query_start_loc [B + 1] int32, seq_lens int32, block_tables int32."""
+    slot_mapping int64, query_start_loc [B + 1] int32, seq_lens int32, block_tables int32,
+    longest_first [2B + 1] int32 (longest_first_order; decode-only steps ignore it)."""
     query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     torch.cumsum(query_lens, 0, out=query_start_loc[1:])
     return [
@@ -89,6 +104,7 @@ def metadata_inputs(
         query_start_loc,
         seq_lens.to(torch.int32),
         block_tables.to(torch.int32),
+        longest_first_order(query_lens, seq_lens),
     ]
 
 
@@ -100,7 +116,7 @@ def assemble_attention_metadata(
     block_size: int,
 ) -> AttentionMetadata:
     """AttentionMetadata from metadata_inputs' tensors on the device and the host tensors."""
-    slot_mapping, query_start_loc, device_seq_lens, device_block_tables = device_inputs
+    slot_mapping, query_start_loc, device_seq_lens, device_block_tables, order = device_inputs
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         query_start_loc=query_start_loc,
@@ -112,4 +128,5 @@ def assemble_attention_metadata(
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
         block_tables_cpu=block_tables,
+        longest_first=order,
     )

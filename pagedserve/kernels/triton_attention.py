@@ -9,29 +9,36 @@ of kv head h // G, G = num_heads / num_kv_heads.
 Kernels (all fp32 accumulation, an online softmax in base 2 with the scale folded in):
 
 - `_write_kv_cache_kernel`: one program per token, copies its k and v rows into their slot.
-- `_prefill_kernel` (requests with q_len > 1): a program owns BLOCK_Q consecutive
-  queries of one request times the G query heads of one kv head, i.e. a [BLOCK_M = BLOCK_Q * G,
-  head_dim] query tile, so every K/V tile loaded from the cache serves all G heads (GQA). The
-  grid is (num_tokens // BLOCK_Q + batch, num_kv_heads): an upper bound on the query blocks
-  that needs no host sync; each program finds its request by a binary search over
-  query_start_loc and exits if it has no queries.
+- `_prefill_kernel` (requests with q_len > 1), FlashAttention-2 style: a program owns
+  BLOCK_Q consecutive queries of one request times the G query heads of one kv head, i.e. a
+  [BLOCK_M = BLOCK_Q * G, head_dim] query tile, so every K/V tile loaded from the cache serves
+  all G heads (GQA). Its key loop is split in two: the tiles every row sees in full (no mask
+  code at all), then the diagonal tiles (causal mask). The grid is (num_tokens // BLOCK_Q +
+  batch, num_kv_heads): an upper bound on the query blocks that needs no host sync; programs
+  run longest first (the step's `longest_first` order: requests by decreasing context, each
+  request's last query block, the one with most keys, first); each program finds its request
+  by a binary search and exits if it has no queries. Launch configuration: `PrefillTiles`.
 - `_decode_kernel` + `_decode_reduce_kernel` (requests with q_len 1, i.e. every request when
   `max_query_len == 1`, and the decodes of a mixed batch): flash-decoding. The context of
   each (request, kv head) is cut into num_splits partitions handled by separate programs,
   each writing a partial output and its log-sum-exp; the reduce kernel merges them. With one
   split the decode kernel writes the output directly.
 
-Tiles of TILE_N keys may span several cache blocks (any block size works): each key's block
-id is gathered from the block table. Triton's `tl.dot` needs every dimension >= 16, so the
-head group is padded to BLOCK_H >= 16 rows and head_dim to a power of two (masked).
+Tiles of TILE_N keys may span several cache blocks (any block size works): the decode kernel
+gathers each key's block id from the block table; the prefill kernel reads one entry per page
+(block) when pages and tiles divide one another (the engine's power-of-two block sizes).
+Triton's `tl.dot` needs every dimension >= 16, so the head group is padded to BLOCK_H >= 16
+rows and head_dim to a power of two (masked).
 
 Step metadata (shared by all layers of a step): block_tables [batch, max_blocks] int32,
 seq_lens [batch] int32, query_start_loc [batch + 1] int32, the host ints max_query_len and
-(optional, decode split sizing) max_seq_len; write_kv_cache also takes slot_mapping [num_tokens]
-(int32 or int64; slot < 0 = padding, skipped). Nothing syncs with the host: the grids depend
-only on shapes and those host ints, so the launchers can be captured in CUDA graphs (the
-decode split count derives from max_seq_len, else the block-table width: keep it fixed per
-captured graph). Padding requests (q_len 0, seq_len 0) are skipped / give zeros.
+(optional, decode split sizing) max_seq_len, and (optional) the prefill launch order
+longest_first [2 * batch + 1] int32 (attention_metadata.longest_first_order); write_kv_cache
+also takes slot_mapping [num_tokens] (int32 or int64; slot < 0 = padding, skipped). Nothing
+syncs with the host: the grids depend only on shapes and those host ints, so the launchers
+can be captured in CUDA graphs (the decode split count derives from max_seq_len, else the
+block-table width: keep it fixed per captured graph). Padding requests (q_len 0, seq_len 0)
+are skipped / give zeros.
 
 FP8 caches (float8_e4m3fn, kernels.kv_quant): the write stores clamp(x / scale, +-448) rounded
 to fp8; attention loads the fp8 keys and values, converts them to q's dtype (exact) and folds
@@ -41,6 +48,7 @@ k_scale into qk_scale and v_scale into the output.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -50,8 +58,10 @@ from pagedserve.kernels.attention_metadata import AttentionMetadata
 from pagedserve.kernels.triton_ops import _round_fp8
 
 __all__ = [
+    "PrefillTiles",
     "paged_attention",
     "paged_attention_backend",
+    "prefill_tiles",
     "write_kv_cache",
 ]
 
@@ -61,14 +71,43 @@ _CACHE_DTYPES = (*_FLOAT_DTYPES, torch.float8_e4m3fn)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_HEAD_DIM = 256
 _MAX_SPLITS = 64
-# Launch tuning (H200 measurements in scripts/gpu/bench_kernels.py): prefill BLOCK_M ->
-# (TILE_N, num_warps, num_stages); decode (TILE_N, num_warps, num_stages).
-PREFILL_TUNING: dict[int, tuple[int, int, int]] = {
-    16: (64, 4, 2),
-    64: (64, 4, 2),  # the CPU interpreter's large tile
-    128: (64, 4, 3),
-}
+# Launch tuning of the decode kernel (H200 measurements in scripts/gpu/bench_kernels.py):
+# (TILE_N, num_warps, num_stages); the prefill kernel's is a PrefillTiles (prefill_tiles).
 DECODE_TUNING: tuple[int, int, int] = (64, 4, 3)
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """The prefill kernel's launch configuration: a program owns block_m query rows
+    (block_m // group queries x the group's heads: GQA packed into M) and walks the keys
+    block_n at a time; num_warps, num_stages (software pipelining of the K/V loads) as Triton's.
+    block_m, block_n: powers of two >= 16 (tl.dot's least), block_m >= the group."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_tiles(
+    device: torch.device, head_dim: int, group: int, max_query_len: int
+) -> PrefillTiles:
+    """The default tiles: the small tile (16 rows, or one query's heads) when the step's
+    longest chunk fits it, else the large one: on CUDA 128 rows x 128 keys, 8 warps, 2 stages
+    at head_dim <= 128 (H200, block size 16, scripts/gpu/sweep_prefill.py: 369 TFLOP/s on
+    32 x 7.5k-token prompts, 245 registers, no spill; 128 x 64 keys: 331; 4 warps spill),
+    64 rows x 32 keys past head_dim 128 (shared memory, registers; not measured); 64 rows on
+    the CPU interpreter. Two sizes
+    a shape, so that start-up compiles few variants; a mid-length chunk in the large tile
+    computes masked rows (on attention that is small)."""
+    small = max(16, triton.next_power_of_2(group))
+    if max_query_len * group <= small:
+        return PrefillTiles(small, 64, 4, 2)
+    if device.type != "cuda":
+        return PrefillTiles(max(small, 64), 64, 4, 2)
+    if head_dim <= 128:
+        return PrefillTiles(max(small, 128), 128, 8, 2)
+    return PrefillTiles(max(small, 64), 32, 4, 2)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -189,16 +228,133 @@ def _attend_tile(
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, qblock, num_seqs, BLOCK_Q: tl.constexpr):
-    """The request b owning query block `qblock`: the largest b with
-    query_start_loc[b] // BLOCK_Q + b <= qblock (request b owns the query blocks
-    [query_start_loc[b] // BLOCK_Q + b, query_start_loc[b + 1] // BLOCK_Q + b + 1))."""
+def _kv_rows(
+    table_row,
+    start_n,
+    kv_len,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The cache row offsets (k and v) of keys start_n .. start_n + TILE_N, reading each
+    page's block-table entry once: one entry when the tile lies inside a page (BLOCK_SIZE a
+    multiple of TILE_N), one per page when the tile holds whole pages (TILE_N a multiple of
+    BLOCK_SIZE), else one per key. MASKED: pages at or past kv_len are not read (entry 0)."""
+    offs = tl.arange(0, TILE_N)
+    if BLOCK_SIZE % TILE_N == 0:
+        block = tl.load(table_row + start_n // BLOCK_SIZE).to(tl.int64)
+        in_block = start_n % BLOCK_SIZE + offs
+        k_rows = block * stride_kb + in_block * stride_kt
+        v_rows = block * stride_vb + in_block * stride_vt
+    elif TILE_N % BLOCK_SIZE == 0:
+        page = start_n // BLOCK_SIZE + tl.arange(0, TILE_N // BLOCK_SIZE)
+        if MASKED:
+            blocks = tl.load(table_row + page, mask=page * BLOCK_SIZE < kv_len, other=0)
+        else:
+            blocks = tl.load(table_row + page)
+        # each key's entry from the page's, in registers (a reshape of [pages, BLOCK_SIZE]
+        # offsets measured 40% slower on an H200: its layout conversion spills)
+        blocks = tl.gather(blocks.to(tl.int64), offs // BLOCK_SIZE, 0)
+        in_block = offs % BLOCK_SIZE
+        k_rows = blocks * stride_kb + in_block * stride_kt
+        v_rows = blocks * stride_vb + in_block * stride_vt
+    else:
+        offs_n = start_n + offs
+        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=offs_n < kv_len, other=0)
+        block = block.to(tl.int64)
+        k_rows = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
+        v_rows = block * stride_vb + (offs_n % BLOCK_SIZE) * stride_vt
+    return k_rows, v_rows
+
+
+@triton.jit
+def _load_rows(
+    ptrs,
+    row_ok,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+):
+    """ptrs [rows, HEAD_DIM_P] loaded with only the masks needed (rows where MASK_ROWS,
+    dims >= HEAD_DIM where head_dim is padded); masked entries are 0."""
+    if MASK_ROWS:
+        return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if HEAD_DIM == HEAD_DIM_P:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+
+
+@triton.jit
+def _prefill_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_base,
+    v_base,
+    table_row,
+    start_n,
+    kv_len,
+    query_pos,
+    offs_d,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One FlashAttention-2 step over keys start_n .. start_n + TILE_N, in base 2:
+    s = qk_scale * q @ K^T (qk_scale = scale * log2 e), m' = max(m, rowmax s), p = 2^(s - m'),
+    l' = l * 2^(m - m') + rowsum p, acc' = acc * 2^(m - m') + p @ V.
+
+    Unmasked (not MASKED): every key of the tile is visible to every row, no mask at all.
+    MASKED (the diagonal tiles): s = -inf for keys > query_pos[row] (query_pos < kv_len, so
+    keys past the context are masked too); K/V rows past kv_len are not read. Every row sees
+    key 0 in the first tile, so m stays finite from then on."""
+    offs_n = start_n + tl.arange(0, TILE_N)
+    key_ok = offs_n < kv_len
+    k_rows, v_rows = _kv_rows(
+        table_row, start_n, kv_len, stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_SIZE, TILE_N, MASKED,
+    )  # fmt: skip
+    k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]
+    k = _load_rows(k_ptrs, key_ok, offs_d, HEAD_DIM, HEAD_DIM_P, MASKED).to(q.dtype)
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
+    if MASKED:
+        s = tl.where(offs_n[None, :] <= query_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+    v = _load_rows(v_ptrs, key_ok, offs_d, HEAD_DIM, HEAD_DIM_P, MASKED).to(q.dtype)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _find_slot(starts_ptr, x, num_seqs, BLOCK_Q: tl.constexpr):
+    """The entry i of the launch order owning program x: the largest i with
+    starts[i] // BLOCK_Q + i <= x (entry i owns programs [starts[i] // BLOCK_Q + i,
+    starts[i + 1] // BLOCK_Q + i + 1), at least its cdiv(q_len, BLOCK_Q) query blocks)."""
     lo: tl.int32 = 0
     hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first <= qblock:
+        first = tl.load(starts_ptr + mid) // BLOCK_Q + mid
+        if first <= x:
             lo = mid + 1
         else:
             hi = mid
@@ -213,6 +369,8 @@ def _prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    order_ptr,
+    starts_ptr,
     out_ptr,
     qk_scale,
     v_scale,
@@ -235,27 +393,37 @@ def _prefill_kernel(
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    ORDERED: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Causal varlen attention for the query tile (BLOCK_Q queries x GROUP heads) of program
-    (query block, kv head). Row r is query qi = first + r // GROUP at position
-    ctx + qi (ctx = seq_len - q_len), head kv_head * GROUP + r % GROUP; it attends keys
-    0 .. ctx + qi. Key tiles entirely at or before the tile's first query position need no
-    causal mask; the rest (up to ctx + the last query) are masked. SKIP_DECODES: requests with
-    one query are left to `_decode_kernel` (launched with MIXED)."""
-    qblock = tl.program_id(0)
+    (x, kv head). Launch order, longest first: entry i of the order is request order[i]
+    (ORDERED; else request i) whose queries start at starts[i] in that order (ORDERED: the
+    cumulative q_len in that order; else query_start_loc); program x is its query block
+    cdiv(q_len, BLOCK_Q) - 1 - (x - starts[i] // BLOCK_Q - i), the last (most keys) first.
+
+    Row r is query qi = first + r // GROUP at position ctx + qi (ctx = seq_len - q_len), head
+    kv_head * GROUP + r % GROUP; it attends keys 0 .. ctx + qi. Key tiles below the tile's
+    first query position need no mask; the diagonal tiles (up to ctx + the last query) are
+    masked. SKIP_DECODES: requests with one query are left to `_decode_kernel`."""
+    x = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_request(query_start_loc_ptr, qblock, num_seqs, BLOCK_Q)
+    i = _find_slot(starts_ptr, x, num_seqs, BLOCK_Q)
+    seq = i
+    if ORDERED:
+        seq = tl.load(order_ptr + i)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    first = (qblock - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if first >= q_len:
+    num_qblocks = tl.cdiv(q_len, BLOCK_Q)
+    local = x - (tl.load(starts_ptr + i) // BLOCK_Q + i)
+    if local >= num_qblocks:
         return
     if SKIP_DECODES:
         if q_len == 1:
             return
+    first = (num_qblocks - 1 - local) * BLOCK_Q
     ctx = tl.load(seq_lens_ptr + seq) - q_len
 
     rows = tl.arange(0, BLOCK_M)
@@ -263,10 +431,9 @@ def _prefill_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_mask = (rows < BLOCK_Q * GROUP) & (query < q_len)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    dim_mask = offs_d < HEAD_DIM
     token = (q_start + query).to(tl.int64)
     q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = _load_rows(q_ptrs, row_mask, offs_d, HEAD_DIM, HEAD_DIM_P, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -274,26 +441,27 @@ def _prefill_kernel(
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    query_pos = ctx + query
     last = tl.minimum(first + BLOCK_Q, q_len) - 1
     kv_len = ctx + last + 1
+    query_pos = tl.minimum(ctx + query, kv_len - 1)  # padding rows: as the last query
     full_end = (ctx + first + 1) // TILE_N * TILE_N  # keys < full_end: visible to every row
     for start_n in range(0, full_end, TILE_N):
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_len, query_pos,
-            offs_d, dim_mask, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-            BLOCK_SIZE, TILE_N, False, PRECISION, UPCAST,
+        acc, m_i, l_i = _prefill_tile(
+            q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_len, query_pos, offs_d,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, PRECISION, UPCAST,
         )  # fmt: skip
     for start_n in range(full_end, kv_len, TILE_N):
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_len, query_pos,
-            offs_d, dim_mask, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-            BLOCK_SIZE, TILE_N, True, PRECISION, UPCAST,
+        acc, m_i, l_i = _prefill_tile(
+            q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_len, query_pos, offs_d,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, PRECISION, UPCAST,
         )  # fmt: skip
 
-    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+    o_mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
@@ -507,6 +675,8 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    prefill_tiles: PrefillTiles | None = None,
+    longest_first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention over a mixed batch; returns out [num_tokens, heads, dim].
 
@@ -517,7 +687,10 @@ def paged_attention(
     Otherwise the prefill kernel takes the requests with more than one query and the decode
     kernels (token query_start_loc[b]) those with one. max_seq_len (host int, optional)
     bounds the context to size the splits, else max_blocks * block_size does; num_splits
-    forces the split count (tests, tuning); k_scale / v_scale: an fp8 cache's scales."""
+    forces the split count (tests, tuning); k_scale / v_scale: an fp8 cache's scales;
+    prefill_tiles: the prefill kernel's launch configuration (default: `prefill_tiles(...)`);
+    longest_first: the step's launch order (attention_metadata.longest_first_order, [2 * batch
+    + 1] int32), else requests in batch order (each request's last query block first)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check(max_query_len >= 1, "max_query_len must be >= 1")
     if out is None:
@@ -531,8 +704,9 @@ def paged_attention(
     if not mixed:
         _check(q.shape[0] == seq_lens.shape[0], "decode (max_query_len 1): one token a request")
     else:
+        tiles = prefill_tiles or _default_prefill_tiles(q, k_cache, max_query_len)
         _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        max_query_len, out, scales)  # fmt: skip
+                        longest_first, out, scales, tiles)  # fmt: skip
     _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scales,
                    max_seq_len, num_splits, mixed)  # fmt: skip
     return out
@@ -560,6 +734,7 @@ def paged_attention_backend(
         max_seq_len=metadata.max_seq_len,
         k_scale=k_scale,
         v_scale=v_scale,
+        longest_first=metadata.longest_first,
     )
 
 
@@ -570,31 +745,37 @@ def _launch_prefill(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
-    max_query_len: int,
+    longest_first: torch.Tensor | None,
     out: torch.Tensor,
     scales: tuple[float, float],
+    tiles: PrefillTiles,
 ) -> None:
     """scales: (softmax scale * k_scale, v_scale)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    block_m = _prefill_block_m(group, max_query_len, q.device)
-    block_q = block_m // group
     batch = seq_lens.shape[0]
+    _check_prefill_tiles(tiles, group)
+    block_q = tiles.block_m // group
+    if longest_first is None:
+        order, starts = query_start_loc, query_start_loc  # order unused (ORDERED False)
+    else:
+        _check(longest_first.shape == (2 * batch + 1,) and longest_first.dtype == torch.int32,
+               "longest_first must be [2 * batch + 1] int32")  # fmt: skip
+        _check(longest_first.device == q.device, "longest_first is on another device")
+        order, starts = longest_first[:batch], longest_first[batch:]
     grid = (num_tokens // block_q + batch, num_kv_heads)
-    tile_n, num_warps, num_stages = PREFILL_TUNING[block_m] if block_m in PREFILL_TUNING \
-        else (64, 4, 2)  # fmt: skip
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, order, starts, out,
         scales[0] * LOG2E, scales[1], batch,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        HEAD_DIM_P=_head_dim_padded(head_dim), BLOCK_SIZE=block_size, TILE_N=tile_n,
-        SKIP_DECODES=True, PRECISION=_precision(q.dtype), UPCAST=_upcast(q),
-        num_warps=num_warps, num_stages=num_stages,
+        GROUP=group, BLOCK_M=tiles.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        HEAD_DIM_P=_head_dim_padded(head_dim), BLOCK_SIZE=block_size, TILE_N=tiles.block_n,
+        ORDERED=longest_first is not None, SKIP_DECODES=True, PRECISION=_precision(q.dtype),
+        UPCAST=_upcast(q), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
@@ -657,14 +838,19 @@ def _launch_decode(
 # --------------------------------------------------------------------------- sizing and checks
 
 
-def _prefill_block_m(group: int, max_query_len: int, device: torch.device) -> int:
-    """Query-tile rows (BLOCK_Q queries x group heads): the small tile (16 rows, tl.dot's
-    least, or one query's heads) when the step's longest chunk fits it, else the large one
-    (128 rows on CUDA: K/V reuse). Two sizes only, so that start-up compiles few variants;
-    a mid-length chunk in the large tile computes masked rows, on attention that is small."""
-    small = max(16, triton.next_power_of_2(group))
-    large = max(small, 128 if device.type == "cuda" else 64)
-    return small if max_query_len * group <= small else large
+def _default_prefill_tiles(
+    q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int
+) -> PrefillTiles:
+    group = q.shape[1] // k_cache.shape[2]
+    return prefill_tiles(q.device, q.shape[2], group, max_query_len)
+
+
+def _check_prefill_tiles(tiles: PrefillTiles, group: int) -> None:
+    for name in ("block_m", "block_n"):
+        size = getattr(tiles, name)
+        _check(size >= 16 and size & (size - 1) == 0, f"{name} must be a power of two >= 16")
+    _check(tiles.block_m >= group, f"block_m {tiles.block_m} < the head group {group}")
+    _check(tiles.num_warps >= 1 and tiles.num_stages >= 1, "num_warps, num_stages must be >= 1")
 
 
 def _decode_num_splits(num_programs: int, num_tiles: int, device: torch.device) -> int:

@@ -155,9 +155,11 @@ class StepInputBuilder:
         device_ids, device_positions, device_targets, device_sources, device_logits, *rest = (
             self.uploader.upload(arrays)
         )
-        metadata = self._assemble(rest[0:4], host)
+        fields = len(rest) // (1 if rows_host is None else 2)  # metadata_inputs' tensors
+        metadata = self._assemble(rest[:fields], host)
         if rows_host is not None:
-            metadata.output_rows = OutputRows(device_logits, self._assemble(rest[4:8], rows_host))
+            output_rows = self._assemble(rest[fields:], rows_host)
+            metadata.output_rows = OutputRows(device_logits, output_rows)
         if len(targets):
             fed = self.sampled.index_select(0, device_sources)
             device_ids.index_copy_(0, device_targets, fed)
