@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from tests.engine_settings import NO_STANDBY
 from tests.tiny_models import (
     hf_greedy,
     load_hf_model,
@@ -24,6 +25,7 @@ PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 50, 90]  # inside a block, on a block edg
 NEW_TOKENS = 32
 LOGPROB_ATOL = 1e-3  # float32 both sides; batched vs single-sequence matmuls differ slightly
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+CHAT_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -39,8 +41,14 @@ def llama_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_engine(llama_path: Path):
-    # small token budget: the 90-token prompt is prefilled in chunks
-    with LLM(str(llama_path), max_num_batched_tokens=64, num_kv_blocks=256) as llm:
+    # small token budget: the 90-token prompt is prefilled in chunks; a custom chat template
+    with LLM(
+        str(llama_path),
+        max_num_batched_tokens=64,
+        num_kv_blocks=256,
+        chat_template=CHAT_TEMPLATE,
+        supervision=NO_STANDBY,
+    ) as llm:
         yield llm
 
 
@@ -58,7 +66,9 @@ def assert_matches_transformers(path: Path, prompts: list[list[int]], outputs) -
 def test_greedy_parity_with_transformers(arch_model: tuple[str, Path]) -> None:
     arch, path = arch_model
     prompts = random_prompts(400, PROMPT_LENGTHS, seed=1)
-    with LLM(str(path), max_num_batched_tokens=64, num_kv_blocks=128) as llm:
+    with LLM(
+        str(path), max_num_batched_tokens=64, num_kv_blocks=128, supervision=NO_STANDBY
+    ) as llm:
         outputs = llm.generate(prompts, GREEDY)
         stats = llm.get_stats()
     assert_matches_transformers(path, prompts, outputs)
@@ -84,10 +94,14 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(llama_engine: LLM) -> None:
 def test_preemption_under_kv_pressure_keeps_outputs(llama_path: Path) -> None:
     prompts = random_prompts(400, PROMPT_LENGTHS, seed=3)
     # the reference run also turns async scheduling off (one step in flight at a time)
-    with LLM(str(llama_path), num_kv_blocks=256, max_inflight_steps=1) as roomy:
+    with LLM(
+        str(llama_path), num_kv_blocks=256, max_inflight_steps=1, supervision=NO_STANDBY
+    ) as roomy:
         expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, GREEDY)]
     # 14 blocks of 16 tokens cannot hold the 8 requests (~330 tokens of prompt + 256 of output)
-    with LLM(str(llama_path), num_kv_blocks=14, enable_prefix_caching=False) as tight:
+    with LLM(
+        str(llama_path), num_kv_blocks=14, enable_prefix_caching=False, supervision=NO_STANDBY
+    ) as tight:
         outputs = tight.generate(prompts, GREEDY)
         stats = tight.get_stats()
     assert stats.num_preemptions > 0
@@ -179,10 +193,10 @@ def test_shutdown_leaves_no_processes_or_sockets(llama_path: Path) -> None:
 def test_tensor_parallel_two_workers_match_one(llama_path: Path) -> None:
     prompts = random_prompts(400, PROMPT_LENGTHS[:4], seed=6)
     budget = dict(cpu_kv_cache_gib=0.01)  # the KV block count then shows the sharding
-    with LLM(str(llama_path), **budget) as single:
+    with LLM(str(llama_path), supervision=NO_STANDBY, **budget) as single:
         expected = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY)]
         single_blocks = single.supervisor.num_kv_blocks
-    with LLM(str(llama_path), tensor_parallel_size=2, **budget) as sharded:
+    with LLM(str(llama_path), tensor_parallel_size=2, supervision=NO_STANDBY, **budget) as sharded:
         assert sorted(sharded.supervisor.processes) == [
             "detokenizer",
             "scheduler",
@@ -196,12 +210,10 @@ def test_tensor_parallel_two_workers_match_one(llama_path: Path) -> None:
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def test_a_custom_chat_template_renders_chat_prompts(llama_path: Path) -> None:
+def test_a_custom_chat_template_renders_chat_prompts(llama_engine: LLM) -> None:
     """`chat_template` (vLLM's --chat-template) replaces the tokenizer's template in the
     tokenizer actor: the chat prompt's tokens are the custom rendering's."""
     from tests.tiny_models import build_tokenizer
 
-    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
-    with LLM(str(llama_path), num_kv_blocks=32, chat_template=template) as llm:
-        out = llm.chat([{"role": "user", "content": "To be"}], GREEDY)[0]
+    out = llama_engine.chat([{"role": "user", "content": "To be"}], GREEDY)[0]
     assert out.prompt_token_ids == build_tokenizer().encode("<<To be>>")

@@ -24,6 +24,7 @@ from pagedserve.kernels.extensions import (
     built_library,
     lock_is_stale,
 )
+from tests.engine_settings import NO_STANDBY
 
 
 def dead_pid() -> int:
@@ -157,7 +158,7 @@ def test_engine_start_is_not_held_by_an_interrupted_build(
         write_lock(ours, dead_pid())
     try:
         start = time.monotonic()
-        with LLM(num_kv_blocks=64, max_num_seqs=4) as llm:
+        with LLM(num_kv_blocks=64, max_num_seqs=4, supervision=NO_STANDBY) as llm:
             output = llm.generate(["ROMEO:"], SamplingParams(max_tokens=8, temperature=0.0))[0]
         elapsed = time.monotonic() - start
     finally:

@@ -22,6 +22,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import AsyncClient, Client
 from pagedserve.config import EngineConfig, ServerConfig
+from tests.engine_settings import NO_STANDBY
 from tests.tiny_models import pick_stop_string, save_tiny_model
 
 MODEL_NAME = "tiny"
@@ -57,6 +58,7 @@ def server(model_path: Path):
         max_model_len=MAX_MODEL_LEN,
         num_kv_blocks=512,
         server=ServerConfig(port=port, served_model_name=MODEL_NAME, **LIMITS),
+        supervision=NO_STANDBY,
     )
     supervisor = Supervisor(config)
     supervisor.start(extra_actors=("api-server",))
@@ -185,7 +187,9 @@ def test_http_zmq_and_offline_agree_with_the_same_seed(server, api, model_path: 
             )
 
     async_text = anyio.run(async_zmq)
-    with LLM(str(model_path), max_model_len=MAX_MODEL_LEN, num_kv_blocks=64) as llm:
+    with LLM(
+        str(model_path), max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, supervision=NO_STANDBY
+    ) as llm:
         offline = llm.generate("O Romeo", SamplingParams(**params))[0].outputs[0].text
     assert http_text == zmq_text == async_text == offline
     assert len(http_text) > 0

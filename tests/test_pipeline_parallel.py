@@ -18,7 +18,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.api.client import Client
-from pagedserve.config import SupervisionConfig
+from tests.engine_settings import NO_STANDBY
 from tests.tiny_models import hf_greedy, load_hf_model, random_prompts, save_tiny_model
 
 PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 50, 90]
@@ -27,7 +27,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # 14 blocks of 16 tokens cannot hold the 8 requests at once (~290 prompt tokens + 128 output):
 # requests are preempted; the 64-token budget prefills the long prompts in chunks
 TIGHT = dict(num_kv_blocks=14, enable_prefix_caching=False, max_num_batched_tokens=64)
-NO_STANDBY = SupervisionConfig(standby_processes=False)
 
 
 def expected_tokens(path: Path, prompts: list[list[int]]) -> list[list[int]]:

@@ -16,6 +16,7 @@ from pagedserve.actors.worker.profiling import (
     kernel_table,
 )
 from pagedserve.config import ProfileConfig
+from tests.engine_settings import NO_STANDBY
 
 
 def test_idle_summary_merges_overlaps_and_measures_gaps() -> None:
@@ -64,7 +65,10 @@ def test_engine_profile_window_through_the_worker(tmp_path: Path) -> None:
 
     out = tmp_path / "engine-prof"
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    with LLM(profile=ProfileConfig(output_dir=str(out), first_step=4, num_steps=8)) as llm:
+    with LLM(
+        profile=ProfileConfig(output_dir=str(out), first_step=4, num_steps=8),
+        supervision=NO_STANDBY,
+    ) as llm:
         (output,) = llm.generate("ROMEO:", params, use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 24
     summary = json.loads((out / "worker0.idle.json").read_text())

@@ -32,6 +32,7 @@ from pagedserve.config import ASSETS_DIR, EngineConfig
 from pagedserve.models.loader import load_model
 from pagedserve.models.scoring import score
 from tests import quant_checkpoints
+from tests.engine_settings import NO_STANDBY
 
 MODEL = ASSETS_DIR / "tiny-shakespeare"
 PROMPTS = ["ROMEO:", "To be, or not", "KING HENRY:\nOnce more", "JULIET:\nO Romeo,",
@@ -49,7 +50,9 @@ LARGEST_OUTPUT_GAP = 0.5  # nats a token: the scheme's output under float32 agai
 
 def generate(model: Path | str, **overrides: object) -> list[tuple[list[int], list[int]]]:
     """(prompt token ids, greedy tokens) of each prompt, through LLM."""
-    with LLM(str(model), num_kv_blocks=64, max_num_seqs=8, **overrides) as llm:
+    with LLM(
+        str(model), num_kv_blocks=64, max_num_seqs=8, supervision=NO_STANDBY, **overrides
+    ) as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
     return [(out.prompt_token_ids, out.outputs[0].token_ids) for out in outputs]
 

@@ -19,6 +19,7 @@ from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import AsyncClient, Client
 from pagedserve.api.client_core import EngineUnavailableError
 from pagedserve.config import EngineConfig
+from tests.engine_settings import NO_STANDBY
 from tests.tiny_models import random_prompts
 
 SHAKESPEARE = [
@@ -49,11 +50,11 @@ def test_seeded_sampling_with_penalties_is_the_same_with_and_without_preemption(
         )  # fmt: skip
         for i in range(len(SHAKESPEARE))
     ]
-    with LLM(num_kv_blocks=256) as roomy:
+    with LLM(num_kv_blocks=256, supervision=NO_STANDBY) as roomy:
         expected = [o.outputs[0].token_ids for o in roomy.generate(SHAKESPEARE, params)]
         assert roomy.get_stats().num_preemptions == 0
     # 12 blocks of 16 tokens cannot hold 8 requests of ~10 + 48 tokens: preemption
-    with LLM(num_kv_blocks=12, enable_prefix_caching=False) as tight:
+    with LLM(num_kv_blocks=12, enable_prefix_caching=False, supervision=NO_STANDBY) as tight:
         assert tight.config.max_inflight_steps > 1  # asynchronous scheduling is on
         outputs = tight.generate(SHAKESPEARE, params)
         stats = tight.get_stats()
@@ -64,7 +65,7 @@ def test_seeded_sampling_with_penalties_is_the_same_with_and_without_preemption(
 
 @pytest.fixture(scope="module")
 def engine():
-    supervisor = Supervisor(EngineConfig(num_kv_blocks=512))
+    supervisor = Supervisor(EngineConfig(num_kv_blocks=512, supervision=NO_STANDBY))
     supervisor.start()
     try:
         yield supervisor

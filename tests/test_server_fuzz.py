@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from pagedserve.actors.supervisor import Supervisor
 from pagedserve.config import EngineConfig, ServerConfig
+from tests.engine_settings import NO_STANDBY
 from tests.test_openai_server import free_port
 from tests.tiny_models import save_tiny_model
 
@@ -138,6 +139,7 @@ def server(tmp_path_factory):
         max_model_len=64,
         num_kv_blocks=NUM_KV_BLOCKS,
         server=ServerConfig(port=port, served_model_name=MODEL, max_n=8, max_prompts_per_request=8),
+        supervision=NO_STANDBY,
     )
     supervisor = Supervisor(config)
     supervisor.start(extra_actors=("api-server",))

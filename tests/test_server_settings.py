@@ -21,6 +21,7 @@ from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import AsyncClient
 from pagedserve.api.openai_server import OpenAIServer, build_app
 from pagedserve.config import EngineConfig, ServerConfig
+from tests.engine_settings import NO_STANDBY
 from tests.test_openai_server import free_port
 from tests.tiny_models import save_tiny_model
 
@@ -47,6 +48,7 @@ def server(model_path: Path):
         num_kv_blocks=64,
         chat_template=CHAT_TEMPLATE,
         server=ServerConfig(port=port, health_check_timeout_s=HEALTH_TIMEOUT_S),
+        supervision=NO_STANDBY,
     )
     supervisor = Supervisor(config)
     supervisor.start(extra_actors=("api-server",))

@@ -26,6 +26,7 @@ from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import Client
 from pagedserve.api.client_core import EngineUnavailableError
 from pagedserve.config import EngineConfig
+from tests.engine_settings import NO_STANDBY
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 FORGERIES = [
@@ -46,7 +47,7 @@ FORGERIES = [
 
 @pytest.fixture(scope="module")
 def engine():
-    supervisor = Supervisor(EngineConfig(num_kv_blocks=256))
+    supervisor = Supervisor(EngineConfig(num_kv_blocks=256, supervision=NO_STANDBY))
     supervisor.start()
     try:
         yield supervisor

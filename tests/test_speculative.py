@@ -20,6 +20,7 @@ import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.api.client import Client
+from tests.engine_settings import NO_STANDBY
 from tests.tiny_models import random_prompts, save_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -53,7 +54,7 @@ PROMPTS = copy_heavy_prompts(400)
 
 def run(path: Path | str, **engine) -> tuple[list[list[int]], object]:
     """PROMPTS, then the last one again (a prefix-cache hit); token ids of the first run."""
-    with LLM(str(path), skip_tokenizer_init=True, **engine) as llm:
+    with LLM(str(path), skip_tokenizer_init=True, supervision=NO_STANDBY, **engine) as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
         again = llm.generate(PROMPTS[-1:], GREEDY)
         stats = llm.get_stats()
@@ -127,7 +128,13 @@ def test_speculation_switching_off_and_on_with_the_batch_size_keeps_greedy_outpu
               for i in range(len(PROMPTS))]  # fmt: skip
     outputs = {}
     for name, extra in (("plain", {}), ("switching", {"speculative_config": spec})):
-        with LLM(str(tiny["llama"]), skip_tokenizer_init=True, num_kv_blocks=256, **extra) as llm:
+        with LLM(
+            str(tiny["llama"]),
+            skip_tokenizer_init=True,
+            num_kv_blocks=256,
+            supervision=NO_STANDBY,
+            **extra,
+        ) as llm:
             outputs[name] = generate_with_late_arrivals(llm, params)
             stats = llm.get_stats()
     assert outputs["switching"] == outputs["plain"]
@@ -154,9 +161,9 @@ def test_sampling_penalties_logprobs_stops_and_n_match_the_plain_engine(spec: di
                        presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3),
         SamplingParams(temperature=0.7, top_k=40, seed=6, max_tokens=40, logprobs=0),
     ]  # fmt: skip
-    with LLM(num_kv_blocks=256) as plain:
+    with LLM(num_kv_blocks=256, supervision=NO_STANDBY) as plain:
         expected = plain.generate(SHAKESPEARE, params)
-    with LLM(num_kv_blocks=256, speculative_config=spec) as speculative:
+    with LLM(num_kv_blocks=256, speculative_config=spec, supervision=NO_STANDBY) as speculative:
         outputs = speculative.generate(SHAKESPEARE, params)
         stats = speculative.get_stats()
     assert stats.spec_num_drafts > 0
@@ -199,7 +206,7 @@ def test_sampled_output_follows_the_target_distribution(tmp_path: Path) -> None:
               for s in range(num)]  # fmt: skip
     spec = {"model": str(draft), "num_speculative_tokens": 2}
     with LLM(str(target), skip_tokenizer_init=True, num_kv_blocks=2048, max_num_seqs=256,
-             speculative_config=spec) as llm:  # fmt: skip
+             speculative_config=spec, supervision=NO_STANDBY) as llm:  # fmt: skip
         outputs = llm.generate([prompt] * num, params)
         stats = llm.get_stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
@@ -259,7 +266,9 @@ def test_bench_and_metrics_report_speculative_decoding() -> None:
     assert report["num_draft_tokens"] > 0 and 0 <= report["acceptance_rate"] <= 1
     assert report["mean_accepted_length"] >= 1
     port = free_port()
-    config = EngineConfig(server=ServerConfig(port=port), speculative_config=spec)
+    config = EngineConfig(
+        server=ServerConfig(port=port), speculative_config=spec, supervision=NO_STANDBY
+    )
     supervisor = Supervisor(config)
     supervisor.start(extra_actors=("api-server",))
     try:

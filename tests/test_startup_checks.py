@@ -21,6 +21,7 @@ from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.cli import build_parser, engine_kwargs, server_config
 from pagedserve.api.sampling_defaults import sampling_defaults
 from pagedserve.config import EngineConfig, ServerConfig
+from tests.engine_settings import NO_STANDBY
 from tests.test_openai_server import free_port
 from tests.tiny_models import save_tiny_model
 
@@ -57,6 +58,7 @@ def test_skip_tokenizer_init_serves_token_ids(model_without_tokenizer) -> None:
         skip_tokenizer_init=True,
         num_kv_blocks=32,
         server=ServerConfig(port=port),
+        supervision=NO_STANDBY,
     )
     supervisor = Supervisor(config)
     supervisor.start(extra_actors=("api-server",))
@@ -141,7 +143,7 @@ def test_llm_without_sampling_params_uses_the_generation_config(tmp_path) -> Non
     assert sampling_defaults(EngineConfig(model=str(path), generation_config="vllm")) == {}
     with pytest.raises(ValueError, match="generation_config.json"):
         LLM(str(path), generation_config=str(tmp_path))  # a directory without one
-    with LLM(str(path), num_kv_blocks=32) as llm:
+    with LLM(str(path), num_kv_blocks=32, supervision=NO_STANDBY) as llm:
         defaults = llm.get_default_sampling_params()
         assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 7, 5)
         unset = llm.generate("To be", use_tqdm=False)[0].outputs[0]

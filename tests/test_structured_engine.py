@@ -23,6 +23,7 @@ from pagedserve.actors.scheduler.request import Request
 from pagedserve.actors.worker import structured as structured_module
 from pagedserve.actors.worker.structured import StructuredOutputs, apply_token_bitmask
 from pagedserve.config import ASSETS_DIR, EngineConfig
+from tests.engine_settings import NO_STANDBY
 from tests.json_schemas import random_schema
 from tests.tiny_models import load_hf_model, random_prompts, save_tiny_model
 
@@ -45,7 +46,9 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_cache_hits(
     prompts = random_prompts(400, [1, 5, 40], seed=2)
     wanted = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     plain = SamplingParams(temperature=0.0, max_tokens=2)
-    with LLM(str(llama_path), max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+    with LLM(
+        str(llama_path), max_num_batched_tokens=16, num_kv_blocks=64, supervision=NO_STANDBY
+    ) as llm:
         first = llm.generate([*prompts, prompts[2]], [wanted, wanted, wanted, plain])
         second = llm.generate([*prompts, prompts[2]], [wanted, wanted, wanted, plain])
     model = load_hf_model(llama_path)
@@ -87,7 +90,8 @@ def test_constrained_requests_beside_speculation_and_preemption() -> None:
     ]
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     with LLM(
-        num_kv_blocks=24, enable_prefix_caching=False, speculative_config=NGRAM
+        num_kv_blocks=24, enable_prefix_caching=False, speculative_config=NGRAM,
+        supervision=NO_STANDBY,
     ) as llm:  # fmt: skip
         outputs = llm.generate(
             ["JULIET:"] * 10 + [passage] * 2, constrained + [greedy, greedy]

@@ -16,6 +16,7 @@ import torch
 
 from pagedserve.actors.supervisor import Supervisor
 from pagedserve.config import ASSETS_DIR, EngineConfig, ServerConfig
+from tests.engine_settings import NO_STANDBY
 from tests.json_schemas import random_schema
 from tests.test_openai_server import free_port
 from tests.tiny_models import load_hf_model
@@ -35,6 +36,7 @@ def server():
         num_kv_blocks=512,
         max_num_seqs=32,
         server=ServerConfig(port=port, served_model_name=MODEL_NAME),
+        supervision=NO_STANDBY,
     )
     supervisor = Supervisor(config)
     supervisor.start(extra_actors=("api-server",))

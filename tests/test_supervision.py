@@ -22,12 +22,14 @@ from pagedserve import SamplingParams
 from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import AsyncClient, Client
 from pagedserve.api.client_core import EngineRequestError
-from pagedserve.config import EngineConfig, ServerConfig
+from pagedserve.config import EngineConfig, ServerConfig, SupervisionConfig
 from tests.test_openai_server import free_port
 from tests.tiny_models import random_prompts, save_tiny_model
 
 PROMPTS = random_prompts(4096, [5, 9, 14, 20] * 5, seed=11)
 ACTORS = ["worker", "scheduler", "tokenizer", "detokenizer", "api-server"]
+# a stopped actor is found hung after this long (the default, 20 s, would be waited out)
+HEARTBEAT_TIMEOUT_S = 5.0
 
 
 def greedy(max_tokens: int = 32) -> SamplingParams:
@@ -42,7 +44,11 @@ def solo_tokens(address: str, prompt: list[int], params: SamplingParams) -> list
 @pytest.fixture(scope="module")
 def engine():
     port = free_port()
-    config = EngineConfig(num_kv_blocks=512, server=ServerConfig(port=port))
+    config = EngineConfig(
+        num_kv_blocks=512,
+        server=ServerConfig(port=port),
+        supervision=SupervisionConfig(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S),
+    )
     supervisor = Supervisor(config)
     supervisor.start(extra_actors=("api-server",))
     try:
