@@ -68,6 +68,7 @@ class DecodeStep:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
         self.query_lens_cpu = torch.ones(max_batch, dtype=torch.int64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: object = None  # the graphs' memory pool (the prefill graphs share it)
 
     def padded_size(self, batch: int) -> int:
         """The batch a step of `batch` rows runs at: the smallest captured size that holds it."""
@@ -89,6 +90,7 @@ class DecodeStep:
                 logits = self.forward(size, metadata)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = (graph, logits)
+        self.pool = pool
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode graphs (batch 1..%d)", len(self.graphs), self.max_batch)
 

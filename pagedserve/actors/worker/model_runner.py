@@ -30,6 +30,7 @@ from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.parallel_groups import WorkerGroups, stage_layer_config
 from pagedserve.actors.worker.pipeline import StageDecodeStep, StageLink, run_stage
+from pagedserve.actors.worker.prefill_graphs import PrefillStep, fill_chunk
 from pagedserve.actors.worker.prompt_logprobs import PromptLogprobTensors
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
 from pagedserve.actors.worker.speculative import Proposer, decode_rows, make_proposer
@@ -106,6 +107,9 @@ class ModelRunner:
         # prompt chunks too take the static path (as rows: static_rows.py); startup.py turns
         # it on where the path's graphs were captured
         self.static_prefill = False
+        # a lone request's prompt chunk replays its own graphs (prefill_graphs.py); startup.py
+        # sets it where they were captured
+        self.prefill_step: PrefillStep | None = None
         self.pending: PendingStep | None = None  # the step launched last, not yet finished
         vocab_size = int(read_hf_config(config.model_path)["vocab_size"])
         self.structured = StructuredOutputs(config, vocab_size, self.device)  # grammar masks
@@ -178,6 +182,11 @@ class ModelRunner:
         if self.link is not None:
             return StageDecodeStep(self.model, self.sampled, *sizes, self.link)  # type: ignore[arg-type]
         return DecodeStep(self.model, self.sampled, *sizes)  # type: ignore[arg-type]
+
+    def new_prefill_step(self) -> PrefillStep:
+        """The lone-prompt path over the decode step's buffers (call after it is built)."""
+        assert self.decode_step is not None
+        return PrefillStep(self.decode_step, self.config.prefill_graph_sizes)
 
     # ------------------------------------------------------------------ steps
 
@@ -285,7 +294,16 @@ class ModelRunner:
         row_of, handles = self.input_batch.row_of, plan.scheduled
         rows = np.fromiter((row_of[h] for h in handles), np.int64, len(handles))
         pending_index = self._pending_index()[rows]
-        if self._is_decode_step(plan, rows, pending_index):
+        if self._is_lone_prefill(plan, rows):
+            layout = static_rows(
+                self.input_batch, rows, plan.num_scheduled_tokens, pending_index, self.block_size
+            )
+            step.handles = [h for h, s in zip(handles, layout.samples.tolist()) if s]
+            samples = bool(layout.samples[0])
+            token_ids, step.logprobs = self.run_prefill(
+                layout.rows, layout.positions, layout.feed_index, samples
+            )
+        elif self._is_decode_step(plan, rows, pending_index):
             layout = static_rows(
                 self.input_batch, rows, plan.num_scheduled_tokens, pending_index, self.block_size
             )
@@ -322,6 +340,34 @@ class ModelRunner:
         else:
             step.host_token_ids = token_ids.clone()  # the next step overwrites `sampled`
         return step
+
+    def _is_lone_prefill(self, plan: StepPlan, rows: np.ndarray) -> bool:
+        """Whether the plan is one request's chunk of 2 .. prefill_step.max_tokens tokens
+        without prompt logprobs: the prefill graphs run it (prefill_graphs.py)."""
+        step = self.prefill_step
+        return (
+            step is not None and len(rows) == 1
+            and 1 < plan.num_scheduled_tokens[0] <= step.max_tokens
+            and bool(self.input_batch.sampling.num_prompt_logprobs[rows[0]] < 0)
+        )  # fmt: skip
+
+    def run_prefill(
+        self, rows: np.ndarray, positions: np.ndarray, feed_index: np.ndarray, samples: bool
+    ) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """One request's chunk (rows: its persistent-batch row, repeated) through the prefill
+        graphs; the sampled id (a view of `sampled`, empty when the chunk does not sample)."""
+        step, batch = self.prefill_step, self.input_batch
+        assert step is not None
+        tokens, row = len(rows), int(rows[0])
+        size = step.padded_size(tokens)
+        host = step.buffers.staging()
+        fill_chunk(host, batch.block_table_np[row], batch.token_ids[row, positions],
+                   feed_index, positions, self.block_size, size)  # fmt: skip
+        seq_len = int(positions[-1]) + 1
+        logits = step.run(tokens, size, seq_len)
+        if not samples:
+            return self.sampled[:0], None
+        return self._sample_rows(logits, rows[-1:], np.array([seq_len]), argmax_done=True)
 
     def _is_decode_step(self, plan: StepPlan, rows: np.ndarray, pending_index: np.ndarray) -> bool:
         """Whether the static decode path runs the plan (static_rows.py): a decode step (one
@@ -375,9 +421,18 @@ class ModelRunner:
         if sampling is not None:  # only these rows sample: their logits, then their ids
             logits = logits.index_select(0, self.uploader.upload([sampling])[0])
             rows, seq_lens = rows[sampling], seq_lens[sampling]
+        return self._sample_rows(logits, rows, seq_lens, argmax_done=sampling is None)
+
+    def _sample_rows(
+        self, logits: torch.Tensor, rows: np.ndarray, seq_lens: np.ndarray, argmax_done: bool
+    ) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """The static paths' samples of `rows` (one logits row each) into sampled[:rows]:
+        their argmax when all are plain greedy (argmax_done: the step wrote it), else the
+        sampler's tokens and logprobs."""
+        batch = self.input_batch
         token_ids = self.sampled[: len(rows)]
         if batch.all_plain_greedy(rows):
-            if sampling is not None:
+            if not argmax_done:
                 token_ids.copy_(logits.argmax(dim=-1))
             return token_ids, None
         metadata = batch.sampling_metadata(rows, seq_lens, self.vocab_size)

@@ -177,6 +177,25 @@ def _build_decode_step(runner: ModelRunner) -> None:
             decode_step.graphs.clear()
     # a short prompt's chunk replays a decode graph rather than the eager prefill launches
     runner.static_prefill = bool(step.graphs) and runner.link is None
+    if runner.static_prefill:
+        _capture_prefill_graphs(runner, step)
+
+
+def _capture_prefill_graphs(runner: ModelRunner, step: DecodeStep) -> None:
+    """A lone prompt chunk's graphs (prefill_graphs.py) in the decode graphs' pool; a
+    capture failure is logged and such chunks stay decode-graph rows."""
+    start = time.perf_counter()
+    prefill = runner.new_prefill_step()
+    if not prefill.sizes:
+        return
+    try:
+        with torch.inference_mode():
+            prefill.capture(step.pool)
+    except Exception:
+        logger.exception("prefill graph capture failed; prompt chunks run as decode rows")
+        return
+    runner.prefill_step = prefill
+    runner.timed("prefill_graphs", start)
 
 
 def _warm_up_plans(runner: ModelRunner, capacity: int) -> list[tuple[StepPlan, int]]:
