@@ -72,8 +72,13 @@ def check_model(model: str, lines: list[str]) -> None:
                 session = PrefillSession(length, runner.block_size)
                 timed(runner, session, 3)
                 launch, ttft = timed(runner, session, 30)
+                assert session.previous is not None  # the last request stays until dropped
+                runner.input_batch.remove_request(session.previous)
                 lines.append(f"| {length} | {path} | {launch:.3f} | {ttft:.3f} |")
             except Exception:
+                runner.finish()
+                for handle in list(runner.input_batch.row_of):
+                    runner.input_batch.remove_request(handle)
                 lines.append(f"| {length} | {path} | FAILED: {traceback.format_exc(limit=2)!r} | |")
     lines.append("")
 
