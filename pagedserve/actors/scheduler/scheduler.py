@@ -1,8 +1,7 @@
 """Token-budget scheduler: continuous batching, chunked prefill, prefix caching, preemption.
 
-The scheduler owns every request's state: its token history, its sampling settings and RNG key,
-its KV blocks and its route back to the client. Workers and the detokenizer hold caches of it,
-keyed by the request's handle.
+The scheduler owns every request's state (token history, sampling settings and RNG key, KV
+blocks, route back to the client); workers and the detokenizer cache it, keyed by handle.
 
 No prefill/decode phases: each step, every request's `num_computed_tokens` catches up with the
 tokens the worker will know for it, within one token budget; running requests first, then
