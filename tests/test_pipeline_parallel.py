@@ -36,8 +36,13 @@ def expected_tokens(path: Path, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     ("model", "tp", "pp"),
-    [("llama", 1, 2), ("qwen3", 2, 2)],
-    ids=["llama-pipeline-2", "qwen3-tensor-2-x-pipeline-2"],
+    [("llama", 1, 2), ("qwen3", 1, 2), ("llama", 2, 2), ("qwen3", 2, 2)],
+    ids=[
+        "llama-pipeline-2",
+        "qwen3-pipeline-2",
+        "llama-tensor-2-x-pipeline-2",
+        "qwen3-tensor-2-x-pipeline-2",
+    ],
 )
 def test_pipeline_stages_give_the_tokens_of_one_rank(
     tmp_path: Path, model: str, tp: int, pp: int

@@ -36,9 +36,10 @@ T = TypeVar("T")
 
 _encoder = msgspec.msgpack.Encoder()
 
-# How long an inbox whose actor has nothing else to do while it waits (the scheduler, a worker)
-# polls for the next frame before it waits on the loop (Receiver's `poll_first_s`): a frame that
-# comes within it is taken without the loop's wake-up.
+# How long an inbox whose actor has little else to do while it waits (the scheduler, a worker;
+# the tokenizer and the detokenizer, which give their loop's other tasks a turn after each
+# message) polls for the next frame before it waits on the loop (Receiver's and Router's
+# `poll_first_s`): a frame that comes within it is taken without the loop's wake-up.
 POLL_FIRST_S = 0.005
 
 
@@ -257,8 +258,9 @@ class Receiver(Generic[T]):
     `poll_first_s`, `recv` then waits for the next frame in a blocking poll of up to that long
     (the thread sleeps in the kernel, the GIL released) before it waits on the loop: a frame
     that comes within it is taken without the loop's wake-up, about a third of a round trip
-    here. Only for an actor whose loop has nothing else to do meanwhile (the scheduler and the
-    workers: their loops' other tasks are housekeeping that a few milliseconds do not hurt)."""
+    here. Only for an actor whose loop has little else to do meanwhile (the scheduler and the
+    workers: their loops' other tasks are housekeeping that a few milliseconds do not hurt; the
+    detokenizer, whose client handshakes get a turn of the loop after each message)."""
 
     def __init__(
         self,
@@ -307,16 +309,29 @@ class Receiver(Generic[T]):
 
 class Router(Generic[T]):
     """A client-facing ROUTER: receives (identity, message), replies by identity (a reply to
-    an identity that is not connected is dropped)."""
+    an identity that is not connected is dropped). With `poll_first_s`, `recv` first waits in
+    a blocking poll, as Receiver's (the tokenizer: its loop's other tasks are off-loop encodes,
+    which a few milliseconds do not hurt)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, message_type: Any) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, address: str, message_type: Any, poll_first_s: float = 0.0
+    ) -> None:
         self.socket = _socket(ctx, zmq.ROUTER, address, bind=True)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._now = zmq.Socket.shadow(self.socket.underlying)  # the same socket, called directly
+        self._poll_in = [(self._now, zmq.POLLIN)]
+        self._poll_first_ms = int(poll_first_s * 1000)
         self.codec: Codec[T] = Codec(message_type, address, traffic_of(ctx))
 
     async def recv(self) -> tuple[bytes, T]:
         while True:
-            frames = await self.socket.recv_multipart(copy=True)
+            if self._poll_first_ms and zmq.zmq_poll(self._poll_in, self._poll_first_ms):
+                try:
+                    frames = self._now.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:  # the poll's event was not a frame for us after all
+                    continue
+            else:
+                frames = await self.socket.recv_multipart(copy=True)
             if len(frames) != 2:
                 logger.error("%s: dropped a message of %d frames", self.codec.channel, len(frames))
                 continue

@@ -130,8 +130,9 @@ class DetokenizerActor(Actor):
             self.ctx, self.addresses.outputs, ClientControl
         )
         self.inbox: bus.Receiver[DetokenizerInbound] = bus.Receiver(
-            self.ctx, self.addresses.detokenizer_inbox, DetokenizerInbound
-        )
+            self.ctx, self.addresses.detokenizer_inbox, DetokenizerInbound,
+            poll_first_s=bus.POLL_FIRST_S,
+        )  # fmt: skip
         self.to_scheduler: bus.Sender[SchedulerInbound] = bus.Sender(
             self.ctx, self.addresses.scheduler_inbox
         )
@@ -177,6 +178,7 @@ class DetokenizerActor(Actor):
                 await self.fail_all(message.message)
             else:
                 await self.forward(message)
+            await anyio.lowlevel.checkpoint()  # serve_clients' turn: a polled frame skips it
 
     async def fail_all(self, failure: str) -> None:
         """The engine is dead: a 503 for every request streamed now."""

@@ -150,7 +150,7 @@ class TokenizerActor(Actor):
 
     async def setup(self) -> dict:
         self.clients: bus.Router[ClientRequests] = bus.Router(
-            self.ctx, self.addresses.requests, ClientRequests
+            self.ctx, self.addresses.requests, ClientRequests, poll_first_s=bus.POLL_FIRST_S
         )
         self.to_scheduler: bus.Sender[SchedulerInbound] = bus.Sender(
             self.ctx, self.addresses.scheduler_inbox
@@ -179,6 +179,7 @@ class TokenizerActor(Actor):
                                 self.encoding[(client, seq)] = True
                     message.client = client
                     await self.to_scheduler.send(message)
+                await anyio.lowlevel.checkpoint()  # a polled frame came without the loop's turn
 
     async def admit(self, client: bytes, request: GenerateRequest, off_loop: bool) -> None:
         """Encode and validate, then hand the request to the scheduler (or refuse it)."""

@@ -87,13 +87,19 @@ class SchedulerActor(Actor):
                     if isinstance(message, Shutdown):
                         return
                     await self.handle(message, outputs)
-            with self.timer.phase("send_outputs"):
-                if outputs.routes or outputs.outputs or outputs.errors:
-                    if self.timeline is not None:  # marked first: the receiver may be quicker
-                        self.timeline.mark_all("output_sent", (o.handle for o in outputs.outputs))
-                    await self.to_detokenizer.send(outputs)
-            with self.timer.phase("plan"):
+            if outputs.outputs:  # tokens first: their clients wait for them
+                await self.send_outputs(outputs)
                 await self.plan_ahead()
+            else:  # new requests' first steps first: their routes are needed with tokens only
+                await self.plan_ahead()
+                await self.send_outputs(outputs)
+
+    async def send_outputs(self, outputs: EngineOutputs) -> None:
+        with self.timer.phase("send_outputs"):
+            if outputs.routes or outputs.outputs or outputs.errors:
+                if self.timeline is not None:  # marked first: the receiver may be quicker
+                    self.timeline.mark_all("output_sent", (o.handle for o in outputs.outputs))
+                await self.to_detokenizer.send(outputs)
 
     def close(self) -> None:
         if self.config.profile is not None:
@@ -144,12 +150,13 @@ class SchedulerActor(Actor):
             await self.to_detokenizer.send(stats)
 
     async def plan_ahead(self) -> None:
-        while self.workers_ready and len(self.inflight) < self.max_inflight:
-            plan = self.scheduler.schedule()
-            if plan is None:
-                return
-            await self.broadcast(plan)
-            self.inflight.add(plan.step_id)
+        with self.timer.phase("plan"):
+            while self.workers_ready and len(self.inflight) < self.max_inflight:
+                plan = self.scheduler.schedule()
+                if plan is None:
+                    return
+                await self.broadcast(plan)
+                self.inflight.add(plan.step_id)
 
     async def broadcast(self, plan: StepPlan) -> None:
         frame = bus.encode(plan)  # once for every worker
