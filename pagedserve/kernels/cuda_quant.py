@@ -190,6 +190,18 @@ def int_weight_problem(
 ) -> str | None:
     """Why the kernel does not take these operands (None: it does)."""
     n, k = weight.shape
+    perm = weight.perm
+    return (
+        _rows_problem(x, k, aligned=perm is None)
+        or _codes_problem(x, weight)
+        or _weight_rows_problem(weight.qweight)
+        or _bias_problem(bias, n, x.dtype)
+        or _device_problem(x, weight.qweight, weight.scales, weight.zeros, perm, bias)
+    )
+
+
+def _codes_problem(x: torch.Tensor, weight: IntWeight) -> str | None:
+    n, k = weight.shape
     expected = {4: ((n, k // 8), torch.int32), 8: ((n, k), torch.uint8)}.get(weight.bits)
     if expected is None:
         return f"{weight.bits}-bit weights: 4 or 8"
@@ -205,12 +217,7 @@ def int_weight_problem(
         perm.shape != (k,) or perm.dtype != torch.int64 or perm.stride(0) != 1
     ):
         return f"perm must be int64 [{k}], contiguous"
-    return (
-        _rows_problem(x, k, aligned=perm is None)
-        or _weight_rows_problem(weight.qweight)
-        or _bias_problem(bias, n, x.dtype)
-        or _device_problem(x, weight.qweight, s, z, perm, bias)
-    )
+    return None
 
 
 def fp8_weight_problem(
