@@ -8,15 +8,22 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from pagedserve.kernels import cuda_quant, extensions, quant_ref
+from pagedserve.config import EngineConfig
+from pagedserve.kernels import cuda_quant, extensions, quant_ref, triton_quant
 from pagedserve.kernels.cuda_quant import GemvConfig
 from pagedserve.kernels.quant_ref import FP8_DTYPE, IntWeight
+from pagedserve.models import loader
+from pagedserve.models.layer_config import LayerConfig, TensorParallel
+from pagedserve.models.quantization.config import Fp8Scheme, IntScheme
+from pagedserve.models.quantization.fp8 import Fp8LinearMethod
+from pagedserve.models.quantization.int_weight import IntWeightLinearMethod
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 LLAMA = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
@@ -277,3 +284,68 @@ def test_every_unit_compiles_for_sm_90_without_spills_in_the_defaults(tmp_path: 
         for name, spilled in kernels:
             if name.endswith(f"ELi{unroll}EEEvNS_6ParamsE"):
                 assert spilled == "0", (unit, name)
+
+
+# ------------------------------------------------------------------ the linear methods' choice
+
+
+def _layer_config(cuda_quant_gemv: bool) -> LayerConfig:
+    return LayerConfig(torch.device("cpu"), torch.bfloat16, attention=None, fused_ops="triton",
+                       cuda_quant_gemv=cuda_quant_gemv)  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.mark.parametrize(("enabled", "takes"), [(True, True), (True, False), (False, True)])
+def test_int_layers_run_the_cuda_gemv_where_enabled_and_taken(
+    monkeypatch: pytest.MonkeyPatch, enabled: bool, takes: bool
+) -> None:
+    """cuda_quant_gemv on and operands the kernel takes: the CUDA GEMV; otherwise Triton's."""
+    calls: list[str] = []
+    monkeypatch.setattr(cuda_quant, "int_weight_supported", lambda x, w, b: takes)
+    monkeypatch.setattr(cuda_quant, "int_weight_gemv", lambda x, w, b: calls.append("cuda"))
+    monkeypatch.setattr(triton_quant, "int_weight_gemv", lambda x, w, b: calls.append("triton"))
+    method = IntWeightLinearMethod(IntScheme(4, 128, False, "float"), _layer_config(enabled))
+    method.group_size = 128
+    w = _bf16(_int_weight())
+    layer = types.SimpleNamespace(qweight=w.qweight, scales=w.scales, zeros=w.zeros, perm=None)
+    method.apply(layer, _x(), None)  # type: ignore[arg-type]
+    assert calls == ["cuda" if enabled and takes else "triton"]
+
+
+@pytest.mark.parametrize(("enabled", "takes"), [(True, True), (True, False), (False, True)])
+def test_fp8_layers_run_the_cuda_gemv_where_enabled_and_taken(
+    monkeypatch: pytest.MonkeyPatch, enabled: bool, takes: bool
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(cuda_quant, "fp8_weight_supported", lambda x, wq, s, b: takes)
+    monkeypatch.setattr(cuda_quant, "fp8_weight_gemv", lambda x, wq, s, b: calls.append("cuda"))
+    monkeypatch.setattr(triton_quant, "fp8_weight_gemv",
+                        lambda x, wq, s, b: calls.append("triton"))  # fmt: skip
+    method = Fp8LinearMethod(Fp8Scheme("float"), _layer_config(enabled))
+    wq, scale = _fp8()
+    method.apply(types.SimpleNamespace(qweight=wq, weight_scale=scale), _x(), None)  # type: ignore[arg-type]
+    assert calls == ["cuda" if enabled and takes else "triton"]
+
+
+def test_the_loader_enables_the_cuda_gemv_only_for_quantized_cuda_models(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """build_layer_config: CUDA, quantized, the option on and the kernel available."""
+    monkeypatch.setattr(cuda_quant, "available", lambda: True)
+    monkeypatch.setattr(loader, "_triton_importable", lambda: True)
+    monkeypatch.setattr(loader, "resolve_attention_backend", lambda *args: None)
+    monkeypatch.setattr(loader, "check_supported", lambda *args: None)
+    hf_config = types.SimpleNamespace(dtype="bfloat16", quantization_config=None)
+    cuda = torch.device("cuda")
+
+    def built(quantization: str | None, device: torch.device = cuda, **kw: object) -> bool:
+        config = EngineConfig(model="x", quantization=quantization, **kw)  # type: ignore[arg-type]
+        return loader.build_layer_config(
+            config, hf_config, device, TensorParallel()
+        ).cuda_quant_gemv
+
+    assert built("fp8") and built("int8")
+    assert not built(None)
+    assert not built("fp8", cuda_quant_gemv=False)
+    assert not built("fp8", torch.device("cpu"))
+    monkeypatch.setattr(cuda_quant, "available", lambda: False)
+    assert not built("fp8")
