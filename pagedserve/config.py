@@ -181,6 +181,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # CUDA bf16/fp16: x W^T for batches of <= 16 rows (decode) by the Triton weight-streaming
     # GEMM (kernels/triton_gemv.py) instead of cuBLAS
     small_batch_gemm: bool = True
+    # CUDA, quantized weights (int4 / int8 / fp8): products of <= 16 rows (decode) by the CUDA
+    # C++ weight-only GEMV (kernels/cuda_quant.py, built at install for sm_90+) where it is
+    # built; off, or not built: the Triton quantized GEMV
+    cuda_quant_gemv: bool = True
     # CPU: the C++ kernels of csrc/cpu_kernels.cpp (AVX-512 machines) where they load; off:
     # the pure-torch paths (the same math)
     cpu_kernels: bool = True

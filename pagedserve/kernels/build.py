@@ -6,7 +6,8 @@ is not built leaves the engine on its pure-torch / Triton path (with a warning a
 
   * the C++ CPU kernels (kernels.cpu_kernels), where the CPU has AVX-512;
   * the CUDA decode kernel (kernels.cuda_attention) for each architecture of --cuda-arch, else
-    of TORCH_CUDA_ARCH_LIST, else of the visible GPUs; where torch has CUDA and nvcc is found.
+    of TORCH_CUDA_ARCH_LIST, else of the visible GPUs; where torch has CUDA and nvcc is found;
+  * the CUDA quantized GEMV (kernels.cuda_quant) for those architectures from sm_90 on.
 
 Exit status 1 when a build was tried and failed, else 0.
 """
@@ -24,6 +25,7 @@ import torch
 
 from pagedserve.kernels.cpu_kernels import cpu_can_run_kernels, cpu_kernels_spec
 from pagedserve.kernels.cuda_attention import cuda_kernel_spec
+from pagedserve.kernels.cuda_quant import MIN_ARCH, cuda_quant_spec
 from pagedserve.kernels.extensions import BUILT_DIR, ExtensionSpec, build, built_library
 
 
@@ -79,8 +81,14 @@ def build_all(out: Path, requested_archs: list[str]) -> bool:
     archs, reason = cuda_archs(requested_archs)
     if reason:
         print(f"CUDA decode kernel: skipped ({reason}; the Triton kernels run)")
+        print(f"CUDA quantized GEMV: skipped ({reason}; the Triton GEMVs run)")
     for arch in archs:
         jobs.append((f"CUDA decode kernel (sm_{arch})", lambda arch=arch: cuda_kernel_spec(arch)))
+        if int(arch) >= MIN_ARCH:
+            label = f"CUDA quantized GEMV (sm_{arch})"
+            jobs.append((label, lambda arch=arch: cuda_quant_spec(arch)))
+        else:
+            print(f"CUDA quantized GEMV (sm_{arch}): skipped (needs sm_{MIN_ARCH}+; Triton runs)")
     return all([_build_one(label, spec(), out) for label, spec in jobs])
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 from pathlib import Path
 from types import ModuleType
 
@@ -48,7 +47,6 @@ GROUPS = (1, 2, 4, 8)
 DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 CXX_FLAGS = ("-O3",)  # the binding's host compiler flags
-_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
 def source_names() -> list[str]:
@@ -59,23 +57,9 @@ def source_names() -> list[str]:
 
 
 def build_inputs() -> list[Path]:
-    """Every file of csrc the build reads: the translation units and, transitively, the headers
-    they include with quotes (those found next to the includer; csrc is the only user include
-    directory), each once."""
-    found: list[Path] = []
-    pending = [CSRC_DIR / name for name in source_names()]
-    while pending:
-        path = pending.pop(0).resolve()
-        if path in found or not path.is_file():
-            continue
-        found.append(path)
-        pending += [path.parent / name for name in _QUOTED_INCLUDE.findall(path.read_text())]
-    return found
-
-
-def _cuda_flags(arch: str) -> list[str]:
-    """nvcc flags of the instantiation units: optimised, for sm_<arch> only."""
-    return ["-O3", "--use_fast_math", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    """Every file of csrc the build reads: the translation units and the headers they include
+    (extensions.build_inputs)."""
+    return extensions.build_inputs(CSRC_DIR, source_names())
 
 
 def cuda_kernel_spec(arch: str) -> ExtensionSpec:
@@ -88,7 +72,7 @@ def cuda_kernel_spec(arch: str) -> ExtensionSpec:
         sources=sources,
         headers=headers,
         cflags=CXX_FLAGS,
-        cuda_cflags=tuple(_cuda_flags(arch)),
+        cuda_cflags=tuple(extensions.nvcc_flags(arch)),
         include_dirs=(CSRC_DIR,),
         is_python_module=True,
         env=(("TORCH_CUDA_ARCH_LIST", f"{arch[:-1]}.{arch[-1]}"),),

@@ -25,6 +25,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -73,6 +74,29 @@ class ExtensionSpec:
         for arg in (torch.__version__, *self.cflags, *self.cuda_cflags, *self.ldflags):
             digest.update(f"{arg}\n".encode())
         return f"{self.base_name}_{digest.hexdigest()[:12]}"
+
+
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def build_inputs(csrc: Path, units: list[str]) -> list[Path]:
+    """Every file of `csrc` a build of `units` (names in csrc) reads: the units and,
+    transitively, the headers they include with quotes (those found next to the includer; csrc
+    is the only user include directory), each once."""
+    found: list[Path] = []
+    pending = [csrc / name for name in units]
+    while pending:
+        path = pending.pop(0).resolve()
+        if path in found or not path.is_file():
+            continue
+        found.append(path)
+        pending += [path.parent / name for name in _QUOTED_INCLUDE.findall(path.read_text())]
+    return found
+
+
+def nvcc_flags(arch: str) -> list[str]:
+    """nvcc flags of a CUDA extension's device units: optimised, for sm_<arch> only."""
+    return ["-O3", "--use_fast_math", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
 def built_library(spec: ExtensionSpec, directory: Path) -> Path | None:

@@ -9,6 +9,9 @@ operands' shapes and strides.
   * fused_ops: which implementation of the small per-token ops (RMSNorm with the residual add,
     SiLU-and-mul, the q/k norm + rotary) runs: "triton" (CUDA), "cpu" (the C++ CPU kernels,
     float32, loaded) or "torch" (the pure-torch references of kernels.ops).
+  * cuda_quant_gemv: the quantized linear methods run their skinny products (decode) through
+    the CUDA C++ weight-only GEMV (kernels.cuda_quant; the loader sets it only where that kernel
+    is built and loads), else through Triton's.
   * small_batch_gemm: single-row (batch-1 decode) low-precision products go through the Triton
     weight-streaming GEMM (kernels.triton_gemv) instead of cuBLAS.
   * attention: the attention backend's functions and cache layout (kernels.attention_backends).
@@ -81,6 +84,7 @@ class LayerConfig:
     attention: AttentionBackend
     fused_ops: FusedOps = "torch"
     small_batch_gemm: bool = False
+    cuda_quant_gemv: bool = False
     tp: TensorParallel = field(default_factory=TensorParallel)
     stage: PipelineStage = field(default_factory=PipelineStage)
     quantization: QuantizationConfig | None = None

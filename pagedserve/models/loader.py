@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.config import EngineConfig
+from pagedserve.kernels import cuda_quant
 from pagedserve.kernels.attention_backends import resolve_attention_backend
 from pagedserve.kernels.cpu_kernels import load_cpu_kernels
 from pagedserve.layout import PipelineStage
@@ -91,9 +92,10 @@ def build_layer_config(
     """The layers' settings for this engine on this machine: Triton's fused ops on CUDA (when
     triton imports), the C++ CPU kernels for float32 on the CPU (when config.cpu_kernels and
     they load here), else pure torch; the attention backend; the Triton small-batch GEMM for
-    CUDA fp16/bf16 (config.small_batch_gemm); this rank's tensor-parallel group (tp; None:
-    the process's default group) and pipeline stage (None: the whole model); the quantization
-    (models.quantization.config) and the KV cache's dtype."""
+    CUDA fp16/bf16 (config.small_batch_gemm); the CUDA quantized GEMV for quantized weights on
+    CUDA (config.cuda_quant_gemv, where built: kernels.cuda_quant.available); this rank's
+    tensor-parallel group (tp; None: the process's default group) and pipeline stage (None: the
+    whole model); the quantization (models.quantization.config) and the KV cache's dtype."""
     dtype = resolve_dtype(config.dtype, hf_config, device)
     quantization = resolve_quantization(config.quantization, config.load_format, hf_config)
     check_supported(quantization, device, dtype)
@@ -110,6 +112,8 @@ def build_layer_config(
         fused_ops=fused_ops,
         small_batch_gemm=config.small_batch_gemm and fused_ops == "triton"
         and dtype != torch.float32,
+        cuda_quant_gemv=config.cuda_quant_gemv and quantization is not None
+        and fused_ops == "triton" and cuda_quant.available(),
         tp=tp if tp is not None else tensor_parallel_of_process(config.tensor_parallel_size),
         stage=stage if stage is not None else PipelineStage(),
         quantization=quantization,

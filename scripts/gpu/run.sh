@@ -2,8 +2,8 @@
 # The one GPU script: install the carried wheels, check every kernel against its reference,
 # check full-engine parity, then run the benchmarks. Run on the device machine from the repo
 # root with `.whl` carried; results land in $OUT (or scripts/results/gpu when OUT is unset).
-#   bash scripts/gpu/run.sh [kernels] [splits] [probe] [anatomy] [parity] [quant] [structured]
-#                           [workloads ARGS...]
+#   bash scripts/gpu/run.sh [kernels] [splits] [probe] [anatomy] [parity] [quant] [quant_cuda]
+#                           [structured] [workloads ARGS...]
 set -uo pipefail
 OUT=${OUT:-scripts/results/gpu}
 mkdir -p "$OUT"
@@ -18,8 +18,9 @@ export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 # Install step: build the compiled kernels of csrc/ (the CUDA decode kernel for this GPU) into
-# pagedserve/kernels/_built, as `pip install` / `make install` do; the engine's default backend
-# on a GPU loads it (a no-op when already built for these sources).
+# pagedserve/kernels/_built, as `pip install` / `make install` do: the CUDA decode kernel and,
+# from sm_90 on, the CUDA quantized GEMV, which the engine loads (a no-op when already built for
+# these sources).
 TIMEFORMAT='kernel build (or found built): %R s'
 time python3 -m pagedserve.kernels.build ||
   echo "kernel build FAILED: the engine falls back to Triton"
@@ -37,6 +38,7 @@ while [ $# -gt 0 ]; do
     probe) python3 scripts/gpu/compile_parallelism.py > "$OUT/compile_probe.md" || status=1 ;;
     parity) python3 scripts/gpu/parity.py --jobs 6 --out "$OUT/parity.md" || status=1 ;;
     quant) python3 scripts/gpu/bench_quant.py --out "$OUT/quant.md" || status=1 ;;
+    quant_cuda) python3 scripts/gpu/check_quant_cuda.py --out "$OUT/quant_cuda.md" || status=1 ;;
     structured)
       python3 scripts/bench_structured_output.py --device cuda --out "$OUT/structured.md" || status=1 ;;
     workloads) shift; python3 scripts/gpu/bench_workloads.py --out "$OUT/workloads.md" "$@" || status=1; break ;;

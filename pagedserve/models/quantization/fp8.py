@@ -6,11 +6,16 @@ part's channels) and, for static activation scales, one host float (the largest 
 as every part reads the same input).
 
 The product, chosen at construction:
-  * Triton path (CUDA): batches of at most WQ_GEMV_MAX_ROWS rows (decode) through the Triton
-    weight-streaming GEMV on the fp8 weight, the activations kept in bf16/fp16 (W8A16: the
-    weight read is the cost, and quantizing the activations would add launches); larger
-    batches quantize the activations per token (or by the static scale) in one Triton launch
-    and multiply on the FP8 tensor cores (torch._scaled_mm, row-wise scales, bf16/fp16 out).
+  * CUDA (config.cuda_quant_gemv: the kernel is built for this device): batches of at most
+    cuda_quant.MAX_ROWS rows (decode) whose operands it takes (`cuda_quant.fp8_weight_supported`)
+    through the CUDA C++ weight-only GEMV (kernels.cuda_quant: W8A16 on the tensor cores, the
+    fp8 weight read once);
+  * Triton path (CUDA): the other batches of at most WQ_GEMV_MAX_ROWS rows (decode) through
+    the Triton weight-streaming GEMV on the fp8 weight, the activations kept in bf16/fp16
+    (W8A16: the weight read is the cost, and quantizing the activations would add launches);
+    larger batches quantize the activations per token (or by the static scale) in one Triton
+    launch and multiply on the FP8 tensor cores (torch._scaled_mm, row-wise scales, bf16/fp16
+    out).
   * Otherwise (the CPU): the pure-torch W8A8 reference.
 """
 
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import quant_ref
+from pagedserve.kernels import cuda_quant, quant_ref
 from pagedserve.kernels.quant_ref import FP8_DTYPE
 from pagedserve.models.layer_config import LayerConfig
 from pagedserve.models.linear import LinearBase
@@ -33,6 +38,7 @@ class Fp8LinearMethod:
     def __init__(self, scheme: Fp8Scheme, config: LayerConfig) -> None:
         self.scheme = scheme
         self.use_triton = config.fused_ops == "triton"
+        self.use_cuda_gemv = config.cuda_quant_gemv
         self.static_input_scale: float | None = None
 
     def create_weights(self, layer: LinearBase, bias: bool) -> None:
@@ -81,6 +87,8 @@ class Fp8LinearMethod:
         qweight, scale = layer.qweight, layer.weight_scale
         if not self.use_triton:
             return quant_ref.fp8_linear(x, qweight, scale, bias, self.static_input_scale)
+        if self.use_cuda_gemv and cuda_quant.fp8_weight_supported(x, qweight, scale, bias):
+            return cuda_quant.fp8_weight_gemv(x, qweight, scale, bias)
         from pagedserve.kernels import triton_quant
 
         rows = x.numel() // x.shape[-1]

@@ -6,9 +6,13 @@ loading it holds the engine's layout as buffers: `qweight`, `scales`, `zeros` an
 (act-order only, else None).
 
 The product, chosen at construction:
-  * Triton path (CUDA): batches of at most WQ_GEMV_MAX_ROWS rows (decode) through the
-    dequantize-in-the-GEMV kernel (the weight read once, in its packed form); larger batches
-    dequantize the weight to the activations' dtype (one Triton launch) for a cuBLAS matmul.
+  * CUDA (config.cuda_quant_gemv: the kernel is built for this device): batches of at most
+    cuda_quant.MAX_ROWS rows (decode) whose operands it takes (`cuda_quant.int_weight_supported`:
+    bf16 / fp16, groups of a multiple of 128 columns, ...) through the CUDA C++ weight-only GEMV
+    (kernels.cuda_quant: the weight read once, in its packed form, on the tensor cores);
+  * Triton path (CUDA): the other batches of at most WQ_GEMV_MAX_ROWS rows through the
+    dequantize-in-the-GEMV Triton kernel; larger batches dequantize the weight to the
+    activations' dtype (one Triton launch) for a cuBLAS matmul.
   * Otherwise (the CPU): the pure-torch reference (dequantize, F.linear).
 """
 
@@ -17,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import quant_ref
+from pagedserve.kernels import cuda_quant, quant_ref
 from pagedserve.kernels.quant_ref import IntWeight
 from pagedserve.models.layer_config import LayerConfig
 from pagedserve.models.linear import LinearBase, RowParallelLinear
@@ -39,6 +43,7 @@ class IntWeightLinearMethod:
     def __init__(self, scheme: IntScheme, config: LayerConfig) -> None:
         self.scheme = scheme
         self.use_triton = config.fused_ops == "triton"
+        self.use_cuda_gemv = config.cuda_quant_gemv
         self.dtype = config.dtype
         self.group_size = 0  # per layer, set by create_weights
 
@@ -109,6 +114,8 @@ class IntWeightLinearMethod:
                            self.group_size, layer.perm)  # fmt: skip
         if not self.use_triton:
             return quant_ref.int_linear(x, weight, bias)
+        if self.use_cuda_gemv and cuda_quant.int_weight_supported(x, weight, bias):
+            return cuda_quant.int_weight_gemv(x, weight, bias)
         from pagedserve.kernels import triton_quant
 
         if x.numel() <= triton_quant.WQ_GEMV_MAX_ROWS * x.shape[-1]:

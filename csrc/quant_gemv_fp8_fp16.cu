@@ -1,0 +1,7 @@
+// Weight-only quantized GEMV, fp8 weights and fp16 activations: one of the units that instantiate
+// the entry point of quant_gemv.h (one per scheme and dtype, compiled in parallel; the binding is
+// quant_gemv.cpp).
+
+#include "quant_gemv.cuh"
+
+PAGEDSERVE_QUANT_INSTANTIATE(kFp8, __half)
