@@ -55,7 +55,15 @@ PASSAGE = (
     "Friends, Romans, countrymen, lend me your ears;\nI come to bury Caesar, not to praise him.\n"
     "The evil that men do lives after them;\nThe good is oft interred with their bones;\n"
     "So let it be with Caesar. The noble Brutus\nHath told you Caesar was ambitious:\n"
-)
+    "If it were so, it was a grievous fault,\nAnd grievously hath Caesar answer'd it.\n"
+    "Here, under leave of Brutus and the rest--\nFor Brutus is an honourable man;\n"
+    "So are they all, all honourable men--\nCome I to speak in Caesar's funeral.\n"
+    "He was my friend, faithful and just to me:\nBut Brutus says he was ambitious;\n"
+    "And Brutus is an honourable man.\nHe hath brought many captives home to Rome\n"
+    "Whose ransoms did the general coffers fill:\nDid this in Caesar seem ambitious?\n"
+    "When that the poor have cried, Caesar hath wept:\nAmbition should be made of sterner "
+    "stuff:\nYet Brutus says he was ambitious;\nAnd Brutus is an honourable man.\n"
+)  # long enough that copying it again covers the 256 output tokens
 COPY_PROMPTS = [PASSAGE + "\n" + PASSAGE.split("\n")[0] + "\n" + PASSAGE.split("\n")[1][:12]]
 
 
