@@ -763,9 +763,9 @@ def test_fake_model_matches_worker_sampling() -> None:
 
 
 def test_a_request_with_drafts_in_flight_waits_when_speculation_switches_off() -> None:
-    """disable_by_batch_size: the plan that verifies a's drafts admits two more requests
-    (3 running > 2); the next plan, made before a's result, does not speculate, and must not
-    schedule a: how many of its drafts the step in flight accepts is not known yet."""
+    """disable_by_batch_size: two more requests arrive while a's drafts are verified (3 > 2);
+    the next plan, made before a's result, does not speculate, and must not schedule a: how
+    many of its drafts the step in flight accepts is not known yet."""
     from pagedserve.config import SpeculativeConfig
 
     spec = SpeculativeConfig(num_speculative_tokens=3, method="ngram", disable_by_batch_size=2)
@@ -782,12 +782,12 @@ def test_a_request_with_drafts_in_flight_waits_when_speculation_switches_off() -
             draft_token_ids=[proposals],
         )  # fmt: skip
     )
-    sched.add_request(add("b", [5, 6, 7]))
-    sched.add_request(add("c", [6, 7, 8]))
     verify = sched.schedule()
     assert verify is not None and verify.spec_token_ids[0] == proposals
-    assert len(sched.running) == 3
+    sched.add_request(add("b", [5, 6, 7]))
+    sched.add_request(add("c", [6, 7, 8]))
     after = sched.schedule()
+    assert len(sched.running) == 3
     assert after is not None and not after.propose
     assert handle_of(sched, "a") not in after.scheduled
     assert all(n > 0 for n in after.num_scheduled_tokens)

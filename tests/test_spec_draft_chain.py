@@ -104,3 +104,45 @@ def test_drafts_are_the_draft_models_greedy_continuation(
     assert len(host_proposals) == 1  # the prefill's; every verify's drafts came on the device
     if draft_name == "target":
         assert accepted_total == 5 * 2 * K
+
+
+def plan_of(step_id: int, runner: ModelRunner, handles: list[int], propose: bool,
+            new: list[NewRequestData] = ()) -> StepPlan:  # fmt: skip
+    """A step of one token for each of `handles` (in the batch) after its known tokens, then
+    `new` requests' prompts past their prefix-cache hits; no drafts."""
+    batch = runner.input_batch
+    computed = [int(batch.num_tokens[batch.row_of[h]]) - 1 for h in handles]
+    news = list(new)
+    prompts = [len(r.token_ids) - r.num_computed_tokens for r in news]
+    return StepPlan(
+        step_id=step_id, new_requests=news,
+        cached_requests=CachedRequestData(computed, [0] * len(handles)),
+        scheduled=handles + [r.handle for r in news],
+        num_scheduled_tokens=[1] * len(handles) + prompts,
+        spec_token_ids=[[] for _ in handles + news] if propose else [], propose=propose,
+    )  # fmt: skip
+
+
+def test_the_draft_catches_up_after_steps_without_speculation(models: dict[str, Path]) -> None:
+    """Steps that do not speculate (disable_by_batch_size) leave the draft's KV behind: a
+    prefill and decodes, then a request that hits the prefix cache on blocks computed there.
+    The next speculative step's proposals are still the draft's greedy continuation."""
+    runner = make_runner(models["target"], models["draft"])
+    draft = transformers.AutoModelForCausalLM.from_pretrained(models["draft"], dtype=torch.float32)
+    prompt = random_prompts(400, [20], seed=4)[0]
+    first = NewRequestData(10, list(prompt), len(prompt), GREEDY, 0, [0, 1, 2, 3], 0)
+    result = runner.execute(plan_of(0, runner, [], False, [first]))
+    for step in range(1, 5):  # plain decodes
+        result = runner.execute(plan_of(step, runner, [10], False))
+    assert not result.draft_token_ids and not result.num_sampled
+    row = runner.input_batch.row_of[10]
+    tokens = runner.input_batch.token_ids[row, : runner.input_batch.num_tokens[row]].tolist()
+    # a second request with the first's first block, computed without the draft, speculates
+    # while the first waits (it would catch that block up)
+    hit = NewRequestData(11, list(prompt[:18]), 18, GREEDY, 1, [0, 4, 5, 6], 16)
+    result = runner.execute(plan_of(5, runner, [], True, [hit]))
+    second = list(prompt[:18]) + result.sampled_token_ids
+    assert result.draft_token_ids == [greedy_continuation(draft, second, K)]
+    result = runner.execute(plan_of(6, runner, [10], True))
+    tokens += result.sampled_token_ids
+    assert result.draft_token_ids == [greedy_continuation(draft, tokens, K)]

@@ -93,7 +93,7 @@ def test_greedy_output_is_identical_with_speculation(
     assert stats.spec_num_draft_tokens > 0
     if proposer.startswith("self-draft"):  # the target drafting for itself: all accepted
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
-    if proposer.endswith("rounds"):  # more verifies than steps
+    if proposer == "self-draft-rounds":  # more verifies (each of drafts) than steps
         assert stats.spec_num_drafts > stats.num_steps, (stats.spec_num_drafts, stats.num_steps)
     if proposer.startswith("ngram"):
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
@@ -281,3 +281,47 @@ def test_bench_and_metrics_report_speculative_decoding() -> None:
     drafted = re.search(r"^pagedserve:spec_decode_num_draft_tokens (\S+)$", metrics, re.M)
     assert drafted is not None and float(drafted.group(1)) > 0
     assert "pagedserve:spec_decode_acceptance_rate" in metrics
+
+
+SPEC_COUNTERS = ("num_generation_tokens", "spec_num_drafts", "spec_num_draft_tokens",
+                 "spec_num_accepted_tokens", "spec_num_emitted_tokens")  # fmt: skip
+
+
+def counted(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[list[int], dict]:
+    """One request's tokens, and what the engine's counters rose by while it ran."""
+    before = llm.get_stats()
+    [output] = llm.generate([prompt], params)
+    after = llm.get_stats()
+    return output.outputs[0].token_ids, {
+        name: getattr(after, name) - getattr(before, name) for name in SPEC_COUNTERS
+    }
+
+
+def test_speculation_counters_cover_the_tokens_delivered(tiny: dict[str, Path]) -> None:
+    """With rounds, one step verifies the worker's own proposals again: the counters must
+    count the tokens the request got, not those verified past its max_tokens or its stop
+    token. The target drafts for itself (every draft accepted), so every token but the
+    prefill's comes from a verify."""
+    spec = {"model": str(tiny["llama"]), "num_speculative_tokens": 2, "num_rounds": 3}
+    prompt = PROMPTS[0]
+    with LLM(str(tiny["llama"]), skip_tokenizer_init=True, num_kv_blocks=256,
+             speculative_config=spec, supervision=NO_STANDBY) as llm:  # fmt: skip
+        free_run, _ = counted(llm, prompt, SamplingParams(temperature=0.0, max_tokens=30,
+                                                          ignore_eos=True))  # fmt: skip
+        # a stop token first seen early: the step that emits it verified 9 tokens
+        cut = next(i for i in range(1, 8) if free_run[i] not in free_run[:i])
+        cases = {
+            # after the prefill's token: rounds of 2 + 1, 2 + 1 and (cut to the room) 1 + 1
+            "max_tokens": SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+            "stop token": SamplingParams(
+                temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[free_run[cut]]
+            ),
+        }
+        for name, params in cases.items():
+            tokens, rose = counted(llm, prompt, params)
+            assert len(tokens) == (9 if name == "max_tokens" else cut + 1), name
+            assert rose["num_generation_tokens"] == len(tokens), name
+            assert rose["spec_num_emitted_tokens"] == len(tokens) - 1, (name, rose)
+            assert rose["spec_num_accepted_tokens"] == rose["spec_num_draft_tokens"], rose
+            emitted_bound = rose["spec_num_accepted_tokens"] + rose["spec_num_drafts"]
+            assert rose["spec_num_emitted_tokens"] <= emitted_bound, rose

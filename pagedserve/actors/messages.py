@@ -294,10 +294,12 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     sampled_token_ids: list[int]  # their tokens: num_sampled[i] each (one each when empty)
     logprobs: list[TokenLogprobs | None] | None = None  # per sampled token, None if not asked
     num_sampled: list[int] = []  # speculative decoding: tokens each request emitted this step
-    # speculative decoding with rounds (SpeculativeConfig.num_rounds): per request, the drafts
-    # it verified and its verifies this step (empty: its plan's drafts, one verify)
-    num_drafts_verified: list[int] = []
+    # speculative decoding with rounds (SpeculativeConfig.num_rounds): per request, its
+    # verifies this step; each verify's drafts and emitted tokens, request after request
+    # (empty: one verify of its plan's drafts)
     num_verifies: list[int] = []
+    verify_drafts: list[int] = []
+    verify_emitted: list[int] = []
     draft_token_ids: list[list[int]] = []  # proposals for each request's next step
     prompt_logprobs: list[PromptLogprobs] = []  # chunks of prompts computed this step
     grammar_done: list[int] = []  # requests whose structured output these tokens complete

@@ -2,15 +2,21 @@
 """Speculative decoding on the H200 (issue 12): train the ~94M target, then time it.
 
 1. Trains `scripts/train_tiny_model.py train --preset target` on the Shakespeare data of
-   `prepare` (carried in --data), time-limited, into a model directory with the embedded
-   model's tokenizer; the embedded 4M model is its draft.
-2. Batch 1, greedy, 256 output tokens per Shakespeare prompt: time per output token (streamed
-   through the ZeroMQ client, (last - first) / (tokens - 1)) without speculation and with the
-   draft model at several k; n-gram on copy-heavy prompts (a passage, then its first line
-   again) against no speculation on the same prompts. Acceptance rates from the engine.
-3. Batch 64: output tokens/s without speculation and with each method, by default with
-   speculation switched off above batch 16 (disable_by_batch_size, --disable-above), and
-   always on for comparison. Each row's speed-up against no speculation on its prompts.
+   `prepare` (carried in --data), time-limited (--train-seconds, 120 s by default; the issue
+   allows < 3 min), into a model directory with the embedded model's tokenizer; the embedded
+   4M model is its draft.
+2. The issue's workloads, each on its engine (one engine per config, every prompt set of it):
+   - batch 1, greedy, 256 output tokens per Shakespeare prompt, without speculation and with
+     the draft model (k=3): time per output token, streamed through the ZeroMQ client
+     ((last - first) / (tokens - 1), median over the prompts), and the acceptance rate;
+   - the same on copy-heavy prompts (a passage, then its first line again), without
+     speculation and with n-gram (k=4);
+   - batch 64 x 256 tokens with each: output tokens/s (median of 3 runs after a warm-up run),
+     speculation switched off above batch 16 (disable_by_batch_size, --disable-above).
+   Speculative configs verify --rounds rounds per step (num_rounds). Each row's speed-up is
+   against no speculation on its prompts. --full adds one-round, always-on and other k rows.
+3. Prints the final table and writes it, with the raw rows, to --out. About 5 minutes of GPU
+   time with the default training time.
 
     python scripts/gpu/bench_speculative.py --data .gpu_data/data --out FILE
 """
@@ -49,14 +55,26 @@ PASSAGE = (
     "Friends, Romans, countrymen, lend me your ears;\nI come to bury Caesar, not to praise him.\n"
     "The evil that men do lives after them;\nThe good is oft interred with their bones;\n"
     "So let it be with Caesar. The noble Brutus\nHath told you Caesar was ambitious:\n"
-)
+    "If it were so, it was a grievous fault,\nAnd grievously hath Caesar answer'd it.\n"
+    "Here, under leave of Brutus and the rest--\nFor Brutus is an honourable man;\n"
+    "So are they all, all honourable men--\nCome I to speak in Caesar's funeral.\n"
+    "He was my friend, faithful and just to me:\nBut Brutus says he was ambitious;\n"
+    "And Brutus is an honourable man.\nHe hath brought many captives home to Rome\n"
+    "Whose ransoms did the general coffers fill:\nDid this in Caesar seem ambitious?\n"
+    "When that the poor have cried, Caesar hath wept:\nAmbition should be made of sterner "
+    "stuff:\nYet Brutus says he was ambitious;\nAnd Brutus is an honourable man.\n"
+)  # long enough that copying it again covers the 256 output tokens
 COPY_PROMPTS = [PASSAGE + "\n" + PASSAGE.split("\n")[0] + "\n" + PASSAGE.split("\n")[1][:12]]
 
 
 def train_target(data: str, out: Path, time_limit: int) -> dict:
+    """Train for the steps the H200 runs in `time_limit` (~9 a second with the evals: session 6
+    ran 600 in 67 s), so that the cosine schedule ends and a seed gives one model; the time
+    limit stops a slower machine."""
+    steps = max(100, 8 * time_limit)
     command = [sys.executable, str(ROOT / "scripts" / "train_tiny_model.py"), "train",
                "--preset", "target", "--data", data, "--out", str(out), "--device", "cuda",
-               "--steps", "1500", "--batch", "32", "--seq-len", "512", "--lr", "1e-3",
+               "--steps", str(steps), "--batch", "32", "--seq-len", "512", "--lr", "1e-3",
                "--eval-every", "100", "--time-limit", str(time_limit),
                "--deterministic"]  # fmt: skip
     start = time.time()
@@ -81,37 +99,48 @@ def time_per_token(llm: LLM, prompts: list[str], max_tokens: int) -> float:
 
 
 def throughput(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> float:
+    """Output tokens/s of `batch` requests at once: the median of 3 runs after a warm-up run
+    (its first steps of this batch may compile kernels)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-    start = time.perf_counter()
-    outputs = llm.generate(batch_prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+    rates = []
+    for _ in range(4):
+        start = time.perf_counter()
+        outputs = llm.generate(batch_prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+    return median(rates[1:])
 
 
-def run_config(target: str, name: str, spec: dict | None, prompts: list[str]) -> dict:
+def run_config(target: str, name: str, spec: dict | None, prompt_sets: dict[str, list[str]]
+               ) -> list[dict]:  # fmt: skip
+    """One engine: a row per prompt set (batch 1, then batch 64)."""
     extra = {} if spec is None else {"speculative_config": spec}
+    rows = []
     with LLM(target, max_model_len=1024, **extra) as llm:
-        time_per_token(llm, prompts[:1], 32)  # warm-up: kernels, graphs
-        before = llm.get_stats()
-        ms = time_per_token(llm, prompts, 256) * 1e3
-        after = llm.get_stats()
-        tok_s = throughput(llm, prompts, 64, 256)
+        for prompts_name, prompts in prompt_sets.items():
+            time_per_token(llm, prompts[:1], 32)  # warm-up: kernels, graphs
+            before = llm.get_stats()
+            ms = time_per_token(llm, prompts, 256) * 1e3
+            after = llm.get_stats()
+            tok_s = throughput(llm, prompts, 64, 256)
+            row = {"config": name, "prompts": prompts_name, "batch1_ms_per_token": round(ms, 3),
+                   "batch64_tok_s": round(tok_s)}  # fmt: skip
+            if spec is not None:
+                row |= spec_decode_summary(before, after)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     gc.collect()
     torch.cuda.empty_cache()
-    row = {"config": name, "batch1_ms_per_token": round(ms, 3), "batch64_tok_s": round(tok_s)}
-    if spec is not None:
-        row |= spec_decode_summary(before, after)
-    print(json.dumps(row), flush=True)
-    return row
+    return rows
 
 
 def add_ratios(rows: list[dict]) -> None:
     """Each row against the no-speculation row of its prompts: batch-1 speed-up (plain ms per
     token / its ms per token) and batch-64 throughput ratio."""
-    plain = {"copy" in r["config"]: r for r in rows if r["config"].startswith("no speculation")}
+    plain = {r["prompts"]: r for r in rows if r["config"] == "no speculation"}
     for row in rows:
-        base = plain.get("copy" in row["config"])
+        base = plain.get(row["prompts"])
         if base is not None:
             row["batch1_speedup"] = round(
                 base["batch1_ms_per_token"] / row["batch1_ms_per_token"], 2
@@ -119,69 +148,60 @@ def add_ratios(rows: list[dict]) -> None:
             row["batch64_vs_plain"] = round(row["batch64_tok_s"] / base["batch64_tok_s"], 2)
 
 
+def configs(args: argparse.Namespace) -> list[tuple[str, dict | None, dict[str, list[str]]]]:
+    """(name, speculative_config, prompt sets) of each engine: the issue's rows, --full more."""
+    shakespeare, copy = {"shakespeare": PROMPTS}, {"copy": COPY_PROMPTS}
+    draft = lambda k: {"model": DRAFT, "num_speculative_tokens": k}  # noqa: E731
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+             "prompt_lookup_min": 2}  # fmt: skip
+    # speculation off above batch args.disable_above: a batch-64 step is no longer
+    # launch-bound, so verifying 1 + k rows per request costs more than it saves
+    off = {"disable_by_batch_size": args.disable_above}
+    rounds = {"num_rounds": args.rounds}  # verifies per scheduler round trip
+    above, r = f"off above batch {args.disable_above}", f"{args.rounds} rounds"
+    rows = [
+        ("no speculation", None, shakespeare | copy),
+        (f"draft k=3, {r}, {above}", draft(3) | rounds | off, shakespeare),
+        (f"ngram k=4, {r}, {above}", ngram | rounds | off, copy),
+    ]
+    if args.full:
+        rows += [
+            (f"draft k=3, 1 round, {above}", draft(3) | off, shakespeare),
+            (f"ngram k=4, 1 round, {above}", ngram | off, copy),
+            (f"draft k=2, {r}, {above}", draft(2) | rounds | off, shakespeare),
+            (f"draft k=5, {r}, {above}", draft(5) | rounds | off, shakespeare),
+            (f"ngram k=4, {r}, always", ngram | rounds, copy),
+        ]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", required=True, help="what `train_tiny_model.py prepare` wrote")
     parser.add_argument("--out", required=True)
-    parser.add_argument(
-        "--train-seconds",
-        type=int,
-        default=None,
-        help="training time limit (default 150 s; 60 s with --quick)",
-    )
+    parser.add_argument("--train-seconds", type=int, default=120, help="training time limit")
     parser.add_argument("--smoke", action="store_true", help="the embedded model, untrained")
-    parser.add_argument("--quick", action="store_true", help="without draft always-on, k=2 and k=5")
+    parser.add_argument("--full", action="store_true", help="one-round, always-on, k=2, k=5")
+    parser.add_argument("--rounds", type=int, default=4, help="num_rounds of the spec configs")
     parser.add_argument(
-        "--rounds",
-        type=int,
-        default=4,
-        help="num_rounds of the configs with several verifies per step",
-    )
-    parser.add_argument(
-        "--disable-above",
-        type=int,
-        default=16,
+        "--disable-above", type=int, default=16,
         help="disable_by_batch_size of the configs that switch speculation off",
-    )
+    )  # fmt: skip
     args = parser.parse_args()
     target = Path("/tmp/target-94m")
     if args.smoke:
         target, training = Path(ROOT / "pagedserve" / "assets" / "tiny-shakespeare"), {}
     else:
         shutil.rmtree(target, ignore_errors=True)
-        seconds = args.train_seconds or (60 if args.quick else 150)
-        training = train_target(args.data, target, seconds)
+        training = train_target(args.data, target, args.train_seconds)
     print(json.dumps(training), flush=True)
-    draft = lambda k: {"model": DRAFT, "num_speculative_tokens": k}  # noqa: E731
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-             "prompt_lookup_min": 2}  # fmt: skip
-    # the default: speculation off above batch args.disable_above (a batch-64 step is no
-    # longer launch-bound, so verifying 1 + k rows per request costs more than it saves)
-    off = {"disable_by_batch_size": args.disable_above}
-    above = f"off above batch {args.disable_above}"
-    rounds = {"num_rounds": args.rounds}  # verifies per scheduler round trip
-    configs = [
-        ("no speculation", None, PROMPTS),
-        (f"draft k=3, {above}", draft(3) | off, PROMPTS),
-        (f"draft k=3, {args.rounds} rounds, {above}", draft(3) | rounds | off, PROMPTS),
-        ("no speculation, copy prompts", None, COPY_PROMPTS),
-        (f"ngram k=4, {above}, copy prompts", ngram | off, COPY_PROMPTS),
-        (f"ngram k=4, {args.rounds} rounds, {above}, copy prompts", ngram | rounds | off,
-         COPY_PROMPTS),
-        (f"ngram k=4, {args.rounds} rounds, always, copy prompts", ngram | rounds, COPY_PROMPTS),
-        ("draft k=3, always", draft(3), PROMPTS),
-        (f"draft k=2, {args.rounds} rounds, {above}", draft(2) | rounds | off, PROMPTS),
-        (f"draft k=5, {above}", draft(5) | off, PROMPTS),
-    ]  # fmt: skip
-    if args.smoke:
-        configs = [configs[0], configs[2], configs[5]]
-    elif args.quick:  # the issue's rows, for a short device budget
-        configs = configs[:7]
-    rows = [run_config(str(target), name, spec, prompts) for name, spec, prompts in configs]
+    rows = []
+    for name, spec, prompt_sets in configs(args):
+        rows += run_config(str(target), name, spec, prompt_sets)
     add_ratios(rows)
-    header = ["config", "batch1_ms_per_token", "batch1_speedup", "batch64_tok_s",
-              "batch64_vs_plain", "acceptance_rate",
-              "mean_accepted_length", "num_draft_tokens", "num_accepted_tokens"]  # fmt: skip
+    header = ["config", "prompts", "batch1_ms_per_token", "batch1_speedup", "batch64_tok_s",
+              "batch64_vs_plain", "acceptance_rate", "mean_accepted_length",
+              "num_draft_tokens", "num_accepted_tokens"]  # fmt: skip
     lines = [
         f"## Speculative decoding, {datetime.datetime.now():%Y-%m-%d %H:%M} (issue 12)",
         "",
@@ -189,7 +209,7 @@ def main() -> None:
         f"parameters, best val loss {training.get('best_val_loss')}, "
         f"{training.get('steps_run')} steps in {training.get('wall_s')} s), bf16; draft: the "
         "embedded 4M model. Batch 1: greedy, 256 tokens, median over the prompts; batch 64: "
-        "64 x 256 tokens.",
+        "64 x 256 tokens, median of 3 runs.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),

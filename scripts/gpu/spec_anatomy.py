@@ -253,8 +253,9 @@ def descendants(event):  # noqa: ANN001, ANN201
 def graph_checks(runner: ModelRunner, batch: int, k: int) -> list[str]:
     """The target's decode graph for the last verify (batch * (1 + k) rows) against its
     forward run eagerly on the same inputs (the same fed tokens, restored in between; KV
-    writes are idempotent), and the draft chain's graph against the chain run eagerly from
-    the same start record (its proposals)."""
+    writes are idempotent), and the draft chain's graphs (from the host's start record, and
+    from the verify's samples) against the chain run eagerly from the same start (its
+    proposals)."""
     lines = []
     step = runner.decode_step
     if step is None or not step.graphs:
@@ -282,6 +283,16 @@ def graph_checks(runner: ModelRunner, batch: int, k: int) -> list[str]:
             chain.forward(size)  # at the model's length, as captured
         same = bool((graph_drafts == chain.proposals[:size]).all())
         lines.append(f"draft chain ({size} rows, k={k}): graph vs eager drafts equal: {same}")
+    if chain is not None and chain.graphs_after_verify and step is not None:
+        size = chain.padded_size(batch)
+        with torch.inference_mode():  # its start from the target's last verify, in the graph
+            chain.graphs_after_verify[size].replay()
+            graph_drafts = chain.proposals[:size].clone()
+            chain.start_after_verify(step, size)
+            chain.forward(size)
+        same = bool((graph_drafts == chain.proposals[:size]).all())
+        lines.append(f"draft chain after the verify ({size} rows): graph vs eager drafts "
+                     f"equal: {same}")  # fmt: skip
     return lines
 
 

@@ -36,7 +36,7 @@ from pagedserve.actors.messages import (
     StepResult,
     TokenLogprobs,
 )
-from pagedserve.actors.scheduler import admission, decode_path
+from pagedserve.actors.scheduler import admission, decode_path, speculation
 from pagedserve.actors.scheduler.block_manager import BlockManager
 from pagedserve.actors.scheduler.columns import RequestColumns
 from pagedserve.actors.scheduler.decode_path import StepRecord
@@ -77,6 +77,7 @@ class Scheduler:
         self.spec = config.speculative_config
         # KV slots a step's proposer writes past the step's tokens (a draft model's decodes)
         self.lookahead = 0 if self.spec is None else self.spec.lookahead_slots
+        self._speculate = False  # whether the last plan speculated
         self.pipelined = config.pipeline_parallel_size > 1
 
     # ------------------------------------------------------------------ requests in and out
@@ -132,7 +133,11 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> StepPlan | None:
-        speculate = self._speculating()
+        speculate = speculation.speculating(self.config, len(self.running), len(self.waiting))
+        if self._speculate and not speculate:  # proposals for steps that will not verify them
+            for req in self.running:
+                req.draft_token_ids = []
+        self._speculate = speculate
         plan = StepPlan(
             step_id=self.next_step_id, cached_requests=CachedRequestData(), propose=speculate
         )
@@ -140,7 +145,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = plan_capacity(self.config, len(self.running) + len(self.waiting))
         planned = None
-        if self.running and self.spec is None and not self.pipelined:
+        if self.running and not speculate and not self.pipelined:
             planned = decode_path.plan_running(self, plan, record, budget, cap)
         budget, preempted = planned or self._schedule_running(plan, budget, cap)
         if not preempted:  # a step that preempts admits nobody
@@ -157,13 +162,6 @@ class Scheduler:
         self.next_step_id += 1
         self.counters.num_steps += 1
         return plan
-
-    def _speculating(self) -> bool:
-        """Whether this step verifies drafts and asks for new ones."""
-        if self.spec is None:
-            return False
-        limit = self.spec.disable_by_batch_size
-        return limit is None or len(self.running) <= limit
 
     def running_rows(self) -> np.ndarray:
         """The rows of the running requests, in their order."""
@@ -182,8 +180,10 @@ class Scheduler:
                 # with its result
                 continue
             n = self._num_to_schedule(req, budget)
-            drafts = self._drafts(req, n, budget) if plan.propose else []
-            slots = self._slots(req.num_computed_tokens, n + len(drafts))
+            drafts = []
+            if plan.propose:
+                drafts = speculation.drafts_to_verify(req, n, budget, self.max_len)
+            slots = self._slots(req.num_computed_tokens, n + len(drafts), plan.propose)
             while n and not self.block_manager.can_append(req, slots):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
@@ -206,7 +206,7 @@ class Scheduler:
             cached = [] if req.prompt_logprobs else self.block_manager.find_cached_prefix(req)
             num_hit = len(cached) * self.block_size
             n = min(req.num_tokens - num_hit, budget)
-            slots = num_hit + self._slots(num_hit, n)
+            slots = num_hit + self._slots(num_hit, n, plan.propose)
             if not self.block_manager.can_allocate(cached, slots):
                 return
             self.block_manager.allocate(req, cached, slots)
@@ -219,10 +219,10 @@ class Scheduler:
             self._add_to_plan(plan, req, n, [], [])
             budget -= n
 
-    def _slots(self, num_computed: int, n: int) -> int:
-        """KV slots past `num_computed` to hold for `n` more tokens: with the proposer's
-        lookahead, within the most a request may hold."""
-        if not self.lookahead:
+    def _slots(self, num_computed: int, n: int, speculate: bool) -> int:
+        """KV slots past `num_computed` to hold for `n` more tokens: in a step that
+        speculates, with the proposer's lookahead, within the most a request may hold."""
+        if not (self.lookahead and speculate):
             return n
         return max(n, min(n + self.lookahead, self.max_len - num_computed))
 
@@ -234,17 +234,6 @@ class Scheduler:
         if need > budget:
             return budget
         return need if num_tokens < req.limit else 0
-
-    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
-        """The drafts a decode of `req` verifies: its proposals, as many as the budget and the
-        tokens it may still emit (after the one the step samples anyway) allow."""
-        if n != 1 or not req.draft_token_ids:
-            return []
-        room = min(budget, self.max_len - req.num_tokens) - 1
-        max_tokens = req.sampling.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - req.num_output_tokens - 1)
-        return req.draft_token_ids[: max(room, 0)]
 
     def _add_to_plan(
         self, plan: StepPlan, req: Request, n: int, new_blocks: list[int], drafts: list[int]
@@ -275,8 +264,9 @@ class Scheduler:
         req.num_sent_tokens = req.num_tokens
         plan.scheduled.append(req.handle)
         plan.num_scheduled_tokens.append(n)
-        if self.spec is not None:
+        if plan.propose:
             plan.spec_token_ids.append(drafts)
+        if self.spec is not None:
             req.draft_token_ids, req.num_drafts_in_flight = [], len(drafts)
         if req.num_computed_tokens + n == req.num_tokens_with_inflight + len(drafts):
             req.num_inflight += 1  # this chunk ends in a sampled token
@@ -329,21 +319,26 @@ class Scheduler:
         logprobs = result.logprobs or [None] * len(result.sampled_token_ids)
         sampling = dict(zip(record.handles, record.requests))  # the requests the step samples
         grammar_done = set(result.grammar_done)
-        verified = result.num_drafts_verified or [None] * len(result.handles)
-        verifies = result.num_verifies or [1] * len(result.handles)
-        start = 0
+        start = verify_start = 0
         for i, (handle, count) in enumerate(zip(result.handles, counts)):
             tokens = result.sampled_token_ids[start : start + count]
             token_logprobs = logprobs[start : start + count]
             start += count
             req = sampling.pop(handle, None)
+            first_verify = verify_start
+            verify_start += result.num_verifies[i] if result.num_verifies else 0
             if req is None or req.status is RequestStatus.FINISHED:
                 continue  # finished or aborted meanwhile (or a handle the step did not sample)
             req.num_inflight -= 1
-            if req.num_drafts_in_flight or verifies[i] > 1:
-                self._settle_drafts(req, len(tokens), verified[i], verifies[i])
-            outputs.append(self._append_tokens(req, tokens, token_logprobs, handle in grammar_done))
-            if result.draft_token_ids and req.status is RequestStatus.RUNNING:
+            verifies = speculation.verifies_of(
+                result, i, first_verify, req.num_drafts_in_flight, count
+            )
+            if req.num_drafts_in_flight or len(verifies) > 1:
+                self._roll_back_drafts(req, count)
+            output = self._append_tokens(req, tokens, token_logprobs, handle in grammar_done)
+            speculation.count_verifies(self.counters, verifies, len(output.new_token_ids))
+            outputs.append(output)
+            if result.draft_token_ids and self._takes_proposals(req):
                 req.draft_token_ids = result.draft_token_ids[i]
         return outputs
 
@@ -369,14 +364,15 @@ class Scheduler:
         use_lp = req.sampling.logprobs is not None and all(lp is not None for lp in logprobs)
         return req.output(kept, logprobs[: len(kept)] if use_lp else None)  # type: ignore[arg-type]
 
-    def _settle_drafts(self, req: Request, emitted: int, verified: int | None, n: int) -> None:
-        """Count the verified drafts (with rounds, the worker's count) and roll the rejected
-        ones' KV back: every emitted token but the last is computed. n: verifies."""
-        drafts, req.num_drafts_in_flight, counters = req.num_drafts_in_flight, 0, self.counters
-        counters.spec_num_drafts += n
-        counters.spec_num_draft_tokens += drafts if verified is None else verified
-        counters.spec_num_accepted_tokens += emitted - n
-        counters.spec_num_emitted_tokens += emitted
+    def _takes_proposals(self, req: Request) -> bool:
+        """Whether its proposals from a result are for its next plan: it runs, no plan has
+        scheduled it since (that step emits the token they would follow), and steps
+        speculate."""
+        return req.status is RequestStatus.RUNNING and not req.num_inflight and self._speculate
+
+    def _roll_back_drafts(self, req: Request, emitted: int) -> None:
+        """The KV of its rejected drafts: every emitted token but the last is computed."""
+        drafts, req.num_drafts_in_flight = req.num_drafts_in_flight, 0
         if req.status is RequestStatus.RUNNING:
             req.num_computed_tokens -= drafts - (emitted - 1)
 

@@ -15,7 +15,9 @@ The start record comes from the host (`stage`, any step), or, after a verify ste
 a decode step, from the device (`start_after_verify`): a request's accepted drafts are the
 longest prefix equal to the target's samples at their rows, so P and both tokens follow from
 the verify's inputs and samples without a host round trip. Static buffers are shared by both
-ways and by the CPU (where the chain runs eagerly), so the CPU tests run the same code.
+ways and by the CPU (where the chain runs eagerly), so the CPU tests run the same code. On a
+GPU the start from the verify is captured with the chain (a second graph per size): its
+gathers and compares would otherwise be ~16 eager launches per step.
 """
 
 from __future__ import annotations
@@ -97,38 +99,54 @@ class DraftChain:
         self.proposals = torch.zeros(max_seqs, k, dtype=torch.int64, device=device)
         self.offsets = torch.arange(k + 1, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # the chain with its start from a verify on the target's decode step: one graph each
+        self.graphs_after_verify: dict[int, torch.cuda.CUDAGraph] = {}
 
     def padded_size(self, batch: int) -> int:
         if not self.graphs:
             return batch
         return min(size for size in self.graphs if size >= batch)
 
-    def capture(self) -> None:
-        """One graph of the whole chain per size in capture_sizes (largest first, one pool);
-        captured on the start buffers' initial contents (no blocks: no KV written)."""
+    def capture(self, target: DecodeStep) -> None:
+        """Per size in capture_sizes (largest first, one pool), one graph of the whole chain
+        and one of the chain started from a verify run on `target` (start_after_verify
+        first); captured on the start buffers' initial contents (no blocks: no KV written)."""
         pool = None
         for index, size in enumerate(sorted(capture_sizes(self.max_seqs), reverse=True)):
-            for _ in range(2 if index == 0 else 1):
-                self.forward(size)
-            torch.cuda.synchronize(self.step.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.forward(size)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[size] = graph
+            for graphs, after in ((self.graphs, None), (self.graphs_after_verify, target)):
+                for _ in range(2 if index == 0 else 1):
+                    self._forward_from(after, size)
+                torch.cuda.synchronize(self.step.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward_from(after, size)
+                pool = graph.pool() if pool is None else pool
+                graphs[size] = graph
         torch.cuda.synchronize(self.step.device)
-        logger.info("captured %d draft-chain graphs (k=%d)", len(self.graphs), self.k)
+        logger.info("captured %d draft-chain graphs (k=%d)", 2 * len(self.graphs), self.k)
 
-    def run(self, size: int, max_seq_len: int) -> torch.Tensor:
+    def drop_graphs(self) -> None:
+        """Run eagerly from now on (a capture failed)."""
+        self.graphs.clear()
+        self.graphs_after_verify.clear()
+
+    def run(self, size: int, max_seq_len: int, after: DecodeStep | None = None) -> torch.Tensor:
         """The chain over the start record's first `size` rows, none of whose contexts
         exceeds max_seq_len (run eagerly, the attention reads that far; a graph was captured
-        at the model's length); proposals [size, k] (device)."""
-        graph = self.graphs.get(size)
+        at the model's length); with `after`, its start first completed from the verify just
+        run on that decode step (start_after_verify). Proposals [size, k] (device)."""
+        graph = (self.graphs if after is None else self.graphs_after_verify).get(size)
         if graph is None:
-            self.forward(size, min(max_seq_len, self.step.max_model_len))
+            self._forward_from(after, size, min(max_seq_len, self.step.max_model_len))
         else:
             graph.replay()
         return self.proposals[:size]
+
+    def _forward_from(self, after: DecodeStep | None, size: int, max_seq_len: int | None = None
+                      ) -> None:  # fmt: skip
+        if after is not None:
+            self.start_after_verify(after, size)
+        self.forward(size, max_seq_len)
 
     def forward(self, size: int, max_seq_len: int | None = None) -> None:
         """The pair step, then k - 1 single steps, each fed the previous argmax; contexts up

@@ -82,6 +82,8 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
+        # its length once max_tokens are out (max_model_len without max_tokens)
+        self.length_limit = np.zeros(max_num_reqs, np.int64)
         max_blocks = cdiv(self.token_capacity, block_size)
         self.block_table = torch.zeros((max_num_reqs, max_blocks), dtype=torch.int32)
         self.block_table_np = self.block_table.numpy()
@@ -108,6 +110,9 @@ class InputBatch:
         self.num_tokens[row] = num_tokens
         self.num_prompt_tokens[row] = data.num_prompt_tokens
         self.num_computed_tokens[row] = data.num_computed_tokens
+        max_tokens, most = data.sampling.max_tokens, self.token_capacity - 1
+        limit = most if max_tokens is None else min(data.num_prompt_tokens + max_tokens, most)
+        self.length_limit[row] = limit
         self.num_blocks[row] = 0
         self.append_block_ids(row, data.block_ids)
         self.sampling.set_row(row, data.sampling)

@@ -279,6 +279,8 @@ class ModelRunner(StaticPaths):
         for handle, drafts in zip(plan.scheduled, plan.spec_token_ids):
             if drafts:
                 batch.write_drafts(batch.row_of[handle], drafts)
+        if self.proposer is not None and self.proposer.coverage is not None:
+            self.proposer.coverage.track(plan, batch)  # a draft model's KV cache
 
     def _needs_host_tokens(self, plan: StepPlan) -> bool:
         if not self.input_batch.penalty_rows:  # the usual case: no lookups per step

@@ -17,7 +17,8 @@ Proposers, behind the small `Proposer` protocol (EAGLE heads or MTP layers would
   longest suffix n-gram (prompt_lookup_max down to prompt_lookup_min), from its own tokens.
 - a draft model with the target's vocabulary, run by the same worker on its own paged KV cache
   (the target's block tables and slots; the scheduler holds k lookahead slots for it). It reads
-  every step's tokens (`observe`, its KV follows the target's), then greedily decodes k drafts
+  every speculative step's tokens (`observe`, its KV follows the target's; after steps
+  without speculation it catches up first: draft_kv.py), then greedily decodes k drafts
   from the request's last token in one chain on the device (draft_chain.py: one CUDA graph on
   a GPU); after a verify step run as a decode step, the chain starts from the verify's
   samples on the device, so the step has one device-to-host sync (verify_step.py).
@@ -34,6 +35,7 @@ from torch import nn
 
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.draft_chain import DraftChain, StartViews
+from pagedserve.actors.worker.draft_kv import DraftCoverage
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.step_inputs import StepInputs
 from pagedserve.config import EngineConfig, SpeculativeConfig
@@ -50,6 +52,9 @@ def num_accepted(drafts: list[int], sampled: list[int]) -> int:
 
 
 class Proposer(Protocol):
+    # a model's KV cache of its own: what it holds (draft_kv.py); None: no cache
+    coverage: DraftCoverage | None
+
     def observe(self, inputs: StepInputs) -> None:
         """See the step's input tokens (a model-based proposer runs over them)."""
 
@@ -69,6 +74,7 @@ class NgramProposer:
     def __init__(self, spec: SpeculativeConfig) -> None:
         self.k = spec.num_speculative_tokens
         self.min_n, self.max_n = spec.prompt_lookup_min, spec.prompt_lookup_max
+        self.coverage = None
 
     def observe(self, inputs: StepInputs) -> None:
         pass
@@ -81,23 +87,20 @@ class NgramProposer:
 
     def lookup(self, tokens: np.ndarray) -> list[int]:
         """The k tokens after the latest earlier occurrence of the longest suffix n-gram
-        (prompt_lookup_max down to prompt_lookup_min): every earlier position holding the last
-        token is a candidate end, its match length grown one token back at a time."""
-        longest = min(self.max_n, len(tokens) - 1)
-        ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if longest >= self.min_n else []
-        if not len(ends):
-            return []
-        length = np.ones(len(ends), np.int64)
-        alive = np.ones(len(ends), bool)
-        for back in range(1, longest):
-            alive &= ends >= back
-            alive[alive] = tokens[ends[alive] - back] == tokens[-1 - back]
-            length += alive
-        best = int(length.max())
-        if best < self.min_n:
-            return []
-        end = int(ends[length == best][-1])
-        return tokens[end + 1 : end + 1 + self.k].tolist()
+        (prompt_lookup_max down to prompt_lookup_min): a byte search (bytes.rfind) of the
+        suffix's int32 bytes in those of the tokens before the last, where a match counts
+        only if it starts on a token (a few µs, where numpy's calls cost tens)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        earlier = tokens[:-1].tobytes()
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:].tobytes()
+            end = len(earlier)
+            while (at := earlier.rfind(suffix, 0, end)) >= 0:
+                if at % 4 == 0:
+                    start = at // 4 + n
+                    return tokens[start : start + self.k].tolist()
+                end = at + len(suffix) - 1  # a match across tokens: look before it
+        return []
 
 
 class DraftModelProposer:
@@ -112,7 +115,8 @@ class DraftModelProposer:
         sampled = torch.zeros(rows, dtype=torch.int64, device=device)
         step = DecodeStep(self.model, sampled, rows, config.max_model_len, config.block_size)  # type: ignore[arg-type]
         self.chain = DraftChain(step, self.k, config.max_num_seqs)
-        self.block_size = config.block_size
+        self.block_size, self.max_rows = config.block_size, config.max_num_seqs
+        self.coverage: DraftCoverage | None = None  # bind_kv_cache
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[layers, 2, *one layer's cache] of the draft's own cache, in the target's layout."""
@@ -122,9 +126,10 @@ class DraftModelProposer:
         )
         return (len(self.layers), 2, *per_layer)
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    def bind_kv_cache(self, kv_cache: torch.Tensor, num_blocks: int) -> None:
         for index, layer in enumerate(self.layers):
             layer.k_cache, layer.v_cache = kv_cache[index, 0], kv_cache[index, 1]
+        self.coverage = DraftCoverage(self.max_rows, num_blocks, self.block_size)
 
     @torch.inference_mode()
     def observe(self, inputs: StepInputs) -> None:
@@ -155,9 +160,8 @@ class DraftModelProposer:
         host.fields["verify_row"][: len(rows)] = verify_rows
         host.fields["num_drafts"][: len(rows)] = num_drafts
         self.chain.start.send(size)
-        self.chain.start_after_verify(target, size)
         longest = int((batch.num_tokens[rows] + num_drafts).max()) + self.k
-        return self.chain.run(size, longest)[: len(rows)]
+        return self.chain.run(size, longest, after=target)[: len(rows)]
 
     def _stage(self, batch: InputBatch, rows: np.ndarray) -> tuple[StartViews, int]:
         """The start record's staging views with the rows' blocks, and the chain's size."""

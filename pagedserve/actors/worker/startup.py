@@ -26,7 +26,6 @@ import torch
 from pagedserve.actors.messages import NewRequestData, SamplingParams, StepPlan
 from pagedserve.actors.worker.cpu_tuning import advise_huge_pages
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
-from pagedserve.actors.worker.draft_chain import DraftChain
 from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.actors.worker.speculative import DraftModelProposer
 from pagedserve.kernels import compile_ahead
@@ -74,7 +73,8 @@ def init_kv_cache(runner: ModelRunner, blocks: int) -> None:
     draft = runner.proposer
     if isinstance(draft, DraftModelProposer):  # the draft model's own cache, same blocks
         draft_shape = draft.kv_cache_shape(blocks)
-        draft.bind_kv_cache(torch.zeros(draft_shape, dtype=draft.dtype, device=runner.device))
+        cache = torch.zeros(draft_shape, dtype=draft.dtype, device=runner.device)
+        draft.bind_kv_cache(cache, blocks)
     runner.timed("kv_cache", start)
     if runner.device.type == "cuda":
         start = time.perf_counter()
@@ -165,16 +165,17 @@ def _build_decode_step(runner: ModelRunner) -> None:
     graphs_apply = runner.attention_backend.graph_safe and not runner.config.enforce_eager
     if runner.device.type != "cuda" or not graphs_apply:
         return
-    steps: list[DecodeStep | DraftChain] = [step]
-    if isinstance(runner.proposer, DraftModelProposer):
-        steps.append(runner.proposer.chain)  # the draft's k decodes as one graph per size
-    for decode_step in steps:
+    captures = [(step.capture, step.graphs.clear)]
+    if isinstance(runner.proposer, DraftModelProposer):  # the draft's k decodes as graphs
+        chain = runner.proposer.chain
+        captures.append((lambda: chain.capture(step), chain.drop_graphs))
+    for capture, drop in captures:
         try:
             with torch.inference_mode():
-                decode_step.capture()
+                capture()
         except Exception:
             logger.exception("CUDA graph capture failed; decode steps run eagerly")
-            decode_step.graphs.clear()
+            drop()
     # a short prompt's chunk replays a decode graph rather than the eager prefill launches
     runner.static_prefill = bool(step.graphs) and runner.link is None
     if runner.static_prefill:

@@ -40,10 +40,23 @@ Samples = tuple[list[int], list[int], list[int], list[TokenLogprobs | None] | No
 
 
 def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
-    batch = runner.input_batch
+    batch, proposer = runner.input_batch, runner.proposer
+    assert proposer is not None
     if not plan.scheduled:
         return StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     rows = np.fromiter((batch.row_of[h] for h in plan.scheduled), np.int64)
+    coverage = proposer.coverage
+    if coverage is None:
+        return _rounds(runner, plan, rows)
+    coverage.catch_up(runner.inputs, proposer.observe, plan.scheduled, rows)
+    result = _rounds(runner, plan, rows)
+    coverage.covered(batch, rows)
+    return result
+
+
+def _rounds(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> StepResult:
+    """The step's verify, and with num_rounds further verifies of its own proposals."""
+    batch = runner.input_batch
     drafts = plan.spec_token_ids or [[] for _ in plan.scheduled]
     result, decode_shaped = _round(runner, plan, plan.num_scheduled_tokens, rows, drafts)
     spec = runner.config.speculative_config
@@ -97,12 +110,15 @@ def _round(
 def _within_room(
     runner: ModelRunner, rows: np.ndarray, proposals: list[list[int]]
 ) -> list[list[int]] | None:
-    """The proposals of another round, cut to the KV blocks each request holds and the
-    model's length; None when some request has no room for even its own next token."""
+    """The proposals of another round, cut to the KV blocks each request holds and to its
+    length limit (max_tokens, the model's length): a round emits at most 1 + drafts tokens;
+    None when some request has no room for even its own next token (it has ended)."""
     batch, max_len = runner.input_batch, runner.config.max_model_len
     assert max_len is not None
+    num_tokens = batch.num_tokens[rows]
     capacity = batch.num_blocks[rows] * runner.block_size
-    room = np.minimum(capacity - batch.num_tokens[rows], max_len - 1 - batch.num_tokens[rows])
+    limit = np.minimum(batch.length_limit[rows], max_len)
+    room = np.minimum(capacity - num_tokens, limit - 1 - num_tokens)
     if (room < 0).any():
         return None
     return [proposed[: int(r)] for proposed, r in zip(proposals, room)]
@@ -110,8 +126,8 @@ def _within_room(
 
 def _merged(rounds: list[StepResult], drafts: list[list[list[int]]]) -> StepResult:
     """One result of several rounds (every request samples in each, in the same order): each
-    request's tokens and logprobs round after round, its verified drafts and verifies, and the
-    last round's proposals."""
+    request's tokens and logprobs round after round, each verify's drafts and emitted count,
+    and the last round's proposals."""
     first, last = rounds[0], rounds[-1]
     merged = StepResult(step_id=first.step_id, handles=first.handles, sampled_token_ids=[],
                         draft_token_ids=last.draft_token_ids)  # fmt: skip
@@ -124,8 +140,9 @@ def _merged(rounds: list[StepResult], drafts: list[list[list[int]]]) -> StepResu
             if merged.logprobs is not None and result.logprobs is not None:
                 merged.logprobs += result.logprobs[start : start + count]
             offsets[r] += count
+            merged.verify_drafts.append(len(drafts[r][i]))
+            merged.verify_emitted.append(count)
         merged.num_sampled.append(sum(result.num_sampled[i] for result in rounds))
-        merged.num_drafts_verified.append(sum(len(d[i]) for d in drafts))
         merged.num_verifies.append(len(rounds))
     return merged
 
