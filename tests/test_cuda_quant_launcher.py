@@ -193,7 +193,7 @@ def test_fp8_operand_checks(change: object, message: str) -> None:
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 9, 16])
 def test_plans_tile_k_and_fit_at_model_shapes(scheme: str, m: int) -> None:
     for n, k in (*LLAMA, *QWEN3):
-        plan = cuda_quant.plan_gemv(scheme, m, n, k, 132)
+        plan = cuda_quant.plan_gemv(scheme, m, n, k, 132, cuda_quant.DEFAULTS[scheme])
         assert plan is not None, (n, k)
         assert 1 <= plan.splits <= cuda_quant.MAX_SPLITS
         assert plan.k_per_split % cuda_quant.STEP_K == 0
@@ -204,6 +204,17 @@ def test_plans_tile_k_and_fit_at_model_shapes(scheme: str, m: int) -> None:
         warps = -(-n // cuda_quant.TILE_N) * plan.splits
         # enough warps for the SMs, unless K has no more steps to split or 8 is the limit
         assert warps >= 132 * 8 or plan.splits == min(8, k // cuda_quant.STEP_K), (n, k, plan)
+
+
+def test_the_tuned_configs_launch() -> None:
+    """Every QUANT_CUDA_TUNED entry is a valid config with a plan for its bucket's largest M,
+    and the planner takes it for that shape."""
+    for (sms, scheme, bucket, n, k), config in cuda_quant.QUANT_CUDA_TUNED.items():
+        cuda_quant.check_config(config)
+        assert cuda_quant.plan_gemv(scheme, bucket, n, k, sms) == cuda_quant.plan_gemv(
+            scheme, bucket, n, k, sms, config
+        )
+        assert cuda_quant.plan_gemv(scheme, bucket, n, k, sms) is not None
 
 
 def test_a_forced_config_is_the_launch() -> None:
@@ -315,6 +326,7 @@ def test_int_layers_run_the_cuda_gemv_where_enabled_and_taken(
 def test_fp8_layers_run_the_cuda_gemv_where_enabled_and_taken(
     monkeypatch: pytest.MonkeyPatch, enabled: bool, takes: bool
 ) -> None:
+    monkeypatch.setattr(cuda_quant, "ENGINE_SCHEMES", frozenset(cuda_quant.SCHEMES))
     calls: list[str] = []
     monkeypatch.setattr(cuda_quant, "fp8_weight_supported", lambda x, wq, s, b: takes)
     monkeypatch.setattr(cuda_quant, "fp8_weight_gemv", lambda x, wq, s, b: calls.append("cuda"))
@@ -324,6 +336,39 @@ def test_fp8_layers_run_the_cuda_gemv_where_enabled_and_taken(
     wq, scale = _fp8()
     method.apply(types.SimpleNamespace(qweight=wq, weight_scale=scale), _x(), None)  # type: ignore[arg-type]
     assert calls == ["cuda" if enabled and takes else "triton"]
+
+
+def test_the_engine_takes_the_cuda_gemv_for_the_integer_schemes_only() -> None:
+    """What measured fastest in the engine (W3): int4 / int8 on the CUDA GEMV, fp8 on Triton's."""
+    assert cuda_quant.engine_takes("int4") and cuda_quant.engine_takes("int8")
+    assert not cuda_quant.engine_takes("fp8")
+    with pytest.raises(ValueError, match="unknown scheme"):
+        cuda_quant.engine_takes("int3")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_schemes_the_engine_does_not_take_run_triton(
+    monkeypatch: pytest.MonkeyPatch, bits: int
+) -> None:
+    """Enabled and taken, but outside ENGINE_SCHEMES: Triton's GEMV (fp8 by default)."""
+    monkeypatch.setattr(cuda_quant, "ENGINE_SCHEMES", frozenset({"int4", "int8"} - {f"int{bits}"}))
+    monkeypatch.setattr(cuda_quant, "int_weight_supported", lambda x, w, b: True)
+    monkeypatch.setattr(cuda_quant, "fp8_weight_supported", lambda x, wq, s, b: True)
+    calls: list[str] = []
+    for module in (cuda_quant, triton_quant):
+        tag = "cuda" if module is cuda_quant else "triton"
+        monkeypatch.setattr(module, "int_weight_gemv", lambda x, w, b, t=tag: calls.append(t))
+        monkeypatch.setattr(module, "fp8_weight_gemv", lambda x, wq, s, b, t=tag: calls.append(t))
+    method = IntWeightLinearMethod(IntScheme(bits, 128, False, "float"), _layer_config(True))
+    method.group_size = 128
+    w = _bf16(_int_weight(bits=bits))
+    layer = types.SimpleNamespace(qweight=w.qweight, scales=w.scales, zeros=w.zeros, perm=None)
+    method.apply(layer, _x(), None)  # type: ignore[arg-type]
+    wq, scale = _fp8()
+    Fp8LinearMethod(Fp8Scheme("float"), _layer_config(True)).apply(
+        types.SimpleNamespace(qweight=wq, weight_scale=scale), _x(), None  # type: ignore[arg-type]
+    )
+    assert calls == ["triton", "triton"]
 
 
 def test_the_loader_enables_the_cuda_gemv_only_for_quantized_cuda_models(

@@ -88,8 +88,102 @@ class GemvPlan:
 DEFAULTS = {"int4": GemvConfig(4, None, 4), "int8": GemvConfig(4, None, 2),
             "fp8": GemvConfig(4, None, 2)}  # fmt: skip
 # (SM count, scheme, M bucket (8: M <= 8, else 16), N, K) -> the fastest config measured by
-# scripts/gpu/check_quant_cuda.py (its literal): none measured yet
-QUANT_CUDA_TUNED: dict[tuple[int, str, int, int, int], GemvConfig] = {}
+# scripts/gpu/check_quant_cuda.py (its literal; scripts/results/session9/call2_quant_cuda.md:
+# H200, 132 SMs)
+QUANT_CUDA_TUNED: dict[tuple[int, str, int, int, int], GemvConfig] = {
+    # llama8b qkv 6144x4096 fp8 M=4: 18.6 -> 14.2 µs
+    (132, "fp8", 8, 6144, 4096): GemvConfig(8, 4, 2),
+    # llama8b qkv 6144x4096 fp8 M=16: 26.4 -> 19.2 µs
+    (132, "fp8", 16, 6144, 4096): GemvConfig(8, 4, 2),
+    # llama8b qkv 6144x4096 int8 M=4: 20.1 -> 16.6 µs
+    (132, "int8", 8, 6144, 4096): GemvConfig(8, 4, 2),
+    # llama8b qkv 6144x4096 int8 M=16: 29.4 -> 22.3 µs
+    (132, "int8", 16, 6144, 4096): GemvConfig(8, 4, 2),
+    # llama8b qkv 6144x4096 int4 M=4: 17.3 -> 14.1 µs
+    (132, "int4", 8, 6144, 4096): GemvConfig(8, 4, 2),
+    # llama8b qkv 6144x4096 int4 M=16: 26.3 -> 19.4 µs
+    (132, "int4", 16, 6144, 4096): GemvConfig(8, 4, 4),
+    # llama8b o_proj 4096x4096 fp8 M=16: 21.9 -> 18.1 µs
+    (132, "fp8", 16, 4096, 4096): GemvConfig(4, 4, 2),
+    # llama8b o_proj 4096x4096 int8 M=1: 16.4 -> 13.5 µs
+    (132, "int8", 8, 4096, 4096): GemvConfig(4, 4, 2),
+    # llama8b o_proj 4096x4096 int8 M=16: 24.0 -> 20.7 µs
+    (132, "int8", 16, 4096, 4096): GemvConfig(4, 4, 2),
+    # llama8b o_proj 4096x4096 int4 M=4: 15.2 -> 12.0 µs
+    (132, "int4", 8, 4096, 4096): GemvConfig(4, 4, 4),
+    # llama8b o_proj 4096x4096 int4 M=16: 21.8 -> 17.7 µs
+    (132, "int4", 16, 4096, 4096): GemvConfig(4, None, 2),
+    # llama8b gate_up 28672x4096 fp8 M=1: 47.1 -> 34.1 µs
+    (132, "fp8", 8, 28672, 4096): GemvConfig(8, 1, 2),
+    # llama8b gate_up 28672x4096 fp8 M=16: 73.5 -> 56.2 µs
+    (132, "fp8", 16, 28672, 4096): GemvConfig(8, 2, 4),
+    # llama8b gate_up 28672x4096 int8 M=4: 54.5 -> 43.2 µs
+    (132, "int8", 8, 28672, 4096): GemvConfig(8, 1, 2),
+    # llama8b gate_up 28672x4096 int8 M=16: 88.1 -> 67.6 µs
+    (132, "int8", 16, 28672, 4096): GemvConfig(8, 2, 2),
+    # llama8b gate_up 28672x4096 int4 M=4: 45.0 -> 34.7 µs
+    (132, "int4", 8, 28672, 4096): GemvConfig(8, 1, 4),
+    # llama8b gate_up 28672x4096 int4 M=16: 74.6 -> 57.0 µs
+    (132, "int4", 16, 28672, 4096): GemvConfig(8, 2, 4),
+    # llama8b down 4096x14336 fp8 M=16: 49.2 -> 42.9 µs
+    (132, "fp8", 16, 4096, 14336): GemvConfig(8, 8, 2),
+    # llama8b down 4096x14336 int8 M=1: 34.5 -> 32.4 µs
+    (132, "int8", 8, 4096, 14336): GemvConfig(4, 4, 2),
+    # llama8b down 4096x14336 int8 M=16: 58.1 -> 52.1 µs
+    (132, "int8", 16, 4096, 14336): GemvConfig(8, 8, 2),
+    # llama8b down 4096x14336 int4 M=4: 30.8 -> 25.5 µs
+    (132, "int4", 8, 4096, 14336): GemvConfig(4, None, 2),
+    # llama8b down 4096x14336 int4 M=16: 51.2 -> 44.6 µs
+    (132, "int4", 16, 4096, 14336): GemvConfig(8, 8, 4),
+    # qwen0.6b qkv 4096x1024 fp8 M=1: 7.8 -> 6.4 µs
+    (132, "fp8", 8, 4096, 1024): GemvConfig(4, 1, 4),
+    # qwen0.6b qkv 4096x1024 fp8 M=16: 13.9 -> 9.3 µs
+    (132, "fp8", 16, 4096, 1024): GemvConfig(8, 1, 4),
+    # qwen0.6b qkv 4096x1024 int8 M=4: 11.2 -> 7.8 µs
+    (132, "int8", 8, 4096, 1024): GemvConfig(4, 2, 2),
+    # qwen0.6b qkv 4096x1024 int8 M=16: 14.3 -> 10.3 µs
+    (132, "int8", 16, 4096, 1024): GemvConfig(4, 2, 2),
+    # qwen0.6b qkv 4096x1024 int4 M=1: 10.6 -> 6.4 µs
+    (132, "int4", 8, 4096, 1024): GemvConfig(4, 1, 4),
+    # qwen0.6b qkv 4096x1024 int4 M=16: 13.7 -> 9.5 µs
+    (132, "int4", 16, 4096, 1024): GemvConfig(4, 4, 2),
+    # qwen0.6b o_proj 1024x2048 fp8 M=4: 7.1 -> 6.7 µs
+    (132, "fp8", 8, 1024, 2048): GemvConfig(4, None, 4),
+    # qwen0.6b gate_up 6144x1024 fp8 M=1: 12.2 -> 6.9 µs
+    (132, "fp8", 8, 6144, 1024): GemvConfig(4, 1, 4),
+    # qwen0.6b gate_up 6144x1024 fp8 M=16: 17.3 -> 9.6 µs
+    (132, "fp8", 16, 6144, 1024): GemvConfig(8, 1, 4),
+    # qwen0.6b gate_up 6144x1024 int8 M=1: 12.6 -> 8.3 µs
+    (132, "int8", 8, 6144, 1024): GemvConfig(4, 1, 4),
+    # qwen0.6b gate_up 6144x1024 int8 M=16: 17.6 -> 11.1 µs
+    (132, "int8", 16, 6144, 1024): GemvConfig(8, 2, 2),
+    # qwen0.6b gate_up 6144x1024 int4 M=1: 11.9 -> 6.6 µs
+    (132, "int4", 8, 6144, 1024): GemvConfig(4, 1, 4),
+    # qwen0.6b gate_up 6144x1024 int4 M=16: 17.1 -> 9.7 µs
+    (132, "int4", 16, 6144, 1024): GemvConfig(8, 1, 4),
+    # qwen0.6b down 1024x3072 fp8 M=4: 7.7 -> 7.4 µs
+    (132, "fp8", 8, 1024, 3072): GemvConfig(4, None, 4),
+    # qwen0.6b down 1024x3072 fp8 M=16: 10.5 -> 9.7 µs
+    (132, "fp8", 16, 1024, 3072): GemvConfig(8, None, 2),
+    # qwen0.6b down 1024x3072 int8 M=16: 10.8 -> 10.2 µs
+    (132, "int8", 16, 1024, 3072): GemvConfig(8, 8, 2),
+    # qwen0.6b down 1024x3072 int4 M=16: 10.6 -> 9.7 µs
+    (132, "int4", 16, 1024, 3072): GemvConfig(8, 8, 4),
+}
+
+
+# the schemes whose decode products take this kernel in the engine (the quantized linear
+# methods, where LayerConfig.cuda_quant_gemv): what measured fastest in the whole engine (W3,
+# Llama-3.1-8B batch 1, ms/token, session 9: int4 4.03 vs Triton 4.42, int8 4.70 vs 5.63; fp8
+# 3.87 vs Triton's 2.86, so fp8 stays on Triton's GEMV)
+ENGINE_SCHEMES: frozenset[str] = frozenset({"int4", "int8"})
+
+
+def engine_takes(scheme: str) -> bool:
+    """Whether the engine runs `scheme`'s decode products through this kernel (ENGINE_SCHEMES)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}: one of {SCHEMES}")
+    return scheme in ENGINE_SCHEMES
 
 
 def shared_bytes(scheme: str, m: int, k_per_split: int, warps: int, splits: int) -> int:
