@@ -6,10 +6,11 @@ part's channels) and, for static activation scales, one host float (the largest 
 as every part reads the same input).
 
 The product, chosen at construction:
-  * CUDA (config.cuda_quant_gemv: the kernel is built for this device): batches of at most
-    cuda_quant.MAX_ROWS rows (decode) whose operands it takes (`cuda_quant.fp8_weight_supported`)
-    through the CUDA C++ weight-only GEMV (kernels.cuda_quant: W8A16 on the tensor cores, the
-    fp8 weight read once);
+  * CUDA (config.cuda_quant_gemv: the kernel is built for this device, and fp8 in
+    cuda_quant.ENGINE_SCHEMES: where it measured faster than Triton's in the engine): batches
+    of at most cuda_quant.MAX_ROWS rows (decode) whose operands it takes
+    (`cuda_quant.fp8_weight_supported`) through the CUDA C++ weight-only GEMV
+    (kernels.cuda_quant: W8A16, the fp8 weight read once);
   * Triton path (CUDA): the other batches of at most WQ_GEMV_MAX_ROWS rows (decode) through
     the Triton weight-streaming GEMV on the fp8 weight, the activations kept in bf16/fp16
     (W8A16: the weight read is the cost, and quantizing the activations would add launches);
@@ -38,7 +39,7 @@ class Fp8LinearMethod:
     def __init__(self, scheme: Fp8Scheme, config: LayerConfig) -> None:
         self.scheme = scheme
         self.use_triton = config.fused_ops == "triton"
-        self.use_cuda_gemv = config.cuda_quant_gemv
+        self.use_cuda_gemv = config.cuda_quant_gemv and cuda_quant.engine_takes("fp8")
         self.static_input_scale: float | None = None
 
     def create_weights(self, layer: LinearBase, bias: bool) -> None:

@@ -6,7 +6,8 @@ loading it holds the engine's layout as buffers: `qweight`, `scales`, `zeros` an
 (act-order only, else None).
 
 The product, chosen at construction:
-  * CUDA (config.cuda_quant_gemv: the kernel is built for this device): batches of at most
+  * CUDA (config.cuda_quant_gemv: the kernel is built for this device, and the scheme in
+    cuda_quant.ENGINE_SCHEMES: where it measured faster than Triton's): batches of at most
     cuda_quant.MAX_ROWS rows (decode) whose operands it takes (`cuda_quant.int_weight_supported`:
     bf16 / fp16, groups of a multiple of 128 columns, ...) through the CUDA C++ weight-only GEMV
     (kernels.cuda_quant: the weight read once, in its packed form, on the tensor cores);
@@ -43,7 +44,7 @@ class IntWeightLinearMethod:
     def __init__(self, scheme: IntScheme, config: LayerConfig) -> None:
         self.scheme = scheme
         self.use_triton = config.fused_ops == "triton"
-        self.use_cuda_gemv = config.cuda_quant_gemv
+        self.use_cuda_gemv = config.cuda_quant_gemv and cuda_quant.engine_takes(f"int{scheme.bits}")
         self.dtype = config.dtype
         self.group_size = 0  # per layer, set by create_weights
 
