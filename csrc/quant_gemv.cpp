@@ -1,6 +1,6 @@
 // Weight-only quantized GEMV for skinny batches (decode): the torch binding. The kernel, its math
 // and its work split are in quant_gemv.cuh; the launch geometry (warps, splits, k_per_split,
-// unroll, stages) is chosen by the Python launcher (pagedserve/kernels/cuda_quant.py, which also checks
+// unroll) is chosen by the Python launcher (pagedserve/kernels/cuda_quant.py, which also checks
 // every operand before calling here); this unit checks again what the kernel relies on.
 //
 // Build layout: this unit is host C++ only (the one unit that reads torch's headers); the
@@ -76,7 +76,7 @@ void quant_gemv(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scales,
                 std::optional<at::Tensor> zeros, std::optional<at::Tensor> perm,
                 std::optional<at::Tensor> bias, const std::string& scheme_name,
                 int64_t group_size, int64_t warps, int64_t splits, int64_t k_per_split,
-                int64_t unroll, int64_t stages) {
+                int64_t unroll) {
   const pq::Scheme scheme = scheme_of(scheme_name);
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && scales.device() == x.device() &&
                   out.device() == x.device(),
@@ -101,10 +101,8 @@ void quant_gemv(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scales,
                   out.size(1) == n && out.is_contiguous(),
               "out must be [M, N] of x's dtype, contiguous");
   TORCH_CHECK(warps >= 1 && warps <= pq::kMaxWarps && splits >= 1 && splits <= pq::kMaxSplits &&
-                  (unroll == 2 || unroll == 4) &&
-                  (stages == 0 || stages == 4 || stages == 8 || stages == 16),
-              "warps 1..", pq::kMaxWarps, ", splits 1..", pq::kMaxSplits,
-              ", unroll 2 or 4, stages 0, 4, 8 or 16");
+                  (unroll == 2 || unroll == 4),
+              "warps 1..", pq::kMaxWarps, ", splits 1..", pq::kMaxSplits, ", unroll 2 or 4");
   TORCH_CHECK(k_per_split > 0 && k_per_split % pq::kStepK == 0 && splits * k_per_split >= k &&
                   (splits - 1) * k_per_split < k,
               "the splits must tile K in multiples of ", pq::kStepK);
@@ -129,7 +127,6 @@ void quant_gemv(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scales,
   p.splits = static_cast<int>(splits);
   p.k_per_split = static_cast<int>(k_per_split);
   p.unroll = static_cast<int>(unroll);
-  p.stages = static_cast<int>(stages);
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
@@ -140,10 +137,9 @@ void quant_gemv(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scales,
 
 // The dynamic shared memory a launch of this geometry takes (bytes).
 int64_t shared_bytes(const std::string& scheme, int64_t m, int64_t k_per_split, int64_t warps,
-                     int64_t splits, int64_t stages) {
+                     int64_t splits) {
   return pq::shared_bytes(scheme_of(scheme), static_cast<int>(m), static_cast<int>(k_per_split),
-                          static_cast<int>(warps), static_cast<int>(splits),
-                          static_cast<int>(stages));
+                          static_cast<int>(warps), static_cast<int>(splits));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -152,9 +148,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"),
         pybind11::arg("zeros"), pybind11::arg("perm"), pybind11::arg("bias"),
         pybind11::arg("scheme"), pybind11::arg("group_size"), pybind11::arg("warps"),
-        pybind11::arg("splits"), pybind11::arg("k_per_split"), pybind11::arg("unroll"),
-        pybind11::arg("stages"));
+        pybind11::arg("splits"), pybind11::arg("k_per_split"), pybind11::arg("unroll"));
   m.def("shared_bytes", &shared_bytes, "dynamic shared memory of a launch (bytes)",
         pybind11::arg("scheme"), pybind11::arg("m"), pybind11::arg("k_per_split"),
-        pybind11::arg("warps"), pybind11::arg("splits"), pybind11::arg("stages"));
+        pybind11::arg("warps"), pybind11::arg("splits"));
 }

@@ -38,19 +38,6 @@
 // group w of lane c: conflict-free, with rows 64 bytes apart mod 128), plus X per (step, row).
 // The first `unroll` steps of weight loads are issued before the staging, so that its latency
 // hides behind theirs.
-//
-// Steps in flight (Params: stages == 0 or not):
-//   register ring  `unroll` (2, 4) steps of a lane's vectors held in registers (the first kernel;
-//                  kept as the measured fallback);
-//   cp.async ring  `stages` (4, 8, 16) steps a lane copies into its own slots of its warp's ring
-//                  in shared memory (cp.async.cg, 16 bytes, L1 bypassed; the int schemes' four
-//                  16-bit scales / zeros of the step as the 4-byte words holding them, cp.async
-//                  4 bytes); a lane reads back only what it copied, so cp.async.wait_group is the
-//                  only synchronisation (no barrier, no cross-lane visibility). The copies are
-//                  `asm volatile`: issued where written, never sunk to their use, and the
-//                  registers do not bound the bytes in flight: stages x 32 (int4) / 64 (8-bit)
-//                  bytes of weights a lane. Slot j of stage t of lane l: ring + ((t kSlots + j)
-//                  32 + l) 16, so a warp's copies and reads of a slot are 512 contiguous bytes.
 
 #pragma once
 
@@ -275,48 +262,6 @@ __device__ void stage_x(const Params& p, unsigned char* xs, float* sums, int k0,
   }
 }
 
-// ------------------------------------------------------------------ the cp.async ring
-
-template <Scheme S>
-constexpr int kRingSlots = ring_lane_bytes(S) / 16;  // 16-byte slots of a lane's stage
-constexpr int kSlotRow = 32 * 16;                    // bytes of one slot across the warp
-
-__device__ __forceinline__ uint32_t shared_address(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// 16 bytes global -> shared, not through L1, the L2 fetching 256-byte lines.
-__device__ __forceinline__ void copy16(uint32_t dst, const unsigned char* src) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src)
-               : "memory");
-}
-
-// The 4-byte word holding the 16-bit element at `src` (within the element's 32-byte sector).
-__device__ __forceinline__ void copy_word_of(uint32_t dst, const unsigned short* src) {
-  const auto word = reinterpret_cast<uintptr_t>(src) & ~uintptr_t{3};
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst),
-               "l"(reinterpret_cast<const void*>(word))
-               : "memory");
-}
-
-__device__ __forceinline__ void commit_copies() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ int64_t step_group(const Params& p, int k0, int s) {
-  return (k0 + s * kStepK) / p.group_size * p.s_stride_g;
-}
-
-// The 16-bit element at `ptr` out of the word holding it (little-endian).
-__device__ __forceinline__ uint32_t half_of(uint32_t word, const unsigned short* ptr) {
-  return (word >> ((reinterpret_cast<uintptr_t>(ptr) & 2) * 8)) & 0xFFFFu;
-}
-
 // ------------------------------------------------------------------ the kernel
 
 template <Scheme S>
@@ -449,128 +394,15 @@ __device__ void epilogue(const Params& p, const float (&acc)[MT][4], float* part
   cluster.sync();  // no CTA leaves while its shared memory is being read
 }
 
-// The cp.async ring: lane slot 0 of stage t at `lane_slot0` (shared address) + t kRingSlots
-// kSlotRow; step s's vectors of rows g, g + 8 (and, int schemes, their scales / zeros' words).
-template <Scheme S>
-__device__ __forceinline__ void copy_step(const Params& p, const Rows& r, int k0, int s,
-                                          uint32_t slot0) {
-  constexpr int kStepBytes = S == Scheme::kInt4 ? kStepK / 2 : kStepK;
-  constexpr int kV = Stage<S>::kVectors;
-#pragma unroll
-  for (int v = 0; v < kV; ++v) {
-    copy16(slot0 + v * kSlotRow, r.w_g + s * kStepBytes + 16 * v);
-    copy16(slot0 + (kV + v) * kSlotRow, r.w_h + s * kStepBytes + 16 * v);
-  }
-  if constexpr (S != Scheme::kFp8) {
-    const int64_t group = step_group(p, k0, s);
-    const auto* scales = static_cast<const unsigned short*>(p.scales);
-    const auto* zeros = static_cast<const unsigned short*>(p.zeros);
-    const uint32_t words = slot0 + 2 * kV * kSlotRow;
-    copy_word_of(words, scales + r.s_g + group);
-    copy_word_of(words + 4, zeros + r.s_g + group);
-    copy_word_of(words + 8, scales + r.s_h + group);
-    copy_word_of(words + 12, zeros + r.s_h + group);
-  }
-}
-
-template <Scheme S>
-__device__ __forceinline__ void read_step(const Params& p, const Rows& r, int k0, int s,
-                                          const unsigned char* slot0, Stage<S>& st) {
-  constexpr int kV = Stage<S>::kVectors;
-#pragma unroll
-  for (int v = 0; v < kV; ++v) {
-    st.g[v] = *reinterpret_cast<const uint4*>(slot0 + v * kSlotRow);
-    st.h[v] = *reinterpret_cast<const uint4*>(slot0 + (kV + v) * kSlotRow);
-  }
-  if constexpr (S != Scheme::kFp8) {
-    const int64_t group = step_group(p, k0, s);
-    const auto* scales = static_cast<const unsigned short*>(p.scales);
-    const auto* zeros = static_cast<const unsigned short*>(p.zeros);
-    const uint4 w = *reinterpret_cast<const uint4*>(slot0 + 2 * kV * kSlotRow);
-    st.scale_g = half_of(w.x, scales + r.s_g + group);
-    st.zero_g = half_of(w.y, zeros + r.s_g + group);
-    st.scale_h = half_of(w.z, scales + r.s_h + group);
-    st.zero_h = half_of(w.w, zeros + r.s_h + group);
-  }
-}
-
-// What a CTA's threads share: its staged x (and X) and the split's steps.
-struct Split {
-  unsigned char* xs;
-  float* sums;
-  int k0;
-  int steps;
-  int row_bytes;
-};
-
-// The weight steps through registers: `UNROLL` steps of loads in flight a lane.
 template <Scheme S, typename T, int MT, int UNROLL>
-__device__ __forceinline__ void register_steps(const Params& p, const Rows& rows, const Split& sp,
-                                               bool active, float (&acc)[MT][4]) {
-  Stage<S> ring[UNROLL];
-#pragma unroll
-  for (int u = 0; u < UNROLL; ++u)
-    if (active && u < sp.steps) load_stage<S, T>(p, rows, sp.k0, u, ring[u]);
-  stage_x<S, T>(p, sp.xs, sp.sums, sp.k0, sp.steps, sp.row_bytes);
-  __syncthreads();
-  if (!active) return;
-  for (int s0 = 0; s0 < sp.steps; s0 += UNROLL) {
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int s = s0 + u;
-      if (s < sp.steps) {
-        const Stage<S> current = ring[u];
-        if (s + UNROLL < sp.steps) load_stage<S, T>(p, rows, sp.k0, s + UNROLL, ring[u]);
-        compute_step<S, T, MT>(p, current, sp.xs + s * 256, sp.row_bytes,
-                               sp.sums + s * kMaxRows, acc);
-      }
-    }
-  }
-}
-
-// The weight steps through the lane's cp.async ring (`lane_ring`: its slot 0 of stage 0):
-// STAGES steps of copies in flight; one commit group a step (empty past the split's end), so
-// that waiting for all but STAGES - 1 groups is waiting for the step about to be read.
-template <Scheme S, typename T, int MT, int STAGES>
-__device__ __forceinline__ void ring_steps(const Params& p, const Rows& rows, const Split& sp,
-                                           bool active, unsigned char* lane_ring,
-                                           float (&acc)[MT][4]) {
-  constexpr int kStageBytes = kRingSlots<S> * kSlotRow;
-  const uint32_t ring = shared_address(lane_ring);
-  if (active) {
-#pragma unroll
-    for (int t = 0; t < STAGES; ++t) {
-      if (t < sp.steps) copy_step<S>(p, rows, sp.k0, t, ring + t * kStageBytes);
-      commit_copies();
-    }
-  }
-  stage_x<S, T>(p, sp.xs, sp.sums, sp.k0, sp.steps, sp.row_bytes);
-  __syncthreads();
-  if (!active) return;
-#pragma unroll 2
-  for (int s = 0; s < sp.steps; ++s) {
-    const int t = s % STAGES;
-    wait_copies<STAGES - 1>();
-    Stage<S> current;
-    read_step<S>(p, rows, sp.k0, s, lane_ring + t * kStageBytes, current);
-    compute_step<S, T, MT>(p, current, sp.xs + s * 256, sp.row_bytes, sp.sums + s * kMaxRows,
-                           acc);
-    // the slot refilled only after its values were used (in-order issue: its reads are done)
-    if (s + STAGES < sp.steps) copy_step<S>(p, rows, sp.k0, s + STAGES, ring + t * kStageBytes);
-    commit_copies();
-  }
-}
-
-// UNROLL > 0: the register ring (STAGES 0); STAGES > 0: the cp.async ring (UNROLL 0).
-template <Scheme S, typename T, int MT, int UNROLL, int STAGES>
 __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
   const int k0 = blockIdx.y * p.k_per_split;
+  const int steps = max(0, min(p.k_per_split, p.k - k0)) / kStepK;
   const int row_bytes = p.k_per_split * 2 + kXRowPad;
   float* sums = reinterpret_cast<float*>(smem + int64_t{p.m} * row_bytes);
   float* partials = sums + (S == Scheme::kFp8 ? 0 : (p.k_per_split / kStepK) * kMaxRows);
-  const Split split{smem, sums, k0, max(0, min(p.k_per_split, p.k - k0)) / kStepK, row_bytes};
   const int n0 = (blockIdx.x * p.warps + warp) * kTileN;
   const bool active = n0 < p.n;
 
@@ -581,13 +413,26 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Params p)
   const Rows rows{w + row_g * p.w_stride_bytes, w + row_h * p.w_stride_bytes,
                   row_g * p.s_stride_n, row_h * p.s_stride_n};
 
+  Stage<S> ring[UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u)
+    if (active && u < steps) load_stage<S, T>(p, rows, k0, u, ring[u]);
+  stage_x<S, T>(p, smem, sums, k0, steps, row_bytes);
+  __syncthreads();
+
   float acc[MT][4] = {};
-  if constexpr (STAGES == 0) {
-    register_steps<S, T, MT, UNROLL>(p, rows, split, active, acc);
-  } else {
-    unsigned char* ring = smem + ring_offset(S, p.m, p.k_per_split, p.warps, p.splits);
-    ring += (warp * STAGES * kRingSlots<S>) * kSlotRow + lane * 16;
-    ring_steps<S, T, MT, STAGES>(p, rows, split, active, ring, acc);
+  if (active) {
+    for (int s0 = 0; s0 < steps; s0 += UNROLL) {
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int s = s0 + u;
+        if (s < steps) {
+          const Stage<S> current = ring[u];
+          if (s + UNROLL < steps) load_stage<S, T>(p, rows, k0, s + UNROLL, ring[u]);
+          compute_step<S, T, MT>(p, current, smem + s * 256, row_bytes, sums + s * kMaxRows, acc);
+        }
+      }
+    }
   }
   if constexpr (S == Scheme::kFp8) {
     const auto* scale = static_cast<const float*>(p.scales);
@@ -602,10 +447,10 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Params p)
 
 // ------------------------------------------------------------------ launch
 
-template <Scheme S, typename T, int MT, int UNROLL, int STAGES>
+template <Scheme S, typename T, int MT, int UNROLL>
 cudaError_t launch_instance(const Params& p, cudaStream_t stream) {
-  auto* kernel = quant_gemv_kernel<S, T, MT, UNROLL, STAGES>;
-  const int64_t smem = shared_bytes(S, p.m, p.k_per_split, p.warps, p.splits, p.stages);
+  auto* kernel = quant_gemv_kernel<S, T, MT, UNROLL>;
+  const int64_t smem = shared_bytes(S, p.m, p.k_per_split, p.warps, p.splits);
   static std::atomic<int64_t> allowed{48 * 1024};  // the dynamic shared memory granted so far
   if (smem > allowed.load()) {
     const cudaError_t err = cudaFuncSetAttribute(
@@ -629,23 +474,13 @@ cudaError_t launch_instance(const Params& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 
-template <Scheme S, typename T, int MT>
-cudaError_t launch_tiles(const Params& p, cudaStream_t stream) {
-  switch (p.stages) {
-    case 4: return launch_instance<S, T, MT, 0, 4>(p, stream);
-    case 8: return launch_instance<S, T, MT, 0, 8>(p, stream);
-    case 16: return launch_instance<S, T, MT, 0, 16>(p, stream);
-    case 0: break;
-    default: return cudaErrorInvalidValue;
-  }
-  if (p.unroll == 4) return launch_instance<S, T, MT, 4, 0>(p, stream);
-  if (p.unroll == 2) return launch_instance<S, T, MT, 2, 0>(p, stream);
-  return cudaErrorInvalidValue;
-}
-
 template <Scheme S, typename T>
 cudaError_t launch(const Params& p, cudaStream_t stream) {
-  return p.m > 8 ? launch_tiles<S, T, 2>(p, stream) : launch_tiles<S, T, 1>(p, stream);
+  const bool two_tiles = p.m > 8;
+  if (p.unroll == 4) {
+    return two_tiles ? launch_instance<S, T, 2, 4>(p, stream) : launch_instance<S, T, 1, 4>(p, stream);
+  }
+  return two_tiles ? launch_instance<S, T, 2, 2>(p, stream) : launch_instance<S, T, 1, 2>(p, stream);
 }
 
 }  // namespace pagedserve_quant

@@ -15,13 +15,6 @@
 
 #include <cstdint>
 
-// the layout functions below are also the kernels' (device code when nvcc reads this)
-#ifdef __CUDACC__
-#define PAGEDSERVE_QUANT_HD __host__ __device__
-#else
-#define PAGEDSERVE_QUANT_HD
-#endif
-
 namespace pagedserve_quant {
 
 enum class Scheme : int { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
@@ -54,23 +47,12 @@ struct Params {
   int warps;              // warps a CTA, 1..kMaxWarps: CTA x covers warps * kTileN rows
   int splits;             // CTAs along K (grid y, one cluster), 1..kMaxSplits
   int k_per_split;        // a multiple of kStepK; splits * k_per_split >= K
-  int unroll;             // stages == 0: steps of weights in flight a thread, in registers: 2 or 4
-  int stages;             // steps in flight a thread through its cp.async ring in shared
-                          // memory: 4, 8 or 16; 0: the register ring of `unroll` steps
+  int unroll;             // steps of weights in flight a thread: 2 or 4
 };
 
-// Bytes of a lane's slots of one ring stage: its 16-byte weight vectors of rows g and g + 8
-// (int4: 1 each, 8-bit codes: 2 each) and, int schemes, one slot of the 4 words holding the
-// rows' 16-bit scales and zeros.
-PAGEDSERVE_QUANT_HD constexpr int ring_lane_bytes(Scheme scheme) {
-  const int vectors = scheme == Scheme::kInt4 ? 2 : 4;
-  return 16 * (vectors + (scheme == Scheme::kFp8 ? 0 : 1));
-}
-
-// Dynamic shared memory of one CTA: the staged x rows, the per-step sums of x (int schemes),
-// with splits > 1 the CTA's partial outputs that the cluster's first CTA reduces, then (stages >
-// 0) the warps' weight rings (each a multiple of 16 bytes: the ring starts 16-byte aligned).
-PAGEDSERVE_QUANT_HD inline int64_t ring_offset(Scheme scheme, int m, int k_per_split, int warps, int splits) {
+// Dynamic shared memory of one CTA: the staged x rows, the per-step sums of x (int schemes) and,
+// with splits > 1, the CTA's partial outputs that the cluster's first CTA reduces.
+inline int64_t shared_bytes(Scheme scheme, int m, int k_per_split, int warps, int splits) {
   const int64_t x_rows = int64_t{m} * (int64_t{k_per_split} * 2 + kXRowPad);
   const int64_t sums = scheme == Scheme::kFp8 ? 0 : int64_t{k_per_split / kStepK} * kMaxRows * 4;
   const int tiles_m = m > 8 ? 2 : 1;
@@ -78,15 +60,8 @@ PAGEDSERVE_QUANT_HD inline int64_t ring_offset(Scheme scheme, int m, int k_per_s
   return x_rows + sums + partials;
 }
 
-inline int64_t shared_bytes(Scheme scheme, int m, int k_per_split, int warps, int splits,
-                            int stages) {
-  return ring_offset(scheme, m, k_per_split, warps, splits) +
-         int64_t{warps} * 32 * stages * ring_lane_bytes(scheme);
-}
-
 // Launch the GEMV for activations of type T (__half or __nv_bfloat16) on `stream`: grid
-// (ceil(ceil(N / 16) / warps), splits), clusters of (1, splits, 1); the kernel of p.stages
-// (0: register ring of p.unroll steps).
+// (ceil(ceil(N / 16) / warps), splits), clusters of (1, splits, 1).
 template <Scheme S, typename T>
 cudaError_t launch(const Params& p, cudaStream_t stream);
 

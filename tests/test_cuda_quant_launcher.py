@@ -198,12 +198,9 @@ def test_plans_tile_k_and_fit_at_model_shapes(scheme: str, m: int) -> None:
         assert 1 <= plan.splits <= cuda_quant.MAX_SPLITS
         assert plan.k_per_split % cuda_quant.STEP_K == 0
         assert plan.splits * plan.k_per_split >= k > (plan.splits - 1) * plan.k_per_split
-        staged = cuda_quant.shared_bytes(scheme, m, plan.k_per_split, plan.warps, plan.splits)
-        assert staged <= cuda_quant.AUTO_SHARED_BYTES, (n, k, plan)
-        assert plan.shared_bytes == cuda_quant.shared_bytes(
-            scheme, m, plan.k_per_split, plan.warps, plan.splits, plan.stages
-        )
-        assert plan.shared_bytes <= cuda_quant.SHARED_BYTES_LIMIT
+        assert plan.shared_bytes <= cuda_quant.AUTO_SHARED_BYTES, (n, k, plan)
+        assert plan.shared_bytes == cuda_quant.shared_bytes(scheme, m, plan.k_per_split,
+                                                             plan.warps, plan.splits)  # fmt: skip
         warps = -(-n // cuda_quant.TILE_N) * plan.splits
         # enough warps for the SMs, unless K has no more steps to split or 8 is the limit
         assert warps >= 132 * 8 or plan.splits == min(8, k // cuda_quant.STEP_K), (n, k, plan)
@@ -232,21 +229,6 @@ def test_a_forced_config_is_the_launch() -> None:
         cuda_quant.plan_gemv("fp8", 1, 1024, 256, 132, GemvConfig(4, 9, 2))
 
 
-def test_a_ring_plan_adds_the_rings_to_the_shared_memory_not_to_the_splits() -> None:
-    """The cp.async ring: warps x 32 lanes x stages x the lane's slots (int4: two 16-byte
-    weight vectors + one scale / zero slot), the automatic splits those of the register ring."""
-    register = cuda_quant.plan_gemv("int4", 1, 4096, 14336, 132, GemvConfig(8, None, 4))
-    ring = cuda_quant.plan_gemv("int4", 1, 4096, 14336, 132, GemvConfig(8, None, 4, 8))
-    assert (ring.splits, ring.k_per_split) == (register.splits, register.k_per_split)
-    assert ring.stages == 8
-    assert ring.shared_bytes - register.shared_bytes == 8 * 32 * 8 * 48
-    assert cuda_quant.ring_lane_bytes("fp8") == 64 and cuda_quant.ring_lane_bytes("int8") == 80
-    with pytest.raises(ValueError, match="stages 0 or one of"):
-        cuda_quant.plan_gemv("int4", 1, 4096, 4096, 132, GemvConfig(4, None, 4, 2))
-    assert GemvConfig(8, 1, 4, 8).describe() == "w8 split1 r8"
-    assert GemvConfig(8, None, 2).describe() == "w8 splitauto u2"
-
-
 def test_no_plan_when_the_staged_x_cannot_fit() -> None:
     """16 rows of K = 65536 split 8 ways: 16 x 8192 x 2 bytes of x in a CTA, over the limit."""
     assert cuda_quant.plan_gemv("int4", 16, 4096, 65536, 132) is None
@@ -264,10 +246,10 @@ SHARED_HARNESS = r"""
 namespace pq = pagedserve_quant;
 
 int main() {
-  const int cases[][6] = {CASES};
+  const int cases[][5] = {CASES};
   for (const auto& c : cases)
     std::printf("%lld\n", static_cast<long long>(pq::shared_bytes(
-        static_cast<pq::Scheme>(c[0]), c[1], c[2], c[3], c[4], c[5])));
+        static_cast<pq::Scheme>(c[0]), c[1], c[2], c[3], c[4])));
   return 0;
 }
 """
@@ -275,9 +257,8 @@ int main() {
 
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (host code only, no GPU)")
 def test_the_headers_shared_bytes_are_the_planners(tmp_path: Path) -> None:
-    cases = [(s, m, kps, w, splits, stages) for s in range(3) for m in (1, 8, 9, 16)
-             for kps in (128, 1792) for w in (1, 8) for splits in (1, 2)
-             for stages in (0, 4, 16)]  # fmt: skip
+    cases = [(s, m, kps, w, splits) for s in range(3) for m in (1, 8, 9, 16)
+             for kps in (128, 1792) for w in (1, 8) for splits in (1, 2)]  # fmt: skip
     body = ", ".join("{" + ", ".join(map(str, c)) + "}" for c in cases)
     (tmp_path / "harness.cu").write_text(SHARED_HARNESS.replace("CASES", body))
     binary = tmp_path / "harness"
@@ -300,24 +281,20 @@ def _compile_unit(unit: str, out: Path) -> str:
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (no GPU)")
 def test_every_unit_compiles_for_sm_90_without_spills_in_the_defaults(tmp_path: Path) -> None:
     """Each scheme x dtype unit compiles for sm_90; ptxas reports no spill stores for the
-    kernels of the defaults (the cp.async ring: int4 8 stages, 8-bit codes 4) nor for the
-    register ring's (int4: unroll 4, 8-bit codes: 2), at M <= 8 and M > 8."""
+    kernels of the default unroll (int4: 4, 8-bit codes: 2), at M <= 8 and M > 8."""
     units = cuda_quant.source_names()[1:]
     with ThreadPoolExecutor(2) as pool:
         reports = list(pool.map(lambda u: _compile_unit(u, tmp_path / f"{u}.o"), units))
     for unit, report in zip(units, reports):
         scheme = unit.split("_")[2]
-        stages = cuda_quant.DEFAULTS[scheme].stages
-        unroll = 4 if scheme == "int4" else 2
-        # ptxas: "Compiling entry function '<mangled ..., MT, UNROLL, STAGES>' ... N bytes
-        # spill stores"
+        unroll = cuda_quant.DEFAULTS[scheme].unroll
+        # ptxas: "Compiling entry function '<mangled ..., MT, UNROLL>' ... N bytes spill stores"
         kernels = re.findall(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores",
                              report, re.S)  # fmt: skip
-        assert len(kernels) == 10, unit  # M tiles 1, 2 x (unroll 2, 4 | stages 4, 8, 16)
-        checked = [spilled for name, spilled in kernels
-                   if name.endswith((f"ELi0ELi{stages}EEEvNS_6ParamsE",
-                                     f"ELi{unroll}ELi0EEEvNS_6ParamsE"))]  # fmt: skip
-        assert checked == ["0"] * 4, (unit, kernels)
+        assert len(kernels) == 4, unit  # M tiles 1, 2 x unroll 2, 4
+        for name, spilled in kernels:
+            if name.endswith(f"ELi{unroll}EEEvNS_6ParamsE"):
+                assert spilled == "0", (unit, name)
 
 
 # ------------------------------------------------------------------ the linear methods' choice
@@ -388,8 +365,9 @@ def test_schemes_the_engine_does_not_take_run_triton(
     layer = types.SimpleNamespace(qweight=w.qweight, scales=w.scales, zeros=w.zeros, perm=None)
     method.apply(layer, _x(), None)  # type: ignore[arg-type]
     wq, scale = _fp8()
-    fp8_layer = types.SimpleNamespace(qweight=wq, weight_scale=scale)
-    Fp8LinearMethod(Fp8Scheme("float"), _layer_config(True)).apply(fp8_layer, _x(), None)  # type: ignore[arg-type]
+    Fp8LinearMethod(Fp8Scheme("float"), _layer_config(True)).apply(
+        types.SimpleNamespace(qweight=wq, weight_scale=scale), _x(), None  # type: ignore[arg-type]
+    )
     assert calls == ["triton", "triton"]
 
 

@@ -17,8 +17,7 @@ fp16, 1..MAX_ROWS rows contiguous along K, K a multiple of STEP_K; int codes in 
 layout with a group size that is a multiple of STEP_K and scales / zeros of x's dtype; fp8
 weights [N, K] with float32 per-channel scales; 16-byte aligned rows.
 
-Launch geometry (`plan_gemv`): `GemvConfig` (warps a CTA, K splits, weight steps in flight
-through a cp.async ring in shared memory, or in registers: the first kernel, kept measured),
+Launch geometry (`plan_gemv`): `GemvConfig` (warps a CTA, K splits, weight steps in flight),
 from QUANT_CUDA_TUNED (scripts/gpu/check_quant_cuda.py measures them), else DEFAULTS with the
 splits chosen so that about TARGET_WARPS_PER_SM warps an SM run and the staged x fits.
 `load_extension` loads the built library; ImportError when there is none for these sources,
@@ -57,28 +56,22 @@ MAX_SPLITS = 8
 MAX_WARPS = 8
 X_ROW_PAD = 64
 
-RING_STAGES = (4, 8, 16)
 SHARED_BYTES_LIMIT = 200 * 1024  # a CTA's dynamic shared memory (the H200 grants 227 KiB)
-AUTO_SHARED_BYTES = 64 * 1024  # the automatic splits keep a CTA's staged x below this
+AUTO_SHARED_BYTES = 64 * 1024  # the automatic splits keep a CTA's below this (occupancy)
 TARGET_WARPS_PER_SM = 32
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """warps: a CTA's warps (16 weight rows each), 1..MAX_WARPS; splits: CTAs along K (one
-    cluster), 1..MAX_SPLITS, None = automatic; unroll: weight steps in flight a thread in
-    registers (2, 4), when stages is 0; stages: weight steps in flight a thread through its
-    cp.async ring in shared memory (RING_STAGES), 0 = the register ring."""
+    cluster), 1..MAX_SPLITS, None = automatic; unroll: weight steps in flight a thread (2, 4)."""
 
     warps: int = 4
     splits: int | None = None
     unroll: int = 4
-    stages: int = 0
 
     def describe(self) -> str:
-        split = f"split{'auto' if self.splits is None else self.splits}"
-        steps = f"u{self.unroll}" if self.stages == 0 else f"r{self.stages}"
-        return f"w{self.warps} {split} {steps}"
+        return f"w{self.warps} split{'auto' if self.splits is None else self.splits} u{self.unroll}"
 
 
 @dataclass(frozen=True)
@@ -88,13 +81,12 @@ class GemvPlan:
     k_per_split: int
     unroll: int
     shared_bytes: int
-    stages: int = 0
 
 
-# per scheme, the cp.async ring: int4 8 steps (256 bytes of weights a lane, 32 KB a CTA of 4
-# warps), 8-bit codes 4 (as many bytes); a few such CTAs an SM keep ~100 KB in flight
-DEFAULTS = {"int4": GemvConfig(4, None, 4, 8), "int8": GemvConfig(4, None, 2, 4),
-            "fp8": GemvConfig(4, None, 2, 4)}  # fmt: skip
+# per scheme: int4 keeps 4 steps (64 bytes a row) in flight a thread, 8-bit codes 2 (as many
+# bytes; their 4-step kernels spill)
+DEFAULTS = {"int4": GemvConfig(4, None, 4), "int8": GemvConfig(4, None, 2),
+            "fp8": GemvConfig(4, None, 2)}  # fmt: skip
 # (SM count, scheme, M bucket (8: M <= 8, else 16), N, K) -> the fastest config measured by
 # scripts/gpu/check_quant_cuda.py (its literal; scripts/results/session9/call2_quant_cuda.md:
 # H200, 132 SMs)
@@ -194,29 +186,19 @@ def engine_takes(scheme: str) -> bool:
     return scheme in ENGINE_SCHEMES
 
 
-def ring_lane_bytes(scheme: str) -> int:
-    """Bytes of a lane's slots of one cp.async ring stage: its 16-byte weight vectors of two
-    rows (int4: 1 each, 8-bit codes: 2) and, int schemes, one of their scales / zeros' words."""
-    return 16 * ((2 if scheme == "int4" else 4) + (0 if scheme == "fp8" else 1))
-
-
-def shared_bytes(scheme: str, m: int, k_per_split: int, warps: int, splits: int,
-                 stages: int = 0) -> int:  # fmt: skip
+def shared_bytes(scheme: str, m: int, k_per_split: int, warps: int, splits: int) -> int:
     """A CTA's dynamic shared memory (pagedserve_quant::shared_bytes): the staged x rows, the
-    per-step sums of x (int schemes), the partial outputs (splits > 1), the warps' cp.async
-    rings (stages > 0)."""
+    per-step sums of x (int schemes), and the partial outputs (splits > 1)."""
     x_rows = m * (k_per_split * 2 + X_ROW_PAD)
     sums = 0 if scheme == "fp8" else (k_per_split // STEP_K) * MAX_ROWS * 4
     partials = warps * TILE_N * 8 * (2 if m > 8 else 1) * 4 if splits > 1 else 0
-    return x_rows + sums + partials + warps * 32 * stages * ring_lane_bytes(scheme)
+    return x_rows + sums + partials
 
 
 def check_config(config: GemvConfig) -> None:
     """ValueError unless the config is launchable."""
     if not 1 <= config.warps <= MAX_WARPS or config.unroll not in (2, 4):
         raise ValueError(f"warps 1..{MAX_WARPS} and unroll 2 or 4: {config}")
-    if config.stages not in (0, *RING_STAGES):
-        raise ValueError(f"stages 0 or one of {RING_STAGES}: {config}")
     if config.splits is not None and not 1 <= config.splits <= MAX_SPLITS:
         raise ValueError(f"splits 1..{MAX_SPLITS} (None: automatic): {config}")
 
@@ -227,8 +209,8 @@ def plan_gemv(
 ) -> GemvPlan | None:
     """The launch of an M-row product with an [n, k] weight (k a multiple of STEP_K): `config`,
     else the tuned one, else the scheme's default; automatic splits: enough for
-    TARGET_WARPS_PER_SM warps an SM, more while a CTA's staged x (its shared memory but the
-    ring) exceeds AUTO_SHARED_BYTES. None when no split count fits SHARED_BYTES_LIMIT."""
+    TARGET_WARPS_PER_SM warps an SM, more while a CTA's shared memory exceeds AUTO_SHARED_BYTES.
+    None when no split count fits SHARED_BYTES_LIMIT."""
     if config is None:
         bucket = 8 if m <= 8 else MAX_ROWS
         config = QUANT_CUDA_TUNED.get((num_sms, scheme, bucket, n, k), DEFAULTS[scheme])
@@ -244,19 +226,17 @@ def plan_gemv(
             splits += 1
     else:
         splits = min(config.splits, most)
-    k_per_split, smem = _plan(scheme, m, steps, config.warps, splits, config.stages)
+    k_per_split, smem = _plan(scheme, m, steps, config.warps, splits)
     if smem > SHARED_BYTES_LIMIT:
         return None
     splits = -(-k // k_per_split)
-    return GemvPlan(config.warps, splits, k_per_split, config.unroll, smem, config.stages)
+    return GemvPlan(config.warps, splits, k_per_split, config.unroll, smem)
 
 
-def _plan(
-    scheme: str, m: int, steps: int, warps: int, splits: int, stages: int = 0
-) -> tuple[int, int]:
+def _plan(scheme: str, m: int, steps: int, warps: int, splits: int) -> tuple[int, int]:
     """(k_per_split, shared bytes) of `splits` splits of `steps` steps."""
     k_per_split = -(-steps // splits) * STEP_K
-    return k_per_split, shared_bytes(scheme, m, k_per_split, warps, splits, stages)
+    return k_per_split, shared_bytes(scheme, m, k_per_split, warps, splits)
 
 
 # --------------------------------------------------------------------------- operand checks
@@ -406,8 +386,7 @@ def _launch(
         raise ValueError(f"no launch of {kind} {n}x{k} at M = {x2d.shape[0]} fits shared memory")
     out = torch.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
     load_extension().quant_gemv(out, x2d, w, scales, zeros, perm, bias, kind, group_size,
-                                plan.warps, plan.splits, plan.k_per_split, plan.unroll,
-                                plan.stages)  # fmt: skip
+                                plan.warps, plan.splits, plan.k_per_split, plan.unroll)  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
 

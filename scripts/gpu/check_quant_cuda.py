@@ -10,33 +10,26 @@ install step); without it the script says why and exits 2.
    4096x14336) and Qwen3-0.6B (4096x1024, 1024x2048, 6144x1024, 1024x3072) shapes: fp8, int8
    g128 (asymmetric), int4 g128 symmetric and asymmetric, the integer schemes with and without
    an act-order permutation, M = 1, 2, 4, 8, 16, bf16 and fp16 activations (a bias at M = 4),
-   each by the planned launch and CHECK_CONFIGS (the cp.async ring, split and not),
    against the dequantized reference in fp32 (x[:, perm].float() @ W_deq^T from the very codes,
    scales and zeros the kernel reads): max |y - ref| <= TOL[dtype] * max |ref| (bf16 2^-8, one
    ulp of the largest output; fp16 2^-10), every output finite, and two launches bit-identical.
-2. Timing (bf16 x, asymmetric g128, no perm; M = 1, 4, 16): the CUDA kernel's planned launch
-   (QUANT_CUDA_TUNED, else DEFAULTS), its DEFAULTS plan, and SWEEP's configs (warps, K splits,
-   steps in flight: the cp.async ring's stages, or the register ring's unroll; a config that
-   fails its check or launch is recorded and skipped), Triton's quantized GEMV
+2. Timing (bf16 x, asymmetric g128, no perm; M = 1, 4, 16): the CUDA kernel's planned launch and
+   SWEEP's configs (warps, K splits, steps in flight), Triton's quantized GEMV
    (kernels.triton_quant, its tuned / default configs), the bf16 Triton GEMV
    (kernels.triton_gemv.skinny_linear) and cuBLAS (F.linear) on a bf16 weight of the shape. Each
    time is the median over ROUNDS bursts of BURST back-to-back calls between CUDA events (a spin
    kernel ahead of each burst lets the host enqueue it all), every call on the next of enough
    weight copies that a copy is read again only after > COPIES_BYTES of others: from HBM, not
    the 60 MB L2. Every swept config is checked against the reference before it is timed.
-3. Report (printed first as it is known, then whole, and written to --out): Llama's 32-layer
-   batch-1 projection sums per scheme (ring: DEFAULTS plan and best; register ring best; the
-   engine's current plan; Triton quant; bf16 Triton GEMV), checks, per case the times and GB/s
-   of weight bytes (codes + scales + zeros), the winner per shape, and a QUANT_CUDA_TUNED
-   literal for kernels/cuda_quant.py (every shape whose best beats the DEFAULTS plan by 3%:
-   self-contained, it replaces the table). Exit status 1 if a check fails.
+3. Report (printed last, and written to --out): checks, per case the times and GB/s of weight
+   bytes (codes + scales + zeros), the winner per shape, Llama's 32-layer batch-1 projection sum,
+   and a QUANT_CUDA_TUNED literal for kernels/cuda_quant.py. Exit status 1 if a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import itertools
 import statistics
 import sys
@@ -65,13 +58,7 @@ TIME_ROWS = (1, 4, 16)
 VARIANTS = ("fp8", "int8", "int4-sym", "int4-asym")
 TOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
 GROUP = 128
-SPLITS = (None, 1, 2, 4, 8)
-REGISTER_SWEEP = [GemvConfig(w, s, u) for w in (4, 8) for s in SPLITS for u in (2, 4)]
-RING_SWEEP = [GemvConfig(w, s, 4, r) for w in (4, 8) for s in SPLITS
-              for r in cuda_quant.RING_STAGES]  # fmt: skip
-SWEEP = [*RING_SWEEP, *REGISTER_SWEEP]
-# the checks' launches besides the planned one: the cp.async ring at every M, dtype and perm
-CHECK_CONFIGS = (GemvConfig(4, None, 4, 8), GemvConfig(8, 1, 4, 4))
+SWEEP = [GemvConfig(w, s, u) for w in (4, 8) for s in (None, 1, 2, 4, 8) for u in (2, 4)]
 ROUNDS, BURST, SLEEP_CYCLES = 5, 24, 5_000_000
 COPIES_BYTES = 160_000_000
 LAYERS = 32
@@ -181,33 +168,16 @@ def run_checks(checks: Checks) -> None:
                     label = f"{model} {name} {variant}{' perm' if perm else ''} {dtype} M={m}"
                     x = torch.randn(m, k, device="cuda").to(dtype)
                     bias = torch.randn(n, device="cuda").to(dtype) if m == 4 else None
-                    ref = w.reference(x, bias)
-                    for config in checked_configs(variant[:4], m, n, k):
-                        tag = f"{label} {'plan' if config is None else config.describe()}"
-                        launch = functools.partial(w.cuda, x, config, bias)
-                        check_launch(checks, tag, launch, ref, dtype)
+                    try:
+                        y = w.cuda(x, bias=bias)
+                        checks.record(label, y, w.reference(x, bias), TOL[dtype])
+                        if not torch.equal(y, w.cuda(x, bias=bias)):
+                            checks.failures.append(f"{label}: two launches differ")
+                    except Exception as exc:  # reported, never raised
+                        checks.failures.append(f"{label}: {type(exc).__name__}: {exc}"[:300])
                 del w
         print(f"checks of {model}: {checks.passed} passed, {len(checks.failures)} failed",
               flush=True)  # fmt: skip
-
-
-def checked_configs(scheme: str, m: int, n: int, k: int) -> list[GemvConfig | None]:
-    """The planned launch (None) and the CHECK_CONFIGS with a launch that fits (not a split-1
-    ring at large M x K)."""
-    sms = cuda_quant.num_sms(torch.device("cuda"))
-    fitting = [c for c in CHECK_CONFIGS if cuda_quant.plan_gemv(scheme, m, n, k, sms, c)]
-    return [None, *fitting]
-
-
-def check_launch(checks: Checks, label: str, launch: Callable[[], torch.Tensor],
-                 ref: torch.Tensor, dtype: torch.dtype) -> None:  # fmt: skip
-    try:
-        y = launch()
-        checks.record(label, y, ref, TOL[dtype])
-        if not torch.equal(y, launch()):
-            checks.failures.append(f"{label}: two launches differ")
-    except Exception as exc:  # reported, never raised
-        checks.failures.append(f"{label}: {type(exc).__name__}: {exc}"[:300])
 
 
 # --------------------------------------------------------------------------- timing
@@ -240,8 +210,7 @@ class Case:
     m: int
     nbytes: int = 0
     cuda: dict[str, float] = field(default_factory=dict)  # config label -> µs
-    default: str = ""  # the planned launch's label (QUANT_CUDA_TUNED, else DEFAULTS)
-    ring_default: str = ""  # the DEFAULTS plan's label (the cp.async ring)
+    default: str = ""
     triton: float | None = None
     bf16_triton: float | None = None
     cublas: float | None = None
@@ -251,29 +220,21 @@ class Case:
     def title(self) -> str:
         return f"{self.model} {self.name} {self.n}x{self.k} {self.scheme} M={self.m}"
 
-    def best(self, kind: str = "") -> tuple[str, float] | None:
-        """The fastest launch; kind "r": of the cp.async ring's configs, "u": the register's."""
-        times = {label: us for label, us in self.cuda.items()
-                 if label.split()[-1].startswith(kind)}  # fmt: skip
-        return min(times.items(), key=lambda kv: kv[1]) if times else None
+    def best(self) -> tuple[str, float] | None:
+        return min(self.cuda.items(), key=lambda kv: kv[1]) if self.cuda else None
 
 
 def time_case(case: Case, w: Quantized, x: torch.Tensor, checks: Checks) -> None:
     copies = len(w.copies)
     ref = w.reference(x)
     sms = cuda_quant.num_sms(x.device)
-    ring = cuda_quant.DEFAULTS[case.scheme]
-    case.default = plan_label(cuda_quant.plan_gemv(case.scheme, case.m, case.n, case.k, sms))
-    case.ring_default = "default " + plan_label(
-        cuda_quant.plan_gemv(case.scheme, case.m, case.n, case.k, sms, ring)
-    )
-    for config in (None, ring, *SWEEP):
+    default = cuda_quant.plan_gemv(case.scheme, case.m, case.n, case.k, sms)
+    case.default = f"plan w{default.warps} split{default.splits} u{default.unroll}"
+    for config in (None, *SWEEP):
         plan = cuda_quant.plan_gemv(case.scheme, case.m, case.n, case.k, sms, config)
         if plan is None:
             continue
-        label = {None: case.default, ring: case.ring_default}.get(config, config.describe())
-        if label in case.cuda:
-            continue
+        label = case.default if config is None else config.describe()
         try:
             if checks.record(f"{case.title} {label}", w.cuda(x, config), ref, TOL[x.dtype]):
                 case.cuda[label] = time_us(lambda i, c=config: w.cuda(x, c, i=i), copies)
@@ -283,13 +244,6 @@ def time_case(case: Case, w: Quantized, x: torch.Tensor, checks: Checks) -> None
         case.triton = time_us(lambda i: w.triton(x, i), copies)
     except Exception as exc:
         case.errors.append(f"triton: {type(exc).__name__}: {exc}"[:200])
-
-
-def plan_label(plan: cuda_quant.GemvPlan | None) -> str:
-    if plan is None:
-        return "plan none"
-    steps = f"u{plan.unroll}" if plan.stages == 0 else f"r{plan.stages}"
-    return f"plan w{plan.warps} split{plan.splits} {steps}"
 
 
 def time_bf16(case: Case, weights: list[torch.Tensor], x: torch.Tensor) -> None:
@@ -343,91 +297,66 @@ def gbps(case: Case, us: float | None) -> str:
 
 def summary(cases: list[Case]) -> list[str]:
     lines = ["## Per shape (bf16 x, g128 asymmetric, no perm)\n",
-             "| case | MB | ring DEFAULTS µs | GB/s | engine plan µs | CUDA best µs | GB/s | "
-             "best config | register best µs | Triton quant µs | bf16 Triton µs | cuBLAS µs | "
-             "Triton / CUDA best |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| case | MB | CUDA plan µs | GB/s | CUDA best µs | GB/s | best config | "
+             "Triton quant µs | bf16 Triton µs | cuBLAS µs | Triton / CUDA best |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]  # fmt: skip
     for c in cases:
-        best, register = c.best(), c.best("u")
-        ring, plan = c.cuda.get(c.ring_default), c.cuda.get(c.default)
+        best = c.best()
+        plan = c.cuda.get(c.default)
         ratio = f"{c.triton / best[1]:.2f}" if best and c.triton else "-"
         lines.append(
-            f"| {c.title} | {c.nbytes / 1e6:.1f} | {fmt(ring)} | {gbps(c, ring)} | {fmt(plan)} | "
+            f"| {c.title} | {c.nbytes / 1e6:.1f} | {fmt(plan)} | {gbps(c, plan)} | "
             f"{fmt(best and best[1])} | {gbps(c, best and best[1])} | {best[0] if best else '-'} | "
-            f"{fmt(register and register[1])} | {fmt(c.triton)} | {fmt(c.bf16_triton)} | "
-            f"{fmt(c.cublas)} | {ratio} |"
+            f"{fmt(c.triton)} | {fmt(c.bf16_triton)} | {fmt(c.cublas)} | {ratio} |"
         )
     return [*lines, ""]
 
 
 def layer_sums(cases: list[Case]) -> list[str]:
-    """Llama-3.1-8B, M = 1: LAYERS x the four projections (no LM head), per scheme and kernel."""
+    """Llama-3.1-8B, M = 1: LAYERS x the four projections (no LM head), per scheme."""
     lines = [f"Llama-3.1-8B batch 1, {LAYERS} layers x (qkv + o_proj + gate_up + down), ms:\n"]
-    columns = {
-        "cp.async ring: DEFAULTS plan": lambda c: c.cuda.get(c.ring_default),
-        "ring best": lambda c: (c.best("r") or (None, None))[1],
-        "register ring (old kernel) best": lambda c: (c.best("u") or (None, None))[1],
-        "engine plan now (QUANT_CUDA_TUNED)": lambda c: c.cuda.get(c.default),
-        "Triton quant": lambda c: c.triton,
-        "bf16 Triton GEMV": lambda c: c.bf16_triton,
-    }
     for scheme in ("fp8", "int8", "int4"):
         ones = [c for c in cases if c.model == "llama8b" and c.scheme == scheme and c.m == 1]
-        if len(ones) < len(MODELS["llama8b"]):
+        if len(ones) < len(MODELS["llama8b"]) or not all(c.best() for c in ones):
             continue
-        parts = []
-        for name, get in columns.items():
-            times = [get(c) for c in ones]
-            total = "-" if None in times else f"{LAYERS * sum(times) / 1e3:.3f}"
-            parts.append(f"{name} {total}")
-        lines.append(f"- {scheme}: " + ", ".join(parts))
+        plan = sum(c.cuda.get(c.default, float("nan")) for c in ones)
+        best = sum(c.best()[1] for c in ones)
+        triton = sum(c.triton or float("nan") for c in ones)
+        bf16 = sum(c.bf16_triton or float("nan") for c in ones)
+        lines.append(f"- {scheme}: CUDA plan {LAYERS * plan / 1e3:.3f}, CUDA best "
+                     f"{LAYERS * best / 1e3:.3f}, Triton quant {LAYERS * triton / 1e3:.3f}, "
+                     f"bf16 Triton GEMV {LAYERS * bf16 / 1e3:.3f}")  # fmt: skip
     return [*lines, ""]
 
 
-def config_literal(label: str) -> str | None:
-    """GemvConfig(...) source of a timed launch's label ("w8 split1 r8", "plan w4 split3 u2")."""
-    fields = dict(warps="4", splits="None", unroll="4", stages="0")
-    for token in label.split():
-        if token[0] == "w" and token[1:].isdigit():
-            fields["warps"] = token[1:]
-        elif token.startswith("split"):
-            value = token.removeprefix("split")
-            fields["splits"] = "None" if value == "auto" else value
-        elif token[0] in "ur" and token[1:].isdigit():
-            fields["unroll" if token[0] == "u" else "stages"] = token[1:]
-    if fields["splits"] not in ("None", *map(str, range(1, cuda_quant.MAX_SPLITS + 1))):
-        return None
-    return "GemvConfig({warps}, {splits}, {unroll}, {stages})".format(**fields)
-
-
 def tuned_literal(cases: list[Case], num_sms: int) -> list[str]:
-    """The winners at least 3% faster than the DEFAULTS plan, as QUANT_CUDA_TUNED entries (M
-    bucket 8 from the M = 1 and 4 cases: the larger gain is kept; 16 from M = 16): the whole
-    table (shapes not in it take DEFAULTS)."""
+    """The winners at least 3% faster than the plan, as QUANT_CUDA_TUNED entries (M bucket 8
+    from the M = 1 and 4 cases: the faster of the two is kept; 16 from M = 16)."""
     picks: dict[tuple, tuple[float, str, str]] = {}
     for c in cases:
-        best, base = c.best(), c.cuda.get(c.ring_default)
-        if best is None or base is None or best[1] > 0.97 * base or best[0] == c.ring_default:
-            continue
-        literal = config_literal(best[0])
-        if literal is None:
+        best, plan = c.best(), c.cuda.get(c.default)
+        if best is None or plan is None or best[1] > 0.97 * plan or best[0] == c.default:
             continue
         key = (num_sms, c.scheme, 8 if c.m <= 8 else 16, c.n, c.k)
-        gain = best[1] / base
+        gain = best[1] / plan
         if key not in picks or gain < picks[key][0]:
-            note = f"{c.title}: {base:.1f} -> {best[1]:.1f} µs ({best[0]})"
-            picks[key] = (gain, literal, note)
+            picks[key] = (gain, best[0], f"{c.title}: {plan:.1f} -> {best[1]:.1f} µs")
     lines = ["## QUANT_CUDA_TUNED (paste into pagedserve/kernels/cuda_quant.py)\n", "```python",
              "QUANT_CUDA_TUNED: dict[tuple[int, str, int, int, int], GemvConfig] = {"]  # fmt: skip
-    for key, (_gain, literal, note) in picks.items():
+    for key, (_gain, label, note) in picks.items():
+        warps, split, unroll = label.split()
+        splits = split.removeprefix("split")
+        splits = "None" if splits == "auto" else splits
         sms, scheme, bucket, n, k = key
-        lines += [f"    # {note}", f'    ({sms}, "{scheme}", {bucket}, {n}, {k}): {literal},']
+        lines += [f"    # {note}",
+                  f'    ({sms}, "{scheme}", {bucket}, {n}, {k}): '
+                  f"GemvConfig({warps[1:]}, {splits}, {unroll[1:]}),"]  # fmt: skip
     return [*lines, "}", "```", ""]
 
 
 def report(header: list[str], checks: Checks, cases: list[Case], skipped: list[str],
            num_sms: int) -> str:  # fmt: skip
-    body = [*header, *layer_sums(cases), "## Checks\n",
+    body = [*header, "## Checks\n",
             f"{checks.passed} passed, {len(checks.failures)} failed "
             "(tolerance: bf16 2^-8, fp16 2^-10 of max |ref|; relaunch identical)\n"]  # fmt: skip
     body += [f"- FAIL {line}" for line in checks.failures[:40]] + [""]
@@ -436,7 +365,7 @@ def report(header: list[str], checks: Checks, cases: list[Case], skipped: list[s
         body += ["Launch errors:\n", *errors[:40], ""]
     if skipped:
         body.append("Skipped (time limit): " + ", ".join(skipped) + "\n")
-    body += [*tuned_literal(cases, num_sms), *summary(cases)]
+    body += [*layer_sums(cases), *tuned_literal(cases, num_sms), *summary(cases)]
     return "\n".join(body)
 
 
@@ -462,7 +391,6 @@ def main() -> int:
     run_checks(checks)
     print(f"checks done in {time.perf_counter() - started:.0f} s", flush=True)
     cases, skipped = run_timing(checks, started + args.time_limit)
-    print("\n".join(layer_sums(cases)), flush=True)
     header.append(f"total {time.perf_counter() - started:.0f} s\n")
     text = report(header, checks, cases, skipped, num_sms)
     if args.out:
