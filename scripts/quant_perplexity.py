@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import platform
 import subprocess
@@ -60,18 +61,31 @@ class Scheme:
     only_dtype: str | None = None  # the unquantized rows: one per activation dtype
 
 
-SCHEMES = [
-    Scheme("float32", {}, only_dtype="float32"),
-    Scheme("bf16", {}, only_dtype="bfloat16"),
-    Scheme("fp8 W8A8 (per-channel weights, per-token activations)", {"quantization": "fp8"}),
-    Scheme("int8 W8A16 (groups of 128, symmetric)", {"quantization": "int8"}),
-    Scheme("int4 W4A16, GPTQ layout (RTN, groups of 128, symmetric)", {},
-           lambda s, t: quant_checkpoints.write_gptq(s, t, 4, 128, True, act_order=False)),
-    Scheme("int4 W4A16, AWQ layout (RTN, groups of 128, zero points)", {},
-           lambda s, t: quant_checkpoints.write_awq(s, t, 128)),
-    Scheme("fp8 KV cache (scales 1.0)", {"kv_cache_dtype": "fp8"}),
-    Scheme("fp8 W8A8 + fp8 KV cache", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
-]  # fmt: skip
+def schemes(group: int) -> list[Scheme]:
+    """The rows; the int4 checkpoints in groups of `group` columns (int4_group_size)."""
+    return [
+        Scheme("float32", {}, only_dtype="float32"),
+        Scheme("bf16", {}, only_dtype="bfloat16"),
+        Scheme("fp8 W8A8 (per-channel weights, per-token activations)", {"quantization": "fp8"}),
+        Scheme("int8 W8A16 (groups of 128, symmetric)", {"quantization": "int8"}),
+        Scheme(f"int4 W4A16, GPTQ layout (RTN, groups of {group}, symmetric)", {},
+               lambda s, t: quant_checkpoints.write_gptq(s, t, 4, group, True, act_order=False)),
+        Scheme(f"int4 W4A16, AWQ layout (RTN, groups of {group}, zero points)", {},
+               lambda s, t: quant_checkpoints.write_awq(s, t, group)),
+        Scheme("fp8 KV cache (scales 1.0)", {"kv_cache_dtype": "fp8"}),
+        Scheme("fp8 W8A8 + fp8 KV cache", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
+    ]  # fmt: skip
+
+
+def int4_group_size(model: Path) -> int:
+    """128 (the usual), or the largest smaller power of two dividing every linear layer's input
+    size (the target preset's intermediate size, 1728, holds 27 groups of 64)."""
+    config = json.loads((model / "config.json").read_text())
+    sizes = (config["hidden_size"], config["intermediate_size"])
+    group = 128
+    while any(size % group for size in sizes):
+        group //= 2
+    return group
 
 
 def held_out_tokens(sdist: Path) -> list[int]:
@@ -102,7 +116,7 @@ def run(
     model: Path, tokens: list[int], dtype: str, work: Path, device: torch.device
 ) -> list[tuple[str, str, float, int, float]]:
     rows = []
-    for index, scheme in enumerate(SCHEMES):
+    for index, scheme in enumerate(schemes(int4_group_size(model))):
         if scheme.only_dtype not in (None, dtype):
             continue
         path = model
