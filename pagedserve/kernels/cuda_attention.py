@@ -65,17 +65,8 @@ def build_inputs() -> list[Path]:
 def cuda_kernel_spec(arch: str) -> ExtensionSpec:
     """The extension for sm_<arch> (e.g. "90"): its name changes with any build input,
     compiler flag or the torch version, so a built library is always current."""
-    sources = tuple(CSRC_DIR / name for name in source_names())
-    headers = tuple(path for path in build_inputs() if path not in sources)
-    return ExtensionSpec(
-        base_name=f"pagedserve_paged_attention_sm{arch}",
-        sources=sources,
-        headers=headers,
-        cflags=CXX_FLAGS,
-        cuda_cflags=tuple(extensions.nvcc_flags(arch)),
-        include_dirs=(CSRC_DIR,),
-        is_python_module=True,
-        env=(("TORCH_CUDA_ARCH_LIST", f"{arch[:-1]}.{arch[-1]}"),),
+    return extensions.cuda_module_spec(
+        "pagedserve_paged_attention", CSRC_DIR, source_names(), arch, CXX_FLAGS
     )
 
 

@@ -436,17 +436,8 @@ def cuda_quant_spec(arch: str) -> ExtensionSpec:
     torch version, so a built library is always current."""
     if int(arch) < MIN_ARCH:
         raise ValueError(f"the quantized GEMV needs sm_{MIN_ARCH} or later, not sm_{arch}")
-    sources = tuple(CSRC_DIR / name for name in source_names())
-    headers = tuple(path for path in build_inputs() if path not in sources)
-    return ExtensionSpec(
-        base_name=f"pagedserve_quant_gemv_sm{arch}",
-        sources=sources,
-        headers=headers,
-        cflags=CXX_FLAGS,
-        cuda_cflags=tuple(extensions.nvcc_flags(arch)),
-        include_dirs=(CSRC_DIR,),
-        is_python_module=True,
-        env=(("TORCH_CUDA_ARCH_LIST", f"{arch[:-1]}.{arch[-1]}"),),
+    return extensions.cuda_module_spec(
+        "pagedserve_quant_gemv", CSRC_DIR, source_names(), arch, CXX_FLAGS
     )
 
 

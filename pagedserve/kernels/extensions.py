@@ -99,6 +99,26 @@ def nvcc_flags(arch: str) -> list[str]:
     return ["-O3", "--use_fast_math", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
+def cuda_module_spec(
+    base_name: str, csrc: Path, units: list[str], arch: str, cflags: tuple[str, ...]
+) -> ExtensionSpec:
+    """A CUDA Python extension of `units` in `csrc` (its binding first) for sm_<arch>: named
+    after every build input (the units and the headers they include), flag and the torch
+    version."""
+    sources = tuple(csrc / name for name in units)
+    headers = tuple(path for path in build_inputs(csrc, units) if path not in sources)
+    return ExtensionSpec(
+        base_name=f"{base_name}_sm{arch}",
+        sources=sources,
+        headers=headers,
+        cflags=cflags,
+        cuda_cflags=tuple(nvcc_flags(arch)),
+        include_dirs=(csrc,),
+        is_python_module=True,
+        env=(("TORCH_CUDA_ARCH_LIST", f"{arch[:-1]}.{arch[-1]}"),),
+    )
+
+
 def built_library(spec: ExtensionSpec, directory: Path) -> Path | None:
     """The library built from exactly these sources and flags, if present. Without the
     sources (an installed wheel ships the libraries, not csrc/): the one library of the
