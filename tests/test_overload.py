@@ -130,8 +130,10 @@ async def test_ten_times_the_waiting_limit_the_excess_is_refused_the_rest_comple
         assert completed >= WAITING_LIMIT and refused >= 1, (completed, refused)
         assert completed + refused == CONCURRENT
         rss.append(rss_of_each(supervisor))
-        print(f"{time.monotonic() - t0:.1f} s, completed {completed}, refused {refused}, RSS MiB", {
-            label: round(value / 2**20, 1) for label, value in rss[-1].items()})
+        print(
+            f"{time.monotonic() - t0:.1f} s, completed {completed}, refused {refused}, RSS MiB",
+            {label: round(value / 2**20, 1) for label, value in rss[-1].items()},
+        )
     grown = {label: rss[-1][label] - rss[0][label] for label in rss[0]}
     assert all(g < RSS_GROWTH_BOUND for g in grown.values()), grown
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
