@@ -212,3 +212,35 @@ async def test_an_actor_that_cannot_start_again_ends_every_request_with_a_503(
             time.sleep(0.1)
     finally:
         supervisor.stop()
+
+
+def test_the_restart_budget_is_a_rate_not_a_lifetime_count() -> None:
+    """One restart per window: a second kill after the window is restarted (a lifetime count
+    of one would end the engine there), a kill within the window of the last restart ends it,
+    and a client is told so with a 503."""
+    window_s = 8.0
+    supervision = SupervisionConfig(restart_budget=1, restart_window_s=window_s)
+    supervisor = Supervisor(EngineConfig(num_kv_blocks=128, supervision=supervision))
+    supervisor.start()
+    try:
+        address = supervisor.addresses.engine_address
+        expected = solo_tokens(address, PROMPTS[0], greedy(4))
+        for restarts in (1, 2):
+            killed_at = time.monotonic()
+            os.kill(supervisor.processes["tokenizer"].pid, signal.SIGKILL)
+            wait_for_restart(supervisor, "tokenizer", restarts)
+            assert solo_tokens(address, PROMPTS[0], greedy(4)) == expected
+            if restarts == 1:
+                time.sleep(max(0.0, killed_at + window_s - time.monotonic()))
+        os.kill(supervisor.processes["tokenizer"].pid, signal.SIGKILL)  # within the window
+        deadline = time.monotonic() + 10
+        while supervisor.dead_reason is None:
+            assert time.monotonic() < deadline, "the spent budget did not end the engine"
+            time.sleep(0.05)
+        assert "the restart budget of tokenizer is spent" in supervisor.dead_reason
+        assert supervisor.restarts == {"tokenizer": 2}
+        with pytest.raises(EngineRequestError) as refused:
+            solo_tokens(address, PROMPTS[0], greedy(4))
+        assert refused.value.status_code == 503
+    finally:
+        supervisor.stop()
