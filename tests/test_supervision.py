@@ -2,7 +2,8 @@
 
 Real processes throughout: the supervisor, the actors, the ZeroMQ clients and the HTTP server.
 A killed actor is restarted at a new epoch; requests in flight continue (recomputed from their
-prompt and the tokens already delivered) and end with the text of an undisturbed run. An actor
+prompt and the tokens already delivered) and end with the text of an undisturbed run, greedy
+or seeded (half of the 20 streams sample with a seed). An actor
 that can no longer start ends every waiting request with a 503 and turns /health to 503.
 """
 
@@ -36,6 +37,13 @@ def greedy(max_tokens: int = 32) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def stream_params(index: int) -> SamplingParams:
+    """Stream `index`'s settings: greedy, or (odd ones) seeded sampling."""
+    if index % 2 == 0:
+        return greedy()
+    return SamplingParams(temperature=0.8, seed=1000 + index, max_tokens=32, ignore_eos=True)
+
+
 def solo_tokens(address: str, prompt: list[int], params: SamplingParams) -> list[int]:
     with Client(address, connect_timeout_s=30) as client:
         return [t for d in client.generate(prompt, params) for t in d.token_ids]
@@ -64,13 +72,13 @@ def undisturbed(engine) -> list[list[int]]:
 
 
 async def streams_with_a_fault(supervisor: Supervisor, fault) -> dict[int, list[int]]:
-    """20 concurrent streams; `fault()` (a function or a coroutine function) runs once they
-    have produced tokens."""
+    """20 concurrent streams (greedy and seeded); `fault()` (a function or a coroutine
+    function) runs once they have produced tokens."""
     results: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     async with AsyncClient(supervisor.addresses.engine_address) as client:
 
         async def run(index: int) -> None:
-            async for delta in client.generate(PROMPTS[index], greedy()):
+            async for delta in client.generate(PROMPTS[index], stream_params(index)):
                 results[index] += delta.token_ids
 
         async def inject() -> None:
@@ -144,7 +152,7 @@ def test_each_actor_killed_10_times_in_a_row_the_engine_still_serves(
         before = supervisor.restarts.get(victim, 0)
         os.kill(supervisor.processes[victim].pid, signal.SIGKILL)
         wait_for_restart(supervisor, victim, before + 1)
-    assert solo_tokens(address, PROMPTS[3], greedy()) == undisturbed[3]
+    assert solo_tokens(address, PROMPTS[3], stream_params(3)) == undisturbed[3]
     reply = httpx.post(
         base_url + "/v1/completions",
         json={"prompt": PROMPTS[3], "max_tokens": 32, "temperature": 0, "ignore_eos": True},
@@ -210,5 +218,37 @@ async def test_an_actor_that_cannot_start_again_ends_every_request_with_a_503(
         while httpx.get(f"http://127.0.0.1:{port}/health").status_code != 503:
             assert time.monotonic() < deadline, "/health did not turn 503"
             time.sleep(0.1)
+    finally:
+        supervisor.stop()
+
+
+def test_the_restart_budget_is_a_rate_not_a_lifetime_count() -> None:
+    """One restart per window: a second kill after the window is restarted (a lifetime count
+    of one would end the engine there), a kill within the window of the last restart ends it,
+    and a client is told so with a 503."""
+    window_s = 8.0
+    supervision = SupervisionConfig(restart_budget=1, restart_window_s=window_s)
+    supervisor = Supervisor(EngineConfig(num_kv_blocks=128, supervision=supervision))
+    supervisor.start()
+    try:
+        address = supervisor.addresses.engine_address
+        expected = solo_tokens(address, PROMPTS[0], greedy(4))
+        for restarts in (1, 2):
+            os.kill(supervisor.processes["tokenizer"].pid, signal.SIGKILL)
+            wait_for_restart(supervisor, "tokenizer", restarts)
+            restarted_at = time.monotonic()  # the restart counted before it started
+            assert solo_tokens(address, PROMPTS[0], greedy(4)) == expected
+            if restarts == 1:
+                time.sleep(max(0.0, restarted_at + window_s - time.monotonic()))
+        os.kill(supervisor.processes["tokenizer"].pid, signal.SIGKILL)  # within the window
+        deadline = time.monotonic() + 10
+        while supervisor.dead_reason is None:
+            assert time.monotonic() < deadline, "the spent budget did not end the engine"
+            time.sleep(0.05)
+        assert "the restart budget of tokenizer is spent" in supervisor.dead_reason
+        assert supervisor.restarts == {"tokenizer": 2}
+        with pytest.raises(EngineRequestError) as refused:
+            solo_tokens(address, PROMPTS[0], greedy(4))
+        assert refused.value.status_code == 503
     finally:
         supervisor.stop()

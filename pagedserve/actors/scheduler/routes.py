@@ -6,10 +6,11 @@ it), and a request that finished meanwhile re-sends its final result, so that no
 starts a second copy of a request.
 
 A finished request is kept as that final result only: its `Route` (prompt, output tokens, how
-it ended) encoded as one msgpack frame, a few bytes a token and no objects, not the `Request`.
-The newest are kept, as many as fit both bounds (and always the newest one), so that the
-table's memory stays within about 2 MiB whatever the requests' lengths (a resubmission comes
-within seconds of the restart that causes it).
+it ended) encoded as one msgpack frame, ~3 bytes a token and no objects, not the `Request`
+(which held an int object and a list slot per token: ~4-5 KB at the soak's sizes). The newest
+are kept, as many as fit both bounds (and always the newest one), so that the table's memory
+stays under 2.5 MiB whatever the requests' lengths (tests/test_route_table.py; a resubmission
+comes within seconds of the restart that causes it).
 """
 
 from __future__ import annotations
