@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.kernels import build, cuda_quant, extensions
+from pagedserve.kernels import build, cuda_quant, cuda_quant_plan, extensions
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
@@ -205,8 +205,8 @@ def test_units_instantiate_every_scheme_and_dtype() -> None:
 
 def test_python_constants_are_the_headers() -> None:
     header = (CSRC / "quant_gemv.h").read_text()
-    for name, value in (("kMaxRows", cuda_quant.MAX_ROWS), ("kStepK", cuda_quant.STEP_K),
-                        ("kTileN", cuda_quant.TILE_N), ("kMaxSplits", cuda_quant.MAX_SPLITS),
-                        ("kMaxWarps", cuda_quant.MAX_WARPS),
-                        ("kXRowPad", cuda_quant.X_ROW_PAD)):  # fmt: skip
+    plan = cuda_quant_plan
+    for name, value in (("kMaxRows", plan.MAX_ROWS), ("kStepK", plan.STEP_K),
+                        ("kTileN", plan.TILE_N), ("kMaxSplits", plan.MAX_SPLITS),
+                        ("kMaxWarps", plan.MAX_WARPS), ("kXRowPad", plan.X_ROW_PAD)):  # fmt: skip
         assert re.search(rf"constexpr int {name} = {value};", header), name

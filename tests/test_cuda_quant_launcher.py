@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.kernels import cuda_quant, extensions, quant_ref, triton_quant
-from pagedserve.kernels.cuda_quant import GemvConfig
+from pagedserve.kernels import cuda_quant, cuda_quant_plan, extensions, quant_ref, triton_quant
+from pagedserve.kernels.cuda_quant_plan import GemvConfig
 from pagedserve.kernels.quant_ref import FP8_DTYPE, IntWeight
 from pagedserve.models import loader
 from pagedserve.models.layer_config import LayerConfig, TensorParallel
@@ -193,46 +193,46 @@ def test_fp8_operand_checks(change: object, message: str) -> None:
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 9, 16])
 def test_plans_tile_k_and_fit_at_model_shapes(scheme: str, m: int) -> None:
     for n, k in (*LLAMA, *QWEN3):
-        plan = cuda_quant.plan_gemv(scheme, m, n, k, 132, cuda_quant.DEFAULTS[scheme])
+        plan = cuda_quant_plan.plan_gemv(scheme, m, n, k, 132, cuda_quant_plan.DEFAULTS[scheme])
         assert plan is not None, (n, k)
-        assert 1 <= plan.splits <= cuda_quant.MAX_SPLITS
-        assert plan.k_per_split % cuda_quant.STEP_K == 0
+        assert 1 <= plan.splits <= cuda_quant_plan.MAX_SPLITS
+        assert plan.k_per_split % cuda_quant_plan.STEP_K == 0
         assert plan.splits * plan.k_per_split >= k > (plan.splits - 1) * plan.k_per_split
-        assert plan.shared_bytes <= cuda_quant.AUTO_SHARED_BYTES, (n, k, plan)
-        assert plan.shared_bytes == cuda_quant.shared_bytes(scheme, m, plan.k_per_split,
+        assert plan.shared_bytes <= cuda_quant_plan.AUTO_SHARED_BYTES, (n, k, plan)
+        assert plan.shared_bytes == cuda_quant_plan.shared_bytes(scheme, m, plan.k_per_split,
                                                              plan.warps, plan.splits)  # fmt: skip
-        warps = -(-n // cuda_quant.TILE_N) * plan.splits
+        warps = -(-n // cuda_quant_plan.TILE_N) * plan.splits
         # enough warps for the SMs, unless K has no more steps to split or 8 is the limit
-        assert warps >= 132 * 8 or plan.splits == min(8, k // cuda_quant.STEP_K), (n, k, plan)
+        assert warps >= 132 * 8 or plan.splits == min(8, k // cuda_quant_plan.STEP_K), (n, k, plan)
 
 
 def test_the_tuned_configs_launch() -> None:
     """Every QUANT_CUDA_TUNED entry is a valid config with a plan for its bucket's largest M,
     and the planner takes it for that shape."""
-    for (sms, scheme, bucket, n, k), config in cuda_quant.QUANT_CUDA_TUNED.items():
-        cuda_quant.check_config(config)
-        assert cuda_quant.plan_gemv(scheme, bucket, n, k, sms) == cuda_quant.plan_gemv(
+    for (sms, scheme, bucket, n, k), config in cuda_quant_plan.QUANT_CUDA_TUNED.items():
+        cuda_quant_plan.check_config(config)
+        assert cuda_quant_plan.plan_gemv(scheme, bucket, n, k, sms) == cuda_quant_plan.plan_gemv(
             scheme, bucket, n, k, sms, config
         )
-        assert cuda_quant.plan_gemv(scheme, bucket, n, k, sms) is not None
+        assert cuda_quant_plan.plan_gemv(scheme, bucket, n, k, sms) is not None
 
 
 def test_a_forced_config_is_the_launch() -> None:
-    plan = cuda_quant.plan_gemv("int4", 1, 4096, 14336, 132, GemvConfig(8, 3, 2))
+    plan = cuda_quant_plan.plan_gemv("int4", 1, 4096, 14336, 132, GemvConfig(8, 3, 2))
     assert (plan.warps, plan.splits, plan.k_per_split, plan.unroll) == (8, 3, 4864, 2)
     # more splits than steps: one a step
-    plan = cuda_quant.plan_gemv("fp8", 1, 1024, 256, 132, GemvConfig(4, 8, 4))
+    plan = cuda_quant_plan.plan_gemv("fp8", 1, 1024, 256, 132, GemvConfig(4, 8, 4))
     assert (plan.splits, plan.k_per_split) == (2, 128)
     with pytest.raises(ValueError, match="unroll 2 or 4"):
-        cuda_quant.plan_gemv("fp8", 1, 1024, 256, 132, GemvConfig(4, 1, 3))
+        cuda_quant_plan.plan_gemv("fp8", 1, 1024, 256, 132, GemvConfig(4, 1, 3))
     with pytest.raises(ValueError, match="splits 1..8"):
-        cuda_quant.plan_gemv("fp8", 1, 1024, 256, 132, GemvConfig(4, 9, 2))
+        cuda_quant_plan.plan_gemv("fp8", 1, 1024, 256, 132, GemvConfig(4, 9, 2))
 
 
 def test_no_plan_when_the_staged_x_cannot_fit() -> None:
     """16 rows of K = 65536 split 8 ways: 16 x 8192 x 2 bytes of x in a CTA, over the limit."""
-    assert cuda_quant.plan_gemv("int4", 16, 4096, 65536, 132) is None
-    assert cuda_quant.plan_gemv("int4", 1, 4096, 65536, 132) is not None
+    assert cuda_quant_plan.plan_gemv("int4", 16, 4096, 65536, 132) is None
+    assert cuda_quant_plan.plan_gemv("int4", 1, 4096, 65536, 132) is not None
 
 
 # ------------------------------------------------------------------ nvcc
@@ -266,7 +266,7 @@ def test_the_headers_shared_bytes_are_the_planners(tmp_path: Path) -> None:
     subprocess.run(command, check=True, timeout=300)
     lines = subprocess.run([binary], check=True, capture_output=True, text=True).stdout.split()
     schemes = ("int4", "int8", "fp8")  # the order of pagedserve_quant::Scheme
-    expected = [cuda_quant.shared_bytes(schemes[s], *rest) for s, *rest in cases]
+    expected = [cuda_quant_plan.shared_bytes(schemes[s], *rest) for s, *rest in cases]
     assert [int(line) for line in lines] == expected
 
 
@@ -287,7 +287,7 @@ def test_every_unit_compiles_for_sm_90_without_spills_in_the_defaults(tmp_path: 
         reports = list(pool.map(lambda u: _compile_unit(u, tmp_path / f"{u}.o"), units))
     for unit, report in zip(units, reports):
         scheme = unit.split("_")[2]
-        unroll = cuda_quant.DEFAULTS[scheme].unroll
+        unroll = cuda_quant_plan.DEFAULTS[scheme].unroll
         # ptxas: "Compiling entry function '<mangled ..., MT, UNROLL>' ... N bytes spill stores"
         kernels = re.findall(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores",
                              report, re.S)  # fmt: skip

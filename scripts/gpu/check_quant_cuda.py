@@ -44,8 +44,14 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from pagedserve.kernels import cuda_quant, quant_ref, triton_gemv, triton_quant  # noqa: E402
-from pagedserve.kernels.cuda_quant import GemvConfig  # noqa: E402
+from pagedserve.kernels import (  # noqa: E402
+    cuda_quant,
+    cuda_quant_plan,
+    quant_ref,
+    triton_gemv,
+    triton_quant,
+)
+from pagedserve.kernels.cuda_quant_plan import GemvConfig  # noqa: E402
 
 MODELS = {
     "llama8b": (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
@@ -228,10 +234,10 @@ def time_case(case: Case, w: Quantized, x: torch.Tensor, checks: Checks) -> None
     copies = len(w.copies)
     ref = w.reference(x)
     sms = cuda_quant.num_sms(x.device)
-    default = cuda_quant.plan_gemv(case.scheme, case.m, case.n, case.k, sms)
+    default = cuda_quant_plan.plan_gemv(case.scheme, case.m, case.n, case.k, sms)
     case.default = f"plan w{default.warps} split{default.splits} u{default.unroll}"
     for config in (None, *SWEEP):
-        plan = cuda_quant.plan_gemv(case.scheme, case.m, case.n, case.k, sms, config)
+        plan = cuda_quant_plan.plan_gemv(case.scheme, case.m, case.n, case.k, sms, config)
         if plan is None:
             continue
         label = case.default if config is None else config.describe()
@@ -341,7 +347,8 @@ def tuned_literal(cases: list[Case], num_sms: int) -> list[str]:
         gain = best[1] / plan
         if key not in picks or gain < picks[key][0]:
             picks[key] = (gain, best[0], f"{c.title}: {plan:.1f} -> {best[1]:.1f} µs")
-    lines = ["## QUANT_CUDA_TUNED (paste into pagedserve/kernels/cuda_quant.py)\n", "```python",
+    lines = ["## QUANT_CUDA_TUNED (paste into pagedserve/kernels/cuda_quant_plan.py)\n",
+             "```python",
              "QUANT_CUDA_TUNED: dict[tuple[int, str, int, int, int], GemvConfig] = {"]  # fmt: skip
     for key, (_gain, label, note) in picks.items():
         warps, split, unroll = label.split()
