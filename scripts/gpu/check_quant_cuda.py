@@ -23,7 +23,7 @@ install step); without it the script says why and exits 2.
    the 60 MB L2. Every swept config is checked against the reference before it is timed.
 3. Report (printed last, and written to --out): checks, per case the times and GB/s of weight
    bytes (codes + scales + zeros), the winner per shape, Llama's 32-layer batch-1 projection sum,
-   and a QUANT_CUDA_TUNED literal for kernels/cuda_quant.py. Exit status 1 if a check fails.
+   and a QUANT_CUDA_TUNED literal for kernels/cuda_quant_plan.py. Exit status 1 if a check fails.
 """
 
 from __future__ import annotations
