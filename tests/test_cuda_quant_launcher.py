@@ -365,9 +365,9 @@ def test_schemes_the_engine_does_not_take_run_triton(
     layer = types.SimpleNamespace(qweight=w.qweight, scales=w.scales, zeros=w.zeros, perm=None)
     method.apply(layer, _x(), None)  # type: ignore[arg-type]
     wq, scale = _fp8()
-    Fp8LinearMethod(Fp8Scheme("float"), _layer_config(True)).apply(
-        types.SimpleNamespace(qweight=wq, weight_scale=scale), _x(), None  # type: ignore[arg-type]
-    )
+    fp8_layer = types.SimpleNamespace(qweight=wq, weight_scale=scale)
+    fp8 = Fp8LinearMethod(Fp8Scheme("float"), _layer_config(True))
+    fp8.apply(fp8_layer, _x(), None)  # type: ignore[arg-type]
     assert calls == ["triton", "triton"]
 
 
