@@ -32,6 +32,9 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from soak import free_port  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_server_memory import rss_breakdown  # noqa: E402
+
 from pagedserve.actors.chat import load_tokenizer  # noqa: E402
 from pagedserve.actors.supervisor import Supervisor  # noqa: E402
 from pagedserve.api.client import AsyncClient  # noqa: E402
@@ -85,27 +88,16 @@ def memory_line() -> str:
     with open(f"/proc/{os.getpid()}/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     info = LIBC.mallinfo2()
-    return (f"RSS {rss / 2**20:.2f} MiB, malloc heap {info.arena / 2**20:.2f} MiB, in use {info.uordblks / 2**20:.2f} MiB, "
+    return (f"RSS {rss / 2**20:.2f} MiB, malloc heap {info.arena / 2**20:.2f} MiB, "
+            f"in use {info.uordblks / 2**20:.2f} MiB, "
             f"malloc free {info.fordblks / 2**20:.2f} MiB, mmapped {info.hblkhd / 2**20:.2f} MiB, "
             f"{pymalloc_line()}\n    {arenas_line()}\n    {smaps_line()}")  # fmt: skip
 
 
 def smaps_line() -> str:
-    """Resident MiB by mapping kind (/proc/self/smaps): glibc's [heap], anonymous mappings
-    (pymalloc's arenas, malloc's mmapped chunks, thread stacks), files; and [heap]'s size."""
-    rss: collections.Counter[str] = collections.Counter()
-    heap_size, kind = 0, ""
-    for line in Path(f"/proc/{os.getpid()}/smaps").read_text().splitlines():
-        fields = line.split()
-        if not fields[0].endswith(":"):  # a mapping's first line: range perms offset dev inode [path]
-            path = fields[5] if len(fields) > 5 else ""
-            kind = path if path.startswith("[") else ("file" if path else "anon")
-        elif fields[0] == "Rss:":
-            rss[kind] += int(fields[1]) << 10
-        elif fields[0] == "Size:" and kind == "[heap]":
-            heap_size += int(fields[1]) << 10
-    return (f"[heap] {rss['[heap]'] / 2**20:.2f} of {heap_size / 2**20:.2f} MiB resident, "
-            f"anon {rss['anon'] / 2**20:.2f}, files {rss['file'] / 2**20:.2f}")  # fmt: skip
+    parts = rss_breakdown(os.getpid())
+    return (f"[heap] {parts['heap']:.2f} of {parts['heap_size']:.2f} MiB resident, "
+            f"anon {parts['anon']:.2f}, files {parts['file']:.2f}")  # fmt: skip
 
 
 def pymalloc_line() -> str:
@@ -159,9 +151,7 @@ async def session(supervisor: Supervisor, listener: socket.socket, args) -> None
     tokenizer = load_tokenizer(config.tokenizer_path, config.chat_template)
     async with AsyncClient(supervisor.addresses.engine_address, credentials=credentials) as client:
         handler = OpenAIServer(client, config, tokenizer, sampling_defaults(config))
-        uv = uvicorn.Server(
-            uvicorn.Config(build_app(handler), log_level="warning", lifespan="off")
-        )
+        uv = uvicorn.Server(uvicorn.Config(build_app(handler), log_level="warning", lifespan="off"))
         async with anyio.create_task_group() as tg:
             tg.start_soon(uv.serve, [listener])
             await drive(url, args.kind, args.warmup)
