@@ -4,10 +4,11 @@ A process that allocates many short-lived blocks of varying sizes above pymalloc
 (request bodies, JSON, HTTP buffers: the API server) leaves free chunks between live ones in
 glibc's main heap. `free` returns memory to the system only from the heap's top, so those
 chunks stay resident, and as later requests reuse different parts of them, more of the heap's
-pages become resident: RSS creeps up (~250 bytes a request in the API server,
-scripts/results/soak_cpu.md) while the memory in use (tracemalloc, pymalloc, `mallinfo2`)
-stays flat. `malloc_trim(0)` hands back every whole free page inside the heap
-(`MADV_DONTNEED`), so RSS follows the memory in use; on a ~120 MiB heap it takes ~0.5 ms.
+pages become resident: RSS creeps up while the memory in use (tracemalloc, pymalloc,
+`mallinfo2`) stays flat (in the API server, about half of its ~200 bytes a request;
+scripts/results/soak_cpu.md). `malloc_trim(0)` hands back every whole free page inside the
+heap (`MADV_DONTNEED`); on a ~120 MiB heap it takes ~0.5 ms. It does not reach pymalloc's
+arenas (mmapped, returned only when empty): the rest of the creep.
 Elsewhere than glibc there is no `malloc_trim`, and trimming does nothing.
 """
 
