@@ -32,6 +32,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     served_model_name: str | None = None
     uvicorn_log_level: str = "warning"
     disable_log_requests: bool = False  # else each request is logged at INFO
+    # malloc_trim(0) this often (0: never): glibc keeps the free pages between live chunks of
+    # its heap resident, and the server's RSS creeps up without it (actors/heap_trim.py)
+    heap_trim_interval_s: float = 10.0
     health_check_timeout_s: float = 2.0  # /health: deadline of the round trip to the engine
     # Request limits, checked before anything is decoded, tokenized or queued (a 4xx beyond)
     max_request_body_bytes: int = 8 * 1024 * 1024

@@ -323,6 +323,22 @@ async def test_many_streams_with_disconnects_free_every_block(server) -> None:
     assert metric(text, "pagedserve:prompt_tokens_total") > 0
     assert metric(text, 'pagedserve:request_success_total{finished_reason="length"}') >= 150
     assert metric(text, "pagedserve:time_to_first_token_seconds_count") >= 150
+    await assert_the_server_client_holds_nothing(base)
+
+
+async def assert_the_server_client_holds_nothing(base: str) -> None:
+    """The API server's engine client keeps nothing of finished or abandoned requests: its
+    queue depths (from its heartbeats, in /metrics) go back to 0."""
+    names = [f'pagedserve:actor_queue_depth{{actor="api-server",queue="{q}"}}'
+             for q in ("requests", "streams")]  # fmt: skip
+    async with httpx.AsyncClient() as http:
+        for _ in range(60):  # a heartbeat a second; one may be taken while /metrics waits
+            text = (await http.get(base + "/metrics")).text
+            depths = [metric(text, name) for name in names]
+            if depths == [0, 0]:
+                return
+            await anyio.sleep(0.1)
+    assert depths == [0, 0]
 
 
 def test_api_key_and_restart_of_dead_stateless_actors(model_path: Path) -> None:
@@ -483,6 +499,7 @@ async def test_a_client_that_leaves_a_whole_response_aborts_it(server) -> None:
         'pagedserve:request_success_total{finished_reason="abort"}',
     )
     assert aborted == aborted_before + 4
+    await assert_the_server_client_holds_nothing(base)
 
 
 def test_model_tokenize_detokenize_and_version_endpoints(server, api: openai.OpenAI) -> None:

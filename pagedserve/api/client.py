@@ -335,6 +335,11 @@ class AsyncClient:
                 for event in _silent_engine_errors(self.core, self.liveness_timeout_s):
                     self._deliver(event)
 
+    @property
+    def num_streams(self) -> int:
+        """Requests (and stats calls) whose consumer still waits for events."""
+        return len(self._collectors)
+
     def _deliver(self, event: Event) -> None:
         collector = self._collectors.get(event.seq)
         if collector is not None:  # else its consumer left (an abort is on its way)

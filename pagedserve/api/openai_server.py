@@ -26,6 +26,7 @@ from starlette.routing import Route
 import pagedserve
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.chat import apply_chat_template, load_tokenizer
+from pagedserve.actors.heap_trim import trim_heap_forever
 from pagedserve.actors.messages import ChatMessage, SamplingParams
 from pagedserve.api.actor_status import AsyncStatusClient, render_prometheus
 from pagedserve.api.auth import APIKeyGuard
@@ -289,7 +290,9 @@ class APIServerActor(Actor):
 
     def queue_depths(self) -> dict[str, int]:
         client = self.engine_client
-        return {"requests": len(client.core.requests)} if client is not None else {}
+        if client is None:
+            return {}
+        return {"requests": len(client.core.requests), "streams": client.num_streams}
 
     async def run(self) -> None:
         defaults = sampling_defaults(self.config)
@@ -307,6 +310,9 @@ class APIServerActor(Actor):
                 timeout_graceful_shutdown=1,
             )
             try:
-                await uvicorn.Server(config).serve(sockets=[self.listener])
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(trim_heap_forever, self.server_config.heap_trim_interval_s)
+                    await uvicorn.Server(config).serve(sockets=[self.listener])
+                    tg.cancel_scope.cancel()
             finally:
                 handler.actor_status.close()
