@@ -80,6 +80,10 @@ def test_the_status_socket_counts_each_actors_work(server) -> None:
         assert actor.stats is not None and actor.stats.uptime_s > 0
         assert 0 < actor.stats.busy_s <= actor.stats.cpu_s + 0.01
         assert actor.stats.rss_bytes > 10 * 2**20
+        gc = actor.stats.gc  # the start-up heap frozen: later collections do not walk it
+        assert gc.frozen > 10_000, actor.label
+        assert gc.collections >= gc.full_collections >= 0
+        assert 0 <= gc.max_pause_s <= gc.pause_s or gc.collections == 0
     scheduler = actors["scheduler"].stats
     assert scheduler is not None and scheduler.messages_in >= 8 and scheduler.messages_out >= 8
     assert set(scheduler.queues) == {"waiting", "running", "inflight_steps"}
@@ -96,6 +100,9 @@ def test_metrics_export_every_actor(server) -> None:
     match = re.search(r'pagedserve:actor_messages_in_total{actor="scheduler"} ([0-9.e+]+)', text)
     assert match and float(match.group(1)) >= 8
     assert 'pagedserve:actor_queue_depth{actor="scheduler",queue="waiting"} 0.0' in text
+    for generation in ("all", "2"):
+        labels = f'{{actor="worker",generation="{generation}"}}'
+        assert re.search(rf"pagedserve:actor_gc_pause_seconds_total{labels} [0-9.e+-]+", text)
 
 
 def test_pagedserve_top_shows_a_table_of_actors(server) -> None:
@@ -111,4 +118,4 @@ def test_pagedserve_top_shows_a_table_of_actors(server) -> None:
     last = tables[-1]
     for label, process in supervisor.processes.items():
         assert re.search(rf"^{re.escape(label)} +{process.pid} +running", last, re.M), last
-    assert "BUSY%" in last and "QUEUES" in last and "inflight_steps=" in last
+    assert "BUSY%" in last and "GC ms" in last and "QUEUES" in last and "inflight_steps=" in last

@@ -24,6 +24,7 @@ import setproctitle
 import zmq
 
 from pagedserve.actors import bus, network
+from pagedserve.actors.gc_pauses import GcPauses
 from pagedserve.actors.heartbeat import HeartbeatThread, Liveness, StatsProbe
 from pagedserve.actors.messages import ActorFailed, ActorReady
 from pagedserve.actors.security import Credentials
@@ -72,6 +73,7 @@ class Actor:
         )
         self.liveness = Liveness()
         self.probe = StatsProbe()
+        self.gc_pauses = GcPauses()
         self._heartbeat: HeartbeatThread | None = None
 
     def prepare(self) -> None:
@@ -107,6 +109,8 @@ class Actor:
 
     async def serve(self) -> None:
         ready_fields = await self.setup()
+        self.gc_pauses.freeze_start_up_heap()
+        self.gc_pauses.install()
         self._tell_supervisor(ActorReady(name=self.label, pid=os.getpid(), **ready_fields))
         self._heartbeat = HeartbeatThread(
             self.sync_ctx,
@@ -124,7 +128,10 @@ class Actor:
 
     def stats(self):  # -> ActorStats, from the heartbeat thread
         traffic = bus.traffic_of(self.ctx)
-        return self.probe.stats(self.label, self.epoch, traffic, self.liveness, self.queue_depths())
+        return self.probe.stats(
+            self.label, self.epoch, traffic, self.liveness, self.queue_depths(),
+            self.gc_pauses.stats(),
+        )  # fmt: skip
 
     def _tell_supervisor(self, message: ActorReady | ActorFailed) -> None:
         sock = bus.push_socket(self.sync_ctx, self.addresses.supervisor)

@@ -24,7 +24,7 @@ import anyio
 import zmq
 
 from pagedserve.actors import bus
-from pagedserve.actors.supervision_messages import ActorStats, Heartbeat
+from pagedserve.actors.supervision_messages import ActorStats, GcStats, Heartbeat
 
 TICK_S = 0.25  # the loop's tick; stalled_s is at least this coarse
 
@@ -115,7 +115,13 @@ class StatsProbe:
             return 0
 
     def stats(
-        self, name: str, epoch: int, traffic: bus.Traffic, liveness: Liveness, queues: dict
+        self,
+        name: str,
+        epoch: int,
+        traffic: bus.Traffic,
+        liveness: Liveness,
+        queues: dict,
+        gc_stats: GcStats,
     ) -> ActorStats:
         liveness.observe(traffic.messages_in + traffic.messages_out)
         return ActorStats(
@@ -125,4 +131,5 @@ class StatsProbe:
             rss_bytes=self.rss_bytes(), messages_in=traffic.messages_in,
             messages_out=traffic.messages_out, rejected=traffic.rejected, queues=queues,
             stalled_s=round(liveness.stalled_s(), 3), blocking=liveness.blocking_call,
+            gc=gc_stats,
         )  # fmt: skip

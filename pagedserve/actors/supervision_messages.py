@@ -14,6 +14,17 @@ import msgspec
 from pagedserve.actors.messages import ActorFailed, ActorReady
 
 
+class GcStats(msgspec.Struct, kw_only=True):
+    """The actor's garbage collector since its start-up (actors/gc_pauses.py)."""
+
+    frozen: int = 0  # objects frozen at the end of start-up: no collection walks them
+    collections: int = 0  # collections of any generation since
+    full_collections: int = 0  # of generation 2
+    pause_s: float = 0.0  # seconds the collections took, all of them
+    full_pause_s: float = 0.0  # of the full ones
+    max_pause_s: float = 0.0  # the longest one
+
+
 class ActorStats(msgspec.Struct, kw_only=True):
     """What an actor reports of itself with every heartbeat."""
 
@@ -30,6 +41,7 @@ class ActorStats(msgspec.Struct, kw_only=True):
     queues: dict[str, int] = {}  # the actor's own queue depths (waiting requests, streams...)
     stalled_s: float = 0.0  # seconds since the actor's loop last ran
     blocking: str = ""  # a declared long blocking call in progress (the worker's step)
+    gc: GcStats = msgspec.field(default_factory=GcStats)
 
 
 class Heartbeat(msgspec.Struct, tag=True):

@@ -80,6 +80,11 @@ class _ActorCollector:
         rejected = CounterMetricFamily(p + "rejected_frames", "Frames dropped", labels=["actor"])
         rss = GaugeMetricFamily(p + "rss_bytes", "Resident memory", labels=["actor"])
         queues = GaugeMetricFamily(p + "queue_depth", "Queue depths", labels=["actor", "queue"])
+        gc_labels = ["actor", "generation"]  # "all", or "2": the full collections
+        gc_count = CounterMetricFamily(p + "gc_collections", "Collections since start-up",
+                                       labels=gc_labels)  # fmt: skip
+        gc_pause = CounterMetricFamily(p + "gc_pause_seconds", "Collector pauses",
+                                       labels=gc_labels)  # fmt: skip
         for actor in self.status.actors:
             label = [actor.label]
             up.add_metric(label, 1.0 if actor.state == "running" else 0.0)
@@ -95,7 +100,13 @@ class _ActorCollector:
             rss.add_metric(label, stats.rss_bytes)
             for queue, depth in stats.queues.items():
                 queues.add_metric([actor.label, queue], depth)
-        yield from (up, restarts, busy, idle, msgs_in, msgs_out, rejected, rss, queues)
+            gc = stats.gc
+            gc_count.add_metric([actor.label, "all"], gc.collections)
+            gc_count.add_metric([actor.label, "2"], gc.full_collections)
+            gc_pause.add_metric([actor.label, "all"], gc.pause_s)
+            gc_pause.add_metric([actor.label, "2"], gc.full_pause_s)
+        yield from (up, restarts, busy, idle, msgs_in, msgs_out, rejected, rss, queues,
+                    gc_count, gc_pause)  # fmt: skip
 
 
 def render_prometheus(status: EngineStatus) -> bytes:
@@ -104,9 +115,10 @@ def render_prometheus(status: EngineStatus) -> bytes:
     return generate_latest(registry)
 
 
-COLUMNS = "{:<14} {:>8} {:>8} {:>4} {:>8} {:>6} {:>9} {:>9} {:>5} {:>8}  {}"
+COLUMNS = "{:<14} {:>8} {:>8} {:>4} {:>8} {:>6} {:>9} {:>9} {:>5} {:>8} {:>7}  {}"
 HEADER = COLUMNS.format(
-    "ACTOR", "PID", "STATE", "RST", "UPTIME", "BUSY%", "IN/s", "OUT/s", "REJ", "RSS MB", "QUEUES"
+    "ACTOR", "PID", "STATE", "RST", "UPTIME", "BUSY%", "IN/s", "OUT/s", "REJ", "RSS MB", "GC ms",
+    "QUEUES",
 )
 
 
@@ -118,7 +130,7 @@ def render_table(status: EngineStatus, previous: EngineStatus | None) -> str:
         s, p = actor.stats, before.get(actor.label)
         if s is None:
             lines.append(COLUMNS.format(actor.label, "-", actor.state, actor.restarts,
-                                        *["-"] * 6, ""))  # fmt: skip
+                                        *["-"] * 7, ""))  # fmt: skip
             continue
         same = p is not None and p.pid == s.pid and s.uptime_s > p.uptime_s
         span = s.uptime_s - p.uptime_s if same and p is not None else s.uptime_s
@@ -126,12 +138,13 @@ def render_table(status: EngineStatus, previous: EngineStatus | None) -> str:
         busy = 100.0 * (s.busy_s - (base.busy_s if base else 0.0)) / max(span, 1e-9)
         rate_in = (s.messages_in - (base.messages_in if base else 0)) / max(span, 1e-9)
         rate_out = (s.messages_out - (base.messages_out if base else 0)) / max(span, 1e-9)
+        gc_ms = 1e3 * (s.gc.pause_s - (base.gc.pause_s if base else 0.0))  # over the interval
         queues = " ".join(f"{k}={v}" for k, v in s.queues.items())
         lines.append(
             COLUMNS.format(
                 actor.label, s.pid, actor.state, actor.restarts, f"{s.uptime_s:.0f}s",
                 f"{min(busy, 100.0):.1f}", f"{rate_in:.1f}", f"{rate_out:.1f}", s.rejected,
-                f"{s.rss_bytes / 2**20:.0f}", queues,
+                f"{s.rss_bytes / 2**20:.0f}", f"{gc_ms:.1f}", queues,
             )
         )  # fmt: skip
     return "\n".join(lines)

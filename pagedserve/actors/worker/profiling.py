@@ -274,8 +274,10 @@ class StepLog:
             ranked = sorted(enumerate(self.records), key=lambda ir: -getattr(ir[1], key))
             return [{"step": i} | asdict(r) for i, r in ranked[:8]]
 
+        sizes = Counter(f"{r.kind} {r.num_requests}" for r in self.records)
         return {
             "by_kind": by_kind,
+            "steps_by_batch": dict(sorted(sizes.items(), key=lambda kv: -kv[1])),
             "slowest_host": slowest("host_s"),
             "slowest_device": slowest("device_s"),
             "compiles": self.compiles.to_json(),
