@@ -98,7 +98,7 @@ def load_shard(
         source = source.narrow(dim, divide(start, per), divide(size, per))
     if layout.output_dim is None and output is not None:  # one tensor every fused part shares
         parts: set[int] = param.__dict__.setdefault("loaded_parts", set())
-        if parts and not torch.equal(target, source.to(target.dtype)):
+        if parts and not torch.equal(target, source.to(target.device, target.dtype)):
             raise ValueError(
                 f"the parts of a fused layer disagree on a tensor they share ({tuple(target.shape)}"
                 ", per input channel: act-order g_idx?)"

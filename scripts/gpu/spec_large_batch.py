@@ -11,7 +11,8 @@ and the step log (ProfileConfig), and prints per config: the measured run's wall
 steps, the worker's host and device time per steady step, the scheduler's phases per call,
 and how many steps ran at each batch size (the whole engine's run).
 
-    python scripts/gpu/spec_large_batch.py [--tokens 256] [--batch 64] [--out FILE]
+    python scripts/gpu/spec_large_batch.py [--tokens 256] [--batch 64] [--runner-only |
+        --engine-only] [--out FILE]
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ def main() -> int:
     parser.add_argument("--disable-above", type=int, default=16)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--runner-only", action="store_true")
+    parser.add_argument("--engine-only", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     target = target_dir(Path(tempfile.mkdtemp(prefix="target_94m_")))
@@ -189,7 +191,7 @@ def main() -> int:
         "|---|---:|---:|---:|",
     ]
     runner_tops = []
-    for name, kwargs in runner_configs():
+    for name, kwargs in [] if args.engine_only else runner_configs():
         try:
             row, top = runner_row(target, name, kwargs, args.batch, args.device)
         except Exception as error:  # one failing config leaves the others' rows
