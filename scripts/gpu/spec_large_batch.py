@@ -67,6 +67,11 @@ def configs(limit: int) -> list[tuple[str, dict]]:
          {"speculative_config": ngram | {"num_rounds": 4}}),
         (f"draft k=3, 4 rounds, off above {limit}",
          {"speculative_config": draft | {"num_rounds": 4}}),
+        # which part costs: speculation never on, or no speculative step before the batch
+        ("n-gram k=4, never on (disable_by_batch_size 0)",
+         {"speculative_config": ngram | {"disable_by_batch_size": 0}}),
+        (f"n-gram k=4, off above {limit}, no batch-1 warm-up",
+         {"speculative_config": ngram, "batch1_warm_up": False}),
         ("no speculation (again, last)", {}),
     ]  # fmt: skip
 
@@ -128,9 +133,12 @@ def run(target: Path, name: str, kwargs: dict, batch: int, tokens: int, device: 
     out = Path(tempfile.mkdtemp(prefix="spec_large_batch_"))
     profile = ProfileConfig(output_dir=str(out), first_step=10**9, num_steps=0)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    kwargs = dict(kwargs)
+    batch1_warm_up = kwargs.pop("batch1_warm_up", True)
     with LLM(str(target), load_format="dummy", max_model_len=1024, device=device,
              profile=profile, **kwargs) as llm:  # fmt: skip
-        llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+        if batch1_warm_up:
+            llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
         llm.generate([PROMPT] * batch, params, use_tqdm=False)  # warm-up at this batch
         gc.collect()
         gc.freeze()  # this process's heap out of the collections, as the actors' are
@@ -168,6 +176,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--runner-only", action="store_true")
     parser.add_argument("--engine-only", action="store_true")
+    parser.add_argument("--only", nargs="*", help="the engine configs whose name holds one")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     target = target_dir(Path(tempfile.mkdtemp(prefix="target_94m_")))
@@ -203,7 +212,9 @@ def main() -> int:
             torch.cuda.empty_cache()
         print(row, top, sep="\n", flush=True)
     histograms = ["\nSteps per (kind, batch size), whole run, most frequent first:\n"]
-    for name, kwargs in [] if args.runner_only else configs(args.disable_above):
+    chosen = [c for c in configs(args.disable_above) if not args.only or any(
+        word in c[0] for word in args.only)]  # fmt: skip
+    for name, kwargs in [] if args.runner_only else chosen:
         try:
             row, histogram = run(target, name, kwargs, args.batch, args.tokens, args.device)
         except Exception as error:  # one failing config leaves the others' rows
