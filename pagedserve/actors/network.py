@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 _BUS_PORTS = 16
 _PORT_RANGE = (20000, 60000)
 _PORT_TRIES = 200
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 def engine_addresses(run_dir: str, network: NetworkConfig | None) -> bus.Addresses:
@@ -49,13 +50,38 @@ def plan_network(host: str, num_workers: int) -> NetworkConfig:
 
 
 def _free_port_block(host: str, count: int, avoid: range = range(0)) -> int:
+    """A block of `count` ports free now, outside the kernel's ephemeral range: the actors bind
+    theirs only later, and a port of that range may meanwhile become the local end of any
+    process's outgoing connection (Ray's, the rendezvous')."""
     rng = random.Random()
+    ranges = port_ranges(_PORT_RANGE, ephemeral_ports(), count)
     for _ in range(_PORT_TRIES):
-        base = rng.randrange(*_PORT_RANGE)
+        low, high = rng.choice(ranges)
+        base = rng.randrange(low, high - count + 1)
         ports = range(base, base + count)
         if not set(ports) & set(avoid) and all(_port_free(host, p) for p in ports):
             return base
     raise RuntimeError(f"found no {count} consecutive free tcp ports on {host}")
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel picks an outgoing connection's local end from (Linux: the
+    ip_local_port_range sysctl; elsewhere, IANA's dynamic range)."""
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        low, high = 49152, 65535
+    return range(low, high + 1)
+
+
+def port_ranges(allowed: tuple[int, int], ephemeral: range, count: int) -> list[tuple[int, int]]:
+    """The parts [low, high) of `allowed` outside `ephemeral` that hold `count` ports; all of
+    `allowed` when no part does (a kernel that lends nearly every port)."""
+    low, high = allowed
+    parts = [(low, min(high, ephemeral.start)), (max(low, ephemeral.stop), high)]
+    parts = [(a, b) for a, b in parts if b - a >= count]
+    return parts or [allowed]
 
 
 def _port_free(host: str, port: int) -> bool:
