@@ -16,54 +16,41 @@ from __future__ import annotations
 import gc
 import time
 
+import msgspec
+
 from pagedserve.actors.supervision_messages import GcStats
 
 
 class GcPauses:
     """Counts the collector's pauses from install() on (gc.callbacks, on the thread that
-    collects; the heartbeat thread reads the totals)."""
+    collects; the heartbeat thread reads a copy of the totals)."""
 
     def __init__(self) -> None:
-        self.collections = 0
-        self.full_collections = 0
-        self.pause_s = 0.0
-        self.full_pause_s = 0.0
-        self.max_pause_s = 0.0
-        self.frozen = 0
+        self.totals = GcStats()
         self._start = 0.0
 
     def install(self) -> None:
         gc.callbacks.append(self._on_collect)
-
-    def uninstall(self) -> None:
-        if self._on_collect in gc.callbacks:
-            gc.callbacks.remove(self._on_collect)
 
     def freeze_start_up_heap(self) -> None:
         """Collect what start-up left as garbage, then move every surviving object to the
         permanent generation, out of later collections' walks."""
         gc.collect()
         gc.freeze()
-        self.frozen = gc.get_freeze_count()
+        self.totals.frozen = gc.get_freeze_count()
 
     def stats(self) -> GcStats:
-        return GcStats(
-            frozen=self.frozen,
-            collections=self.collections,
-            full_collections=self.full_collections,
-            pause_s=round(self.pause_s, 6),
-            full_pause_s=round(self.full_pause_s, 6),
-            max_pause_s=round(self.max_pause_s, 6),
-        )
+        return msgspec.structs.replace(self.totals)
 
     def _on_collect(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._start = time.perf_counter()
             return
         pause = time.perf_counter() - self._start
-        self.collections += 1
-        self.pause_s += pause
-        self.max_pause_s = max(self.max_pause_s, pause)
+        totals = self.totals
+        totals.collections += 1
+        totals.pause_s += pause
+        totals.max_pause_s = max(totals.max_pause_s, pause)
         if info.get("generation") == 2:
-            self.full_collections += 1
-            self.full_pause_s += pause
+            totals.full_collections += 1
+            totals.full_pause_s += pause

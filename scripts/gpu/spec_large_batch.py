@@ -53,26 +53,27 @@ RUNS = 5  # measured runs per engine (wall: their median)
 PROMPT = " ".join(["the king is dead, long live the king; the queen is here."] * 10)
 
 
-def configs(limit: int) -> list[tuple[str, dict]]:
-    """(name, LLM kwargs): plain, plain with the static rows of a k=4 engine, and the
-    speculative engines of bench_speculative.py switched off above batch `limit`."""
+def configs(limit: int) -> list[tuple[str, dict, bool]]:
+    """(name, LLM kwargs, whether a batch-1 request runs first): plain, plain with the static
+    rows of a k=4 engine, and the speculative engines of bench_speculative.py switched off
+    above batch `limit`."""
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
              "prompt_lookup_min": 2, "disable_by_batch_size": limit}  # fmt: skip
     draft = {"model": str(DRAFT), "num_speculative_tokens": 3, "disable_by_batch_size": limit}
     return [
-        ("no speculation", {}),
-        ("no speculation, max_num_seqs 1280", {"max_num_seqs": 1280}),
-        (f"n-gram k=4, 1 round, off above {limit}", {"speculative_config": ngram}),
+        ("no speculation", {}, True),
+        ("no speculation, max_num_seqs 1280", {"max_num_seqs": 1280}, True),
+        (f"n-gram k=4, 1 round, off above {limit}", {"speculative_config": ngram}, True),
         (f"n-gram k=4, 4 rounds, off above {limit}",
-         {"speculative_config": ngram | {"num_rounds": 4}}),
+         {"speculative_config": ngram | {"num_rounds": 4}}, True),
         (f"draft k=3, 4 rounds, off above {limit}",
-         {"speculative_config": draft | {"num_rounds": 4}}),
+         {"speculative_config": draft | {"num_rounds": 4}}, True),
         # which part costs: speculation never on, or no speculative step before the batch
         ("n-gram k=4, never on (disable_by_batch_size 0)",
-         {"speculative_config": ngram | {"disable_by_batch_size": 0}}),
+         {"speculative_config": ngram | {"disable_by_batch_size": 0}}, True),
         (f"n-gram k=4, off above {limit}, no batch-1 warm-up",
-         {"speculative_config": ngram, "batch1_warm_up": False}),
-        ("no speculation (again, last)", {}),
+         {"speculative_config": ngram}, False),
+        ("no speculation (again, last)", {}, True),
     ]  # fmt: skip
 
 
@@ -128,13 +129,11 @@ def runner_row(target: Path, name: str, kwargs: dict, batch: int, device: str) -
     return [f"| {name} | {per_step:.3f} | {synced:.3f} | {device_ms:.3f} |", f"- {name}: {top}"]
 
 
-def run(target: Path, name: str, kwargs: dict, batch: int, tokens: int, device: str
-        ) -> tuple[str, str]:  # fmt: skip
+def run(target: Path, name: str, kwargs: dict, batch1_warm_up: bool, batch: int, tokens: int,
+        device: str) -> tuple[str, str]:  # fmt: skip
     out = Path(tempfile.mkdtemp(prefix="spec_large_batch_"))
     profile = ProfileConfig(output_dir=str(out), first_step=10**9, num_steps=0)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    kwargs = dict(kwargs)
-    batch1_warm_up = kwargs.pop("batch1_warm_up", True)
     with LLM(str(target), load_format="dummy", max_model_len=1024, device=device,
              profile=profile, **kwargs) as llm:  # fmt: skip
         if batch1_warm_up:
@@ -214,9 +213,10 @@ def main() -> int:
     histograms = ["\nSteps per (kind, batch size), whole run, most frequent first:\n"]
     chosen = [c for c in configs(args.disable_above) if not args.only or any(
         word in c[0] for word in args.only)]  # fmt: skip
-    for name, kwargs in [] if args.runner_only else chosen:
+    for name, kwargs, batch1_warm_up in [] if args.runner_only else chosen:
         try:
-            row, histogram = run(target, name, kwargs, args.batch, args.tokens, args.device)
+            row, histogram = run(target, name, kwargs, batch1_warm_up, args.batch, args.tokens,
+                                 args.device)  # fmt: skip
         except Exception as error:  # one failing config leaves the others' rows
             row, histogram = f"| {name} | failed: {type(error).__name__}: {error} |", ""
         lines.append(row)
