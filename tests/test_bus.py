@@ -55,7 +55,7 @@ EXAMPLES: list[msgspec.Struct] = [
     m.StopRequests([7]),
     m.EngineOutputs(
         routes=[m.Route(7, b"c", 1, [1, 2], SAMPLING, [5], m.FinishReason.LENGTH, None)],
-        outputs=[m.RequestOutput(7, [5], [LOGPROBS], m.FinishReason.LENGTH, None, 0)],
+        outputs=[m.RequestOutput(7, [5], [LOGPROBS], m.FinishReason.LENGTH, None, 0, 0)],
         errors=[m.RequestError(seq=2, message="too long", client=b"c")],
     ),
     m.SchedulerStats(seq=3, client=b"c", num_running=2, num_free_blocks=9),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
+from pagedserve.actors.detokenizer import OutputStream
 from pagedserve.actors.messages import (
     AddRequest,
     FinishReason,
@@ -600,6 +601,32 @@ def test_a_resubmitted_route_gets_its_request_back_not_a_copy() -> None:
     done = sched.add_request(request)  # finished meanwhile: its result again
     assert isinstance(done, Route) and done.handle == handle
     assert done.output_token_ids == [7, 8, 9] and done.finish_reason is FinishReason.LENGTH
+    assert_no_leak(sched)
+
+
+def test_a_route_built_after_a_result_and_that_results_output_stream_each_token_once() -> None:
+    """A resubmission handled in the same batch as a step's result (after it) gets a route that
+    already holds the step's token; the detokenizer, new after a restart, opens its stream
+    from that route and then reads the step's output: the output's offset says the token was
+    sent (a fresh-clone CI run once streamed it twice after a kill -9 of the detokenizer)."""
+    sched = Scheduler(make_config(), 32)
+    request = add("a", [2] * 5, max_tokens=4, ignore_eos=True)
+    admit(sched, request)
+    offsets = []
+    for token in (7, 8, 9):  # a prefill step, then decode steps (the columnar fast path)
+        (output,) = step(sched, {"a": token})[1]
+        offsets.append(output.output_offset)
+    assert offsets == [0, 1, 2]
+    route = sched.add_request(msgspec.structs.replace(request, resume_token_ids=[7]))
+    assert isinstance(route, Route) and route.output_token_ids == [7, 8, 9]
+    stream = OutputStream(CLIENT, request.seq, route.prompt_token_ids, None)
+    replay = stream.push(route.output_token_ids, None, None, None, 0)
+    assert stream.unsent(output) == ([], None)  # the route carried the last step's token
+    (last,) = step(sched, {"a": 10})[1]
+    assert stream.unsent(last) == ([10], None)
+    final = stream.push([10], None, last.finish_reason, None, 0)
+    assert replay.token_ids + final.token_ids == [7, 8, 9, 10]
+    assert final.token_offset == 3 and final.finish_reason is FinishReason.LENGTH
     assert_no_leak(sched)
 
 

@@ -12,10 +12,12 @@ Clients connect a DEALER to its ROUTER (Hello -> Welcome) and probe it (Ping -> 
 answers carry the supervisor's epoch, which changes when an actor was restarted: a client then
 resubmits the requests it still waits for (see api/client.py). A route for a request the
 detokenizer does not know yet, with output already generated (such a resubmission, or a restart
-of this actor), replays that output from its start; deltas carry their offsets in the output,
-so a client keeps only what it lacks. After a scheduler restart it forgets the old scheduler's
-handles. When the engine is dead (`EngineFailed`), every request it streams ends with a 503 at
-once, and every later Welcome or Pong carries the reason, so clients fail fast.
+of this actor), replays that output from its start; outputs carry their offsets in the output,
+so a stream never sends a token twice (a route may already hold the tokens of an output in the
+same message), and deltas carry theirs, so a client keeps only what it lacks. After a scheduler
+restart it forgets the old scheduler's handles. When the engine is dead (`EngineFailed`), every
+request it streams ends with a 503 at once, and every later Welcome or Pong carries the reason,
+so clients fail fast.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pagedserve.actors.messages import (
     Pong,
     RequestDelta,
     RequestError,
+    RequestOutput,
     Route,
     SchedulerInbound,
     SchedulerStats,
@@ -91,6 +94,16 @@ class OutputStream:
         self.num_tokens += len(token_ids)
         self.text_length += len(text.text)
         return delta
+
+    def unsent(self, output: RequestOutput) -> tuple[list[int], list[TokenLogprobs] | None]:
+        """The output's tokens (and logprobs) this stream has not sent yet. A route built
+        after a step's result was applied (a resubmission handled in the same batch as the
+        result) already holds that step's tokens; its output then repeats them."""
+        sent = self.num_tokens - output.output_offset
+        if sent <= 0:
+            return output.new_token_ids, output.new_logprobs
+        logprobs = output.new_logprobs
+        return output.new_token_ids[sent:], None if logprobs is None else logprobs[sent:]
 
     def _detokenize(self, token_ids: list[int], finished: bool) -> tuple[StreamedText, int]:
         """The text of `token_ids` and how many of them count: all, or up to the one that
@@ -211,8 +224,11 @@ class DetokenizerActor(Actor):
             stream = self.streams.get(output.handle)
             if stream is None:
                 continue  # finished here already (a stop string), or never routed
-            delta = stream.push(output.new_token_ids, output.new_logprobs, output.finish_reason,
-                                output.stop_reason, output.num_cached_tokens)  # fmt: skip
+            token_ids, logprobs = stream.unsent(output)
+            if not token_ids and output.finish_reason is None and not output.prompt_logprobs:
+                continue  # its route, in this message, carried these tokens already
+            delta = stream.push(token_ids, logprobs, output.finish_reason, output.stop_reason,
+                                output.num_cached_tokens)  # fmt: skip
             delta.prompt_logprobs = output.prompt_logprobs
             if delta.finish_reason is not None and output.finish_reason is None:
                 stopped.append(output.handle)

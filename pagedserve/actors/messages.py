@@ -179,6 +179,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     finish_reason: FinishReason | None
     stop_reason: int | None
     num_cached_tokens: int
+    output_offset: int  # how many output tokens came before new_token_ids
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first output tokens
 
 

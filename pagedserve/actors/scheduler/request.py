@@ -163,10 +163,12 @@ class Request:
     def output(
         self, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None
     ) -> RequestOutput:
-        """Its output for the detokenizer: these new tokens, and how it ended if it did."""
+        """Its output for the detokenizer: these new tokens (the last ones of `token_ids`),
+        where they start in the output, and how it ended if it did."""
+        offset = len(self.token_ids) - self.num_prompt_tokens - len(new_token_ids)
         return RequestOutput(
             self.handle, new_token_ids, logprobs, self.finish_reason, self.stop_reason,
-            max(self.num_cached_tokens, 0), self.take_prompt_logprobs(),
+            max(self.num_cached_tokens, 0), offset, self.take_prompt_logprobs(),
         )  # fmt: skip
 
     def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
