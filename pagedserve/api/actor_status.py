@@ -117,8 +117,8 @@ def render_prometheus(status: EngineStatus) -> bytes:
 
 COLUMNS = "{:<14} {:>8} {:>8} {:>4} {:>8} {:>6} {:>9} {:>9} {:>5} {:>8} {:>7}  {}"
 HEADER = COLUMNS.format(
-    "ACTOR", "PID", "STATE", "RST", "UPTIME", "BUSY%", "IN/s", "OUT/s", "REJ", "RSS MB", "GC ms",
-    "QUEUES",
+    *("ACTOR", "PID", "STATE", "RST", "UPTIME", "BUSY%", "IN/s", "OUT/s", "REJ", "RSS MB"),
+    *("GC ms", "QUEUES"),
 )
 
 
