@@ -15,8 +15,11 @@ Variants, run in interleaved rounds so that a busy machine disturbs them alike:
   floor             the same bytes ping-ponged by plain synchronous ZeroMQ sockets, with no
                     Python work but send and receive: what the machine and ZeroMQ cost
 Every socket speaks CURVE, as the engine's do; `--no-curve` adds rows without it.
+`--cpus D E` pins the driver's process (its threads, ZeroMQ's I/O thread among them) to CPU D
+and the echo's to CPU E before either makes a socket: `0 0` shares one CPU, `0 1` gives each
+its own; without it the kernel places them.
 
-    python scripts/profile/bus.py --decodes 256 --iterations 3000
+    python scripts/profile/bus.py --decodes 256 --iterations 3000 [--cpus 0 1]
 """
 
 from __future__ import annotations
@@ -169,12 +172,14 @@ def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: in
     return samples
 
 
-def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int) -> list[float]:
+def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int,
+            echo_cpu: int | None) -> list[float]:  # fmt: skip
     run_dir = tempfile.mkdtemp(prefix="bus-profile-")
     credentials = Credentials.generate() if secure else None
     keys = msgspec.json.encode(credentials).decode() if credentials else ""
     command = [sys.executable, __file__, "--echo", run_dir, "--variants", variant]
     command += ["--epoch", str(epoch)]
+    command += [] if echo_cpu is None else ["--cpus", str(echo_cpu), str(echo_cpu)]
     child = subprocess.Popen(command + ["--decodes", str(decodes)], stdin=subprocess.PIPE,
                              text=True)  # fmt: skip
     child.stdin.write(keys)  # type: ignore[union-attr]
@@ -209,10 +214,15 @@ def main() -> None:
     parser.add_argument("--epoch", type=int, default=0,
                         help="the scheduler's (0: a fresh engine; from 1, after a restart, "
                         "handles and step ids are above 2**40 and take 9 bytes each)")  # fmt: skip
+    parser.add_argument("--cpus", type=int, nargs=2, default=None, metavar=("DRIVER", "ECHO"),
+                        help="pin the driver and the echo, each to one CPU")  # fmt: skip
     parser.add_argument("--echo", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cpus is not None:  # before any thread or socket: ZeroMQ's I/O thread inherits it
+        os.sched_setaffinity(0, {args.cpus[1] if args.echo is not None else args.cpus[0]})
     if args.echo is not None:
         return run_echo(args)
+    echo_cpu = None if args.cpus is None else args.cpus[1]
     print("| decodes | CURVE | path | plan bytes | result bytes | p50 µs each round "
           "| round trip µs p50 | p90 | p99 |")  # fmt: skip
     print("|---:|:---:|---|---:|---:|---|---:|---:|---:|")
@@ -223,7 +233,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for variant, secure in cases:
                 n = args.iterations // args.rounds
-                samples[variant, secure].append(measure(variant, decodes, n, secure, args.epoch))
+                samples[variant, secure].append(
+                    measure(variant, decodes, n, secure, args.epoch, echo_cpu)
+                )
         plan, result = typical_frames(decodes, args.epoch)
         for (variant, secure), rounds in samples.items():
             each = " / ".join(f"{percentiles(r)['p50_us']:.0f}" for r in rounds)
