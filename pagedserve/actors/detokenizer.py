@@ -217,6 +217,8 @@ class DetokenizerActor(Actor):
             if stream is not None and (route.output_token_ids or route.finish_reason is not None):
                 delta = stream.push(route.output_token_ids, None, route.finish_reason,
                                     route.stop_reason, 0)  # fmt: skip
+                if delta.finish_reason is not None and route.finish_reason is None:
+                    stopped.append(route.handle)  # its replay ends on a stop string
                 batches[stream.client].append(self.close_if_final(route.handle, delta))
         for error in message.errors:
             await self.forward(error)
