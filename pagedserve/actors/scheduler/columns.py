@@ -4,8 +4,9 @@ They are the one owner of a request's `num_computed_tokens` and of how many of i
 tokens are in flight (`num_inflight`): `Request` reads and writes its row through properties,
 and the scheduler's decode fast path (decode_path.py) reads and advances every running
 request's row in a few array operations instead of a Python loop. A row also holds what the
-fast path checks per step and never changes while the request lives (its handle; `limit`, the
-number of tokens at which it ends by length; whether it wants its prompt's logprobs), and the
+fast path checks per step and never changes while the request lives (its handle; its prompt's
+length; `limit`, the number of tokens at which it ends by length; whether it wants its prompt's
+logprobs), and the
 columns count the stop tokens of the
 live requests (their union is the short list of tokens that may end a request by content).
 """
@@ -22,6 +23,7 @@ class RequestColumns:
         self.handle = np.full(capacity, -1, np.int64)  # -1: a free row
         self.num_computed = np.zeros(capacity, np.int64)
         self.num_inflight = np.zeros(capacity, np.int64)
+        self.num_prompt = np.zeros(capacity, np.int64)
         self.limit = np.zeros(capacity, np.int64)
         self.wants_prompt_logprobs = np.zeros(capacity, bool)
         self._free = list(range(capacity - 1, -1, -1))  # pop() takes the lowest row
@@ -29,7 +31,12 @@ class RequestColumns:
         self._stop_tokens: np.ndarray | None = None  # their union, rebuilt when it changes
 
     def add(
-        self, handle: int, limit: int, stop_tokens: frozenset[int], wants_prompt_logprobs: bool
+        self,
+        handle: int,
+        num_prompt: int,
+        limit: int,
+        stop_tokens: frozenset[int],
+        wants_prompt_logprobs: bool,
     ) -> int:
         """A row for a new request (zero counters); its index."""
         if not self._free:
@@ -38,6 +45,7 @@ class RequestColumns:
         self.handle[row] = handle
         self.num_computed[row] = 0
         self.num_inflight[row] = 0
+        self.num_prompt[row] = num_prompt
         self.limit[row] = min(limit, INT64_MAX)
         self.wants_prompt_logprobs[row] = wants_prompt_logprobs
         for token in stop_tokens:
@@ -72,7 +80,8 @@ class RequestColumns:
     def _grow(self) -> None:
         old = len(self.handle)
         self.handle = np.concatenate([self.handle, np.full(old, -1, np.int64)])
-        for name in ("num_computed", "num_inflight", "limit", "wants_prompt_logprobs"):
+        names = ("num_computed", "num_inflight", "num_prompt", "limit", "wants_prompt_logprobs")
+        for name in names:
             column = getattr(self, name)
             setattr(self, name, np.concatenate([column, np.zeros_like(column)]))
         self._free.extend(range(2 * old - 1, old - 1, -1))

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 _token_ids = attrgetter("token_ids")
 _row = attrgetter("row")
 _num_cached_tokens = attrgetter("num_cached_tokens")
-_num_prompt_tokens = attrgetter("num_prompt_tokens")
 
 
 @dataclass
@@ -148,8 +147,7 @@ def apply_result(sched: Scheduler, record: StepRecord, result: StepResult
     sched.counters.num_generation_tokens += len(tokens)
     lengths = np.fromiter(map(len, token_lists), np.int64, len(token_lists))
     sampled = np.array(tokens, np.int64)
-    prompts = np.fromiter(map(_num_prompt_tokens, reqs), np.int64, len(reqs))
-    offsets = (lengths - prompts - 1).tolist()  # each new token's index in its output
+    offsets = (lengths - cols.num_prompt[rows] - 1).tolist()  # the new tokens' in the output
     outputs = list(map(RequestOutput, handles, sampled.reshape(-1, 1).tolist(), repeat(None),
                        repeat(None), repeat(None), map(_num_cached_tokens, reqs),
                        offsets))  # fmt: skip

@@ -92,7 +92,9 @@ class Request:
             prompt_logprobs=[] if msg.sampling.prompt_logprobs is None else [None],
         )
         wants_prompt_logprobs = msg.sampling.prompt_logprobs is not None
-        request.row = columns.add(handle, limit, request.stop_tokens, wants_prompt_logprobs)
+        request.row = columns.add(
+            handle, request.num_prompt_tokens, limit, request.stop_tokens, wants_prompt_logprobs
+        )
         return request
 
     def release(self) -> None:
