@@ -110,3 +110,18 @@ def test_a_replay_that_ends_on_a_stop_string_stops_the_request_at_the_scheduler(
     assert len(delta.token_ids) < len(tokens) and stop_at[-1] in delta.token_ids
     assert scheduler.sent == [StopRequests([1])]
     assert actor.streams == {}
+
+
+def test_a_finished_requests_route_and_its_last_output_end_the_stream_once() -> None:
+    """The step's result finished the request, then its resubmission in the same batch got
+    the final route (every token, how it ended): one final delta, the output adds nothing."""
+    actor, clients, _ = detokenizer(None)
+    final = Route(1, CLIENT, 101, [5, 6, 7], SamplingParams(max_tokens=3), [7, 8, 9],
+                  FinishReason.LENGTH)  # fmt: skip
+    last = RequestOutput(1, [9], None, FinishReason.LENGTH, None, 0, 2)
+    anyio.run(actor.on_outputs, EngineOutputs(routes=[final], outputs=[last]))
+    (batch,) = clients.sent
+    assert isinstance(batch, DeltaBatch)
+    (delta,) = batch.deltas
+    assert delta.token_ids == [7, 8, 9] and delta.finish_reason is FinishReason.LENGTH
+    assert actor.streams == {}
