@@ -217,9 +217,8 @@ class DetokenizerActor(Actor):
             if stream is not None and (route.output_token_ids or route.finish_reason is not None):
                 delta = stream.push(route.output_token_ids, None, route.finish_reason,
                                     route.stop_reason, 0)  # fmt: skip
-                if delta.finish_reason is not None and route.finish_reason is None:
-                    stopped.append(route.handle)  # its replay ends on a stop string
-                batches[stream.client].append(self.close_if_final(route.handle, delta))
+                self.close_if_final(route.handle, delta, route.finish_reason, stopped)
+                batches[stream.client].append(delta)
         for error in message.errors:
             await self.forward(error)
         for output in message.outputs:
@@ -232,9 +231,8 @@ class DetokenizerActor(Actor):
             delta = stream.push(token_ids, logprobs, output.finish_reason, output.stop_reason,
                                 output.num_cached_tokens)  # fmt: skip
             delta.prompt_logprobs = output.prompt_logprobs
-            if delta.finish_reason is not None and output.finish_reason is None:
-                stopped.append(output.handle)
-            batches[stream.client].append(self.close_if_final(output.handle, delta))
+            self.close_if_final(output.handle, delta, output.finish_reason, stopped)
+            batches[stream.client].append(delta)
         if self.timeline is not None:  # marked before the sends: a client may be quicker
             self.timeline.mark_all("detok_out", (o.handle for o in message.outputs))
         for client, deltas in batches.items():
@@ -253,7 +251,14 @@ class DetokenizerActor(Actor):
         self.streams[route.handle] = stream
         return stream
 
-    def close_if_final(self, handle: int, delta: RequestDelta) -> RequestDelta:
+    def close_if_final(
+        self, handle: int, delta: RequestDelta, engine_finish: FinishReason | None,
+        stopped: list[int],
+    ) -> None:  # fmt: skip
+        """Forget the stream once `delta` ends it; if a stop string ended it here and the
+        engine has not finished it (`engine_finish`), the scheduler is to stop it (`stopped`):
+        a step's new tokens, or a replayed route's (its detokenizer died before telling)."""
         if delta.finish_reason is not None:
             del self.streams[handle]
-        return delta
+            if engine_finish is None:
+                stopped.append(handle)

@@ -6,9 +6,8 @@ and the scheduler's decode fast path (decode_path.py) reads and advances every r
 request's row in a few array operations instead of a Python loop. A row also holds what the
 fast path checks per step and never changes while the request lives (its handle; its prompt's
 length; `limit`, the number of tokens at which it ends by length; whether it wants its prompt's
-logprobs), and the
-columns count the stop tokens of the
-live requests (their union is the short list of tokens that may end a request by content).
+logprobs), and the columns count the stop tokens of the live requests (their union is the short
+list of tokens that may end a request by content).
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ class Request:
     ) -> RequestOutput:
         """Its output for the detokenizer: these new tokens (the last ones of `token_ids`),
         where they start in the output, and how it ended if it did."""
-        offset = len(self.token_ids) - self.num_prompt_tokens - len(new_token_ids)
+        offset = self.num_output_tokens - len(new_token_ids)
         return RequestOutput(
             self.handle, new_token_ids, logprobs, self.finish_reason, self.stop_reason,
             max(self.num_cached_tokens, 0), offset, self.take_prompt_logprobs(),
