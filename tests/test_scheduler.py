@@ -831,6 +831,50 @@ def test_a_request_with_drafts_in_flight_waits_when_speculation_switches_off() -
     assert all(n > 0 for n in resumed.num_scheduled_tokens)
 
 
+def test_a_request_whose_rounds_are_in_flight_waits_when_speculation_switches_off() -> None:
+    """With rounds a speculative step emits an unknown number of tokens even without drafts
+    (the worker verifies its own proposals again): when b's arrival switches speculation off
+    (2 > 1) while a's step is in flight, the plain plan made before a's result must not
+    schedule a. (It did, as a decode of one token: the worker, which had a's tokens of both
+    rounds, then sampled nothing for a, and a waited for that token forever.)"""
+    from pagedserve.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=2, method="ngram", num_rounds=2,
+                             disable_by_batch_size=1)  # fmt: skip
+    sched = Scheduler(make_config(max_num_batched_tokens=64, speculative_config=spec), 64)
+    sched.add_request(add("a", [3, 4, 5, 6, 7, 8, 9, 10], max_tokens=20))
+    prefill = sched.schedule()
+    assert prefill is not None and prefill.propose
+    a = handle_of(sched, "a")
+    sched.update_from_result(
+        StepResult(step_id=prefill.step_id, handles=[a], sampled_token_ids=[11])
+    )
+    decode = sched.schedule()  # no proposals came back: no drafts, but rounds
+    assert decode is not None and decode.propose and decode.spec_token_ids == [[]]
+    sched.add_request(add("b", [5, 6, 7]))
+    admit_b = sched.schedule()
+    assert admit_b is not None and not admit_b.propose
+    assert admit_b.scheduled == [handle_of(sched, "b")]
+    # a's step verified no drafts, then a round of its own 2 proposals: 1 + 2 tokens
+    sched.update_from_result(
+        StepResult(
+            step_id=decode.step_id,
+            handles=[a],
+            sampled_token_ids=[12, 13, 14],
+            num_sampled=[3],
+            num_verifies=[2],
+            verify_drafts=[0, 2],
+            verify_emitted=[1, 2],
+            draft_token_ids=[[15, 16]],
+        )  # fmt: skip
+    )
+    req = sched.requests[a]
+    assert req.token_ids[8:] == [11, 12, 13, 14] and req.num_inflight == 0
+    assert req.num_computed_tokens == req.num_tokens - 1  # only its last token to compute
+    after = sched.schedule()
+    assert after is not None and a in after.scheduled and not after.propose
+
+
 # ---------------------------------------------------------------- the columnar fast path
 
 

@@ -126,3 +126,50 @@ def test_steps_above_the_threshold_are_a_plain_engines(
         runs.append((*drive(sched, runner), decodes))
     assert runs[1] == runs[0]
     assert sum(runs[1][2]) >= 10  # every decode step took the static path
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_a_speculating_step_of_new_prompts_runs_as_a_plain_step(
+    proposer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests admitted together, speculation on: their prompts' step verifies no drafts, so
+    it takes the plain step's path (graphs on a GPU), not the general verify path, which
+    runs the target eagerly; its proposals and every token are those of the general path's
+    engine, and of a plain engine."""
+    from pagedserve.actors.worker import verify_step
+
+    target = save_tiny_model("llama", tmp_path / "target")
+    draft = save_tiny_model("llama", tmp_path / "draft", seed=1, hidden_size=32)
+    spec = SpeculativeConfig(**NGRAM)
+    if proposer == "draft":
+        spec = SpeculativeConfig(model=str(draft), num_speculative_tokens=3)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = random_prompts(400, [3, 9, 17, 30], seed=3)
+    general = verify_step._verify_general
+    runs = []
+    for speculative in (False, True):
+        config = EngineConfig(model=str(target), num_kv_blocks=64, max_num_seqs=4,
+                              skip_tokenizer_init=True,
+                              speculative_config=spec if speculative else None)  # fmt: skip
+        config = config.resolve()
+        runner = ModelRunner(config)
+        runner.load_model()
+        startup.init_kv_cache(runner, 64)
+        calls: list[int] = []
+
+        def counted(*args: object, calls: list[int] = calls) -> object:
+            calls.append(1)
+            return general(*args)
+
+        monkeypatch.setattr(verify_step, "_verify_general", counted)
+        sched = Scheduler(config, 64)
+        for seq, prompt in enumerate(prompts):
+            sched.add_request(AddRequest(client=b"c", seq=seq, prompt_token_ids=prompt,
+                                         sampling=params, eos_token_ids=[]))  # fmt: skip
+        _, outputs = drive(sched, runner)
+        runs.append(outputs)
+        if speculative:
+            assert not calls  # the prompts' step ran plain; every later step as a decode
+            assert sched.stats().spec_num_draft_tokens > 0
+    tokens = [{h: [t for k, new in run if k == h for t in new] for h, _ in run} for run in runs]
+    assert tokens[1] == tokens[0]

@@ -7,15 +7,16 @@
    4M model is its draft.
 2. The issue's workloads, each on its engine (one engine per config, every prompt set of it):
    - batch 1, greedy, 256 output tokens per Shakespeare prompt, without speculation and with
-     the draft model (k=3): time per output token, streamed through the ZeroMQ client
+     the draft model (--draft-k): time per output token, streamed through the ZeroMQ client
      ((last - first) / (tokens - 1), median over the prompts), and the acceptance rate;
-   - the same on copy-heavy prompts (a passage, then its first line again), without
-     speculation and with n-gram (k=4);
+   - the same on copy-heavy prompts (a passage, then its first line again; 5 times), without
+     speculation and with n-gram (--ngram-k);
    - batch 64 x 256 tokens with each: output tokens/s (median of 7 runs after a warm-up run),
      speculation switched off above batch 16 (disable_by_batch_size, --disable-above).
-   A plain engine runs first and again last; ratios are against the mean of the two.
-   Speculative configs verify --rounds rounds per step (num_rounds). Each row's speed-up is
-   against no speculation on its prompts. --full adds one-round, always-on and other k rows.
+   The plain, draft and n-gram engines run in turn --passes times, and a plain engine once
+   more last; each row is the mean of its engines, ratios against the plain rows. Speculative
+   configs verify --rounds rounds per step (num_rounds). --full adds one-round, always-on and
+   other k rows.
 3. Prints the final table and writes it, with the raw rows, to --out. About 5 minutes of GPU
    time with the default training time.
 
@@ -65,7 +66,8 @@ PASSAGE = (
     "When that the poor have cried, Caesar hath wept:\nAmbition should be made of sterner "
     "stuff:\nYet Brutus says he was ambitious;\nAnd Brutus is an honourable man.\n"
 )  # long enough that copying it again covers the 256 output tokens
-COPY_PROMPTS = [PASSAGE + "\n" + PASSAGE.split("\n")[0] + "\n" + PASSAGE.split("\n")[1][:12]]
+# the one copy prompt 5 times: batch 1's median then rides over one stalled run
+COPY_PROMPTS = [PASSAGE + "\n" + PASSAGE.split("\n")[0] + "\n" + PASSAGE.split("\n")[1][:12]] * 5
 
 
 def train_target(data: str, out: Path, time_limit: int) -> dict:
@@ -140,6 +142,23 @@ def run_config(target: str, name: str, spec: dict | None, prompt_sets: dict[str,
     return rows
 
 
+def mean_rows(runs: list[dict]) -> list[dict]:
+    """One row per (config, prompts): the mean of its engines' numbers, in first-run order."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for run in runs:
+        name = run["config"].removesuffix(" (again, last)")
+        groups.setdefault((name, run["prompts"]), []).append(run)
+    rows = []
+    for (name, prompts), group in groups.items():
+        row: dict = {"config": name, "prompts": prompts, "engines": len(group)}
+        for key, value in group[0].items():
+            if isinstance(value, (int, float)):
+                mean = sum(g[key] for g in group) / len(group)
+                row[key] = round(mean, 4 if isinstance(value, float) else 0)
+        rows.append(row)
+    return rows
+
+
 def add_ratios(rows: list[dict]) -> None:
     """Each row against no speculation on its prompts (the mean of the plain engines, the first
     and the last): batch-1 speed-up (plain ms per token / its ms per token) and batch-64
@@ -168,11 +187,12 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict | None, dict[str, 
     off = {"disable_by_batch_size": args.disable_above}
     rounds = {"num_rounds": args.rounds}  # verifies per scheduler round trip
     above, r = f"off above batch {args.disable_above}", f"{args.rounds} rounds"
+    ngram["num_speculative_tokens"] = args.ngram_k
     rows = [
         ("no speculation", None, shakespeare | copy),
-        (f"draft k=3, {r}, {above}", draft(3) | rounds | off, shakespeare),
-        (f"ngram k=4, {r}, {above}", ngram | rounds | off, copy),
-    ]
+        (f"draft k={args.draft_k}, {r}, {above}", draft(args.draft_k) | rounds | off, shakespeare),
+        (f"ngram k={args.ngram_k}, {r}, {above}", ngram | rounds | off, copy),
+    ] * args.passes
     if args.full:
         rows += [
             (f"draft k=3, 1 round, {above}", draft(3) | off, shakespeare),
@@ -192,7 +212,14 @@ def main() -> None:
     parser.add_argument("--train-seconds", type=int, default=120, help="training time limit")
     parser.add_argument("--smoke", action="store_true", help="the embedded model, untrained")
     parser.add_argument("--full", action="store_true", help="one-round, always-on, k=2, k=5")
-    parser.add_argument("--rounds", type=int, default=4, help="num_rounds of the spec configs")
+    parser.add_argument("--rounds", type=int, default=8, help="num_rounds of the spec configs")
+    parser.add_argument("--draft-k", type=int, default=2, help="the draft's k")
+    parser.add_argument("--ngram-k", type=int, default=8, help="the n-gram lookup's k")
+    parser.add_argument(
+        "--passes", type=int, default=2,
+        help="times the plain, draft and n-gram engines run, in turn (engines of one config "
+        "differ by up to 20%% from one start to the next: each row is their mean)",
+    )  # fmt: skip
     parser.add_argument(
         "--disable-above", type=int, default=16,
         help="disable_by_batch_size of the configs that switch speculation off",
@@ -205,12 +232,13 @@ def main() -> None:
         shutil.rmtree(target, ignore_errors=True)
         training = train_target(args.data, target, args.train_seconds)
     print(json.dumps(training), flush=True)
-    rows = []
+    runs = []
     for name, spec, prompt_sets in configs(args):
-        rows += run_config(str(target), name, spec, prompt_sets)
+        runs += run_config(str(target), name, spec, prompt_sets)
+    rows = mean_rows(runs)
     add_ratios(rows)
-    header = ["config", "prompts", "batch1_ms_per_token", "batch1_speedup", "batch64_tok_s",
-              "batch64_vs_plain", "acceptance_rate", "mean_accepted_length",
+    header = ["config", "prompts", "engines", "batch1_ms_per_token", "batch1_speedup",
+              "batch64_tok_s", "batch64_vs_plain", "acceptance_rate", "mean_accepted_length",
               "num_draft_tokens", "num_accepted_tokens"]  # fmt: skip
     lines = [
         f"## Speculative decoding, {datetime.datetime.now():%Y-%m-%d %H:%M} (issue 12)",
@@ -219,13 +247,19 @@ def main() -> None:
         f"parameters, best val loss {training.get('best_val_loss')}, "
         f"{training.get('steps_run')} steps in {training.get('wall_s')} s), bf16; draft: the "
         "embedded 4M model. Batch 1: greedy, 256 tokens, median over the prompts; batch 64: "
-        "64 x 256 tokens, median of 7 runs; ratios against the mean of the two plain engines.",
+        "64 x 256 tokens, median of 7 runs; each row the mean of its engines (run in turn), "
+        "ratios against the plain rows.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
     lines += ["| " + " | ".join(str(r.get(h, "")) for h in header) + " |" for r in rows]
-    lines += ["", "```json", json.dumps({"training": training, "rows": rows}, indent=1), "```"]
+    lines += [
+        "",
+        "```json",
+        json.dumps({"training": training, "rows": rows, "runs": runs}, indent=1),
+        "```",
+    ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines[: 6 + len(rows)]))
 

@@ -49,6 +49,7 @@ class StepRecord:
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
     row_handles: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     to_cache: list[Request] = field(default_factory=list)  # while planning: see schedule()
+    proposes: bool = False  # the plan speculates (its tokens per request are not known)
 
     def add(self, req: Request) -> None:
         self.requests.append(req)

@@ -78,6 +78,7 @@ class Scheduler:
         # KV slots a step's proposer writes past the step's tokens (a draft model's decodes)
         self.lookahead = 0 if self.spec is None else self.spec.lookahead_slots
         self._speculate = False  # whether the last plan speculated
+        self._after_speculation = False  # while planning: a speculative plan is in flight
         self.pipelined = config.pipeline_parallel_size > 1
 
     # ------------------------------------------------------------------ requests in and out
@@ -145,7 +146,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = plan_capacity(self.config, len(self.running) + len(self.waiting))
         planned = None
-        if self.running and not speculate and not self.pipelined:
+        # a speculative step in flight emits unknown token counts: its requests wait for it
+        self._after_speculation = any(record.proposes for record in self._steps.values())
+        if self.running and not speculate and not self.pipelined and not self._after_speculation:
             planned = decode_path.plan_running(self, plan, record, budget, cap)
         budget, preempted = planned or self._schedule_running(plan, budget, cap)
         if not preempted:  # a step that preempts admits nobody
@@ -156,6 +159,7 @@ class Scheduler:
         for req in record.to_cache:
             self.block_manager.cache_full_blocks(req)
         if record.requests:
+            record.proposes = plan.propose
             self._steps[plan.step_id] = record.seal(self.columns.handle)
         plan.finished, self.finished_handles = self.finished_handles, []
         plan.reset, self.reset_workers = self.reset_workers, False
@@ -175,9 +179,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(plan.scheduled) < cap:
             req = self.running[i]
             i += 1
-            if req.num_inflight and (plan.propose or req.num_drafts_in_flight or self.pipelined):
-                # its next drafts, how many of its drafts hold, or (pipeline) its token, come
-                # with its result
+            if req.num_inflight and (plan.propose or self._after_speculation or self.pipelined):
+                # its next drafts, how many tokens its speculative step emits, or (pipeline)
+                # its token, come with its result
                 continue
             n = self._num_to_schedule(req, budget)
             drafts = []

@@ -218,7 +218,7 @@ class ModelRunner(StaticPaths):
         if speculative:  # run to completion: the next drafts need this step's tokens
             launched = PendingStep(plan.step_id, [], result=speculative_step(self, plan))
         else:
-            launched = self._launch_step(plan)
+            launched = self.launch_plain(plan)
         self._settle_pending()
         self.pending = launched
         return self.settled
@@ -289,7 +289,8 @@ class ModelRunner(StaticPaths):
         rows = np.fromiter((row_of[h] for h in plan.scheduled), np.int64)
         return self.input_batch.needs_token_history(rows)
 
-    def _launch_step(self, plan: StepPlan) -> PendingStep:
+    def launch_plain(self, plan: StepPlan) -> PendingStep:
+        """Queue a step without speculation (it finishes with `finish`)."""
         step = PendingStep(plan.step_id, [])
         if not plan.scheduled:
             return step

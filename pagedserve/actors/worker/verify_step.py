@@ -17,6 +17,11 @@ drafts together. Otherwise (prefill chunks in the step) it takes the general pat
 model reads the step's tokens there (prompt logprobs of its prefill chunks too), and proposes
 from the host's tokens after the step.
 
+A step of prompt chunks with no drafts to verify (new requests, usually) runs as a plain
+step, on its graphs, and proposes from the host's tokens afterwards: the general path runs
+the target eagerly (a batch of 64 arriving at once ran at 0.8x of plain on the H200 when its
+first steps took it).
+
 Constrained requests (structured outputs) are never speculated: their proposals are dropped,
 so they verify no drafts and sample one masked row each; their matchers advance here.
 """
@@ -45,12 +50,38 @@ def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
     if not plan.scheduled:
         return StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     rows = np.fromiter((batch.row_of[h] for h in plan.scheduled), np.int64)
+    if not any(plan.spec_token_ids) and not _decode_shaped(
+        runner, plan.num_scheduled_tokens, rows, np.zeros(len(rows), np.int64)
+    ):
+        return _plain_then_propose(runner, plan)
     coverage = proposer.coverage
     if coverage is None:
         return _rounds(runner, plan, rows)
     coverage.catch_up(runner.inputs, proposer.observe, plan.scheduled, rows)
     result = _rounds(runner, plan, rows)
     coverage.covered(batch, rows)
+    return result
+
+
+def _plain_then_propose(runner: ModelRunner, plan: StepPlan) -> StepResult:
+    """A step of prompt chunks that verifies no drafts: the plain step's path (its graphs;
+    the general path would run the target eagerly), then proposals from the host's tokens,
+    a draft model catching up on them first."""
+    batch, proposer = runner.input_batch, runner.proposer
+    assert proposer is not None
+    runner.pending = runner.launch_plain(plan)
+    result = runner.finish()
+    assert result is not None
+    if not (plan.propose and result.handles):
+        return result
+    rows = np.fromiter((batch.row_of[h] for h in result.handles), np.int64)
+    coverage = proposer.coverage
+    if coverage is not None:
+        coverage.catch_up(runner.inputs, proposer.observe, result.handles, rows)
+    proposals = proposer.propose(batch, rows)
+    if coverage is not None:
+        coverage.covered(batch, rows)
+    result.draft_token_ids = runner.structured.without_drafts(rows, proposals)
     return result
 
 
