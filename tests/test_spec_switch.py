@@ -128,14 +128,33 @@ def test_steps_above_the_threshold_are_a_plain_engines(
     assert sum(runs[1][2]) >= 10  # every decode step took the static path
 
 
+def drive_with_arrivals(sched: Scheduler, runner: ModelRunner, waves: list[list[AddRequest]]
+                        ) -> list:  # fmt: skip
+    """Like `drive` with one plan at the worker (the next plan then holds every request, the
+    new ones too), each wave of requests added once the requests before it have run 3 steps;
+    the outputs."""
+    outputs, queued, steps = [], deque(), 0
+    while sched.requests or queued or waves:
+        if waves and (steps % 3 == 0 or not sched.requests):
+            for add_request in waves.pop(0):
+                sched.add_request(add_request)
+        if not queued and (plan := sched.schedule()) is not None:
+            queued.append(plan)
+        result: StepResult | None = runner.launch(queued.popleft()) if queued else runner.finish()
+        steps += 1
+        if result is not None:
+            outputs += [(o.handle, o.new_token_ids) for o in sched.update_from_result(result)]
+    return outputs
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_a_speculating_step_of_new_prompts_runs_as_a_plain_step(
+def test_speculating_steps_with_prompts_run_their_parts_on_the_fast_paths(
     proposer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Requests admitted together, speculation on: their prompts' step verifies no drafts, so
-    it takes the plain step's path (graphs on a GPU), not the general verify path, which
-    runs the target eagerly; its proposals and every token are those of the general path's
-    engine, and of a plain engine."""
+    """Requests arriving in waves while others speculate: a step of new prompts runs as a
+    plain step, and one of prompts and decodes with drafts in two parts (the prompts plain,
+    the decodes as a verify), never on the general verify path, which runs the target
+    eagerly; every token is a plain engine's."""
     from pagedserve.actors.worker import verify_step
 
     target = save_tiny_model("llama", tmp_path / "target")
@@ -143,33 +162,39 @@ def test_a_speculating_step_of_new_prompts_runs_as_a_plain_step(
     spec = SpeculativeConfig(**NGRAM)
     if proposer == "draft":
         spec = SpeculativeConfig(model=str(draft), num_speculative_tokens=3)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    prompts = random_prompts(400, [3, 9, 17, 30], seed=3)
-    general = verify_step._verify_general
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    passage = random_prompts(400, [10], seed=4)[0]
+    prompts = [passage * 3, *random_prompts(400, [9, 17], seed=3), passage * 2, passage[:7]]
+    requests = [AddRequest(client=b"c", seq=seq, prompt_token_ids=prompt, sampling=params,
+                           eos_token_ids=[]) for seq, prompt in enumerate(prompts)]  # fmt: skip
+    general, joined = verify_step._verify_general, verify_step._joined
     runs = []
     for speculative in (False, True):
-        config = EngineConfig(model=str(target), num_kv_blocks=64, max_num_seqs=4,
+        config = EngineConfig(model=str(target), num_kv_blocks=64, max_num_seqs=8,
                               skip_tokenizer_init=True,
                               speculative_config=spec if speculative else None)  # fmt: skip
         config = config.resolve()
         runner = ModelRunner(config)
         runner.load_model()
         startup.init_kv_cache(runner, 64)
-        calls: list[int] = []
+        calls: dict[str, int] = {"general": 0, "joined": 0}
 
-        def counted(*args: object, calls: list[int] = calls) -> object:
-            calls.append(1)
-            return general(*args)
+        def counted(name: str, function: Callable, calls: dict[str, int] = calls) -> Callable:
+            def call(*args: object) -> object:
+                calls[name] += 1
+                return function(*args)
 
-        monkeypatch.setattr(verify_step, "_verify_general", counted)
+            return call
+
+        monkeypatch.setattr(verify_step, "_verify_general", counted("general", general))
+        monkeypatch.setattr(verify_step, "_joined", counted("joined", joined))
         sched = Scheduler(config, 64)
-        for seq, prompt in enumerate(prompts):
-            sched.add_request(AddRequest(client=b"c", seq=seq, prompt_token_ids=prompt,
-                                         sampling=params, eos_token_ids=[]))  # fmt: skip
-        _, outputs = drive(sched, runner)
-        runs.append(outputs)
+        waves = [requests[:1], requests[1:3], requests[3:]]
+        outputs = drive_with_arrivals(sched, runner, waves)
+        runs.append({h: [t for k, new in outputs if k == h for t in new] for h, _ in outputs})
         if speculative:
-            assert not calls  # the prompts' step ran plain; every later step as a decode
+            assert calls["general"] == 0
+            if proposer == "draft":  # it always drafts: steps of prompts and drafts to verify
+                assert calls["joined"] > 0
             assert sched.stats().spec_num_draft_tokens > 0
-    tokens = [{h: [t for k, new in run if k == h for t in new] for h, _ in run} for run in runs]
-    assert tokens[1] == tokens[0]
+    assert runs[1] == runs[0]

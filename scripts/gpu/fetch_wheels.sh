@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Download, on a machine with a package registry, the wheels the GPU machine lacks (its image has
 # torch, triton, transformers, anyio, uvloop but no msgspec, pyzmq, starlette, uvicorn, llguidance), plus
-# FlashInfer (the kernel peer) and what it needs. They go to .whl/ (git-ignored), which the GPU
-# call carries and scripts/gpu/run.sh installs.
+# FlashInfer (the kernel peer) and what it needs, and py-spy (its binary lands in /tmp/site/bin).
+# They go to .whl/ (git-ignored), which the GPU call carries and scripts/gpu/run.sh installs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 download() {
@@ -13,4 +13,5 @@ download() {
 download msgspec==0.23.0 pyzmq==27.3.0 starlette==1.10.0 uvicorn==0.54.0 setproctitle==1.3.7
 download --platform manylinux_2_31_x86_64 llguidance==1.9.1  # constrained decoding (glibc >= 2.31)
 download flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2 nvidia-cudnn-frontend==1.32.0
+download --platform manylinux1_x86_64 py-spy==0.4.3  # spec_tuning.py's per-actor profiles
 ls -la .whl

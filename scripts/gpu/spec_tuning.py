@@ -8,12 +8,16 @@ batch-64 step of a speculative engine with speculation off spends its time.
    num_rounds. Per row: ms per token, its speed-up over the mean of the plain engines (first
    and last), acceptance, mean accepted length, and per engine step (one plan's round trip):
    tokens, wall ms, and the worker's launch ms (its StepLog).
-3. Batch 64 x 256 (--batch64): a plain engine and an n-gram engine that never speculates
-   (disable_by_batch_size 0), their tok/s (median of 7 after a warm-up), each with py-spy
-   recording the worker and the scheduler (non-blocking) over further runs; the leaf functions
-   with the most samples of each, side by side. Needs --py-spy PATH (a py-spy binary).
+   py-spy records the worker over further runs of three of them (SPIED).
+3. Batch 64 x 256 (--batch64): plain, n-gram and draft engines (speculation off above batch
+   16) in turn, twice; their tok/s (median of 7 after a warm-up), each with py-spy recording
+   the worker and the scheduler (non-blocking, idle samples included) over further runs.
+   The tables give each function's share of the main thread's wall time, an engine a column.
+   Needs --py-spy PATH (a py-spy binary).
 
     python scripts/gpu/spec_tuning.py --data .gpu_data/data --out FILE [--batch64 --py-spy BIN]
+
+(py-spy: scripts/gpu/fetch_wheels.sh downloads it; after run.sh install it is /tmp/site/bin/py-spy.)
 """
 
 from __future__ import annotations

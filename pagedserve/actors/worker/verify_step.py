@@ -20,7 +20,8 @@ from the host's tokens after the step.
 A step of prompt chunks with no drafts to verify (new requests, usually) runs as a plain
 step, on its graphs, and proposes from the host's tokens afterwards: the general path runs
 the target eagerly (a batch of 64 arriving at once ran at 0.8x of plain on the H200 when its
-first steps took it).
+first steps took it). A step of prompt chunks and decodes with drafts runs in two parts, the
+chunks as a plain step and the decodes as a verify, and reports one result.
 
 Constrained requests (structured outputs) are never speculated: their proposals are dropped,
 so they verify no drafts and sample one masked row each; their matchers advance here.
@@ -28,8 +29,10 @@ so they verify no drafts and sample one masked row each; their matchers advance 
 
 from __future__ import annotations
 
+from itertools import compress
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 import torch
 
@@ -54,6 +57,17 @@ def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
         runner, plan.num_scheduled_tokens, rows, np.zeros(len(rows), np.int64)
     ):
         return _plain_then_propose(runner, plan)
+    prompts = _prompt_chunks(runner, plan, rows)
+    if prompts.any():  # and decodes with drafts: each part on its own fast path
+        plain = _plain_then_propose(runner, _part(plan, prompts))
+        return _joined(plain, _speculate(runner, _part(plan, ~prompts), rows[~prompts]))
+    return _speculate(runner, plan, rows)
+
+
+def _speculate(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> StepResult:
+    """The verify (and rounds) of `plan`, a draft model's KV caught up first."""
+    batch, proposer = runner.input_batch, runner.proposer
+    assert proposer is not None
     coverage = proposer.coverage
     if coverage is None:
         return _rounds(runner, plan, rows)
@@ -61,6 +75,51 @@ def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
     result = _rounds(runner, plan, rows)
     coverage.covered(batch, rows)
     return result
+
+
+def _prompt_chunks(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
+    """Per scheduled request: whether it runs more than its last known token and its drafts
+    (a prompt chunk, which has no drafts)."""
+    batch = runner.input_batch
+    drafts = np.fromiter(map(len, plan.spec_token_ids), np.int64, len(plan.spec_token_ids))
+    one_each = np.asarray(plan.num_scheduled_tokens) == 1 + drafts
+    at_last_token = batch.num_computed_tokens[rows] == batch.num_tokens[rows] - 1
+    return ~(one_each & at_last_token)
+
+
+def _part(plan: StepPlan, keep: np.ndarray) -> StepPlan:
+    """The plan's requests where `keep`, with their tokens and drafts."""
+
+    def pick(values: list) -> list:
+        return list(compress(values, keep.tolist()))
+
+    return msgspec.structs.replace(
+        plan, scheduled=pick(plan.scheduled), num_scheduled_tokens=pick(plan.num_scheduled_tokens),
+        spec_token_ids=pick(plan.spec_token_ids),
+    )  # fmt: skip
+
+
+def _joined(plain: StepResult, spec: StepResult) -> StepResult:
+    """One result of a step's two parts: the plain part's requests (a token each, from one
+    verify of no drafts), then the speculative part's."""
+    n, m = len(plain.handles), len(spec.handles)
+    joined = StepResult(
+        step_id=spec.step_id, handles=plain.handles + spec.handles,
+        sampled_token_ids=plain.sampled_token_ids + spec.sampled_token_ids,
+        num_sampled=[1] * n + (spec.num_sampled or [1] * m),
+        draft_token_ids=(plain.draft_token_ids or [[]] * n) + (spec.draft_token_ids or [[]] * m),
+        prompt_logprobs=plain.prompt_logprobs + spec.prompt_logprobs,
+        grammar_done=plain.grammar_done + spec.grammar_done,
+    )  # fmt: skip
+    if spec.num_verifies:
+        joined.num_verifies = [1] * n + spec.num_verifies
+        joined.verify_drafts = [0] * n + spec.verify_drafts
+        joined.verify_emitted = [1] * n + spec.verify_emitted
+    if plain.logprobs is not None or spec.logprobs is not None:
+        joined.logprobs = (plain.logprobs or [None] * n) + (
+            spec.logprobs or [None] * len(spec.sampled_token_ids)
+        )
+    return joined
 
 
 def _plain_then_propose(runner: ModelRunner, plan: StepPlan) -> StepResult:
