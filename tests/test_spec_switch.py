@@ -77,6 +77,17 @@ def drive(sched: Scheduler, runner: ModelRunner, depth: int = 3) -> tuple[list[b
     return plans, outputs
 
 
+def runner_of(target: Path, spec: SpeculativeConfig | None, num_blocks: int, max_num_seqs: int
+              ) -> tuple[EngineConfig, ModelRunner]:  # fmt: skip
+    """A CPU ModelRunner of `target` with its KV cache (and `spec`, if any), and its config."""
+    config = EngineConfig(model=str(target), num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                          skip_tokenizer_init=True, speculative_config=spec).resolve()  # fmt: skip
+    runner = ModelRunner(config)
+    runner.load_model()
+    startup.init_kv_cache(runner, num_blocks)
+    return config, runner
+
+
 def recording(function: Callable[..., bool], calls: list[bool]) -> Callable[..., bool]:
     def call(*args: object) -> bool:
         calls.append(function(*args))
@@ -102,13 +113,7 @@ def test_steps_above_the_threshold_are_a_plain_engines(
     prompts = random_prompts(400, [3, 9, 17, 30] * 3, seed=2)
     runs = []
     for speculative in (False, True):
-        config = EngineConfig(model=str(target), num_kv_blocks=128, max_num_seqs=16,
-                              skip_tokenizer_init=True,
-                              speculative_config=spec if speculative else None)  # fmt: skip
-        config = config.resolve()
-        runner = ModelRunner(config)
-        runner.load_model()
-        startup.init_kv_cache(runner, 128)
+        config, runner = runner_of(target, spec if speculative else None, 128, 16)
         if speculative:
 
             def refuse(*args: object) -> None:
@@ -170,13 +175,7 @@ def test_speculating_steps_with_prompts_run_their_parts_on_the_fast_paths(
     general, joined = verify_step._verify_general, verify_step._joined
     runs = []
     for speculative in (False, True):
-        config = EngineConfig(model=str(target), num_kv_blocks=64, max_num_seqs=8,
-                              skip_tokenizer_init=True,
-                              speculative_config=spec if speculative else None)  # fmt: skip
-        config = config.resolve()
-        runner = ModelRunner(config)
-        runner.load_model()
-        startup.init_kv_cache(runner, 64)
+        config, runner = runner_of(target, spec if speculative else None, 64, 8)
         calls: dict[str, int] = {"general": 0, "joined": 0}
 
         def counted(name: str, function: Callable, calls: dict[str, int] = calls) -> Callable:

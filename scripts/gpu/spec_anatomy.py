@@ -73,10 +73,11 @@ RUNTIME_CALLS = {
 }  # fmt: skip
 
 
-def target_dir(out: Path) -> Path:
-    """The `target` preset's config (dummy weights) with the embedded model's tokenizer."""
+def target_dir(out: Path, shape: dict | None = None) -> Path:
+    """The `target` preset's config (or the embedded model's with `shape` over it; dummy
+    weights) with the embedded model's tokenizer."""
     config = json.loads((DRAFT / "config.json").read_text())
-    config |= PRESETS["target"]
+    config |= PRESETS["target"] if shape is None else shape
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for name in DRAFT.iterdir():

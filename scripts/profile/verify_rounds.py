@@ -13,7 +13,6 @@ Medians over --steps steps of each batch size.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from spec_anatomy import DRAFT, SpecSession  # noqa: E402
+from spec_anatomy import SpecSession, target_dir  # noqa: E402
 
 from pagedserve.actors.worker import startup  # noqa: E402
 from pagedserve.actors.worker.cuda_graphs import DecodeStep  # noqa: E402
@@ -36,15 +35,6 @@ from pagedserve.config import EngineConfig, SpeculativeConfig  # noqa: E402
 CONTEXT = 40  # tokens computed before the first step
 TINY = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}  # fmt: skip
-
-
-def tiny_model(out: Path) -> Path:
-    config = json.loads((DRAFT / "config.json").read_text()) | TINY
-    (out / "config.json").write_text(json.dumps(config))
-    for name in DRAFT.iterdir():
-        if name.name.startswith(("tokenizer", "special_tokens", "generation")):
-            shutil.copy(name, out / name.name)
-    return out
 
 
 def make_runner(model: Path, batch: int, rounds: int) -> ModelRunner:
@@ -110,7 +100,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
-    model = tiny_model(Path(tempfile.mkdtemp(prefix="verify_rounds_")))
+    model = target_dir(Path(tempfile.mkdtemp(prefix="verify_rounds_")), TINY)
     clock = ModelClock()
     print("| batch | µs per round | model (forward, metadata) | host, the rest |")
     print("|---:|---:|---:|---:|")

@@ -78,7 +78,6 @@ class Scheduler:
         # KV slots a step's proposer writes past the step's tokens (a draft model's decodes)
         self.lookahead = 0 if self.spec is None else self.spec.lookahead_slots
         self._speculate = False  # whether the last plan speculated
-        self._after_speculation = False  # while planning: a speculative plan is in flight
         self.pipelined = config.pipeline_parallel_size > 1
 
     # ------------------------------------------------------------------ requests in and out
@@ -146,11 +145,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = plan_capacity(self.config, len(self.running) + len(self.waiting))
         planned = None
-        # a speculative step in flight emits unknown token counts: its requests wait for it
-        self._after_speculation = any(record.proposes for record in self._steps.values())
-        if self.running and not speculate and not self.pipelined and not self._after_speculation:
+        spec_in_flight = self.spec is not None and any(r.proposes for r in self._steps.values())
+        if self.running and not speculate and not self.pipelined and not spec_in_flight:
             planned = decode_path.plan_running(self, plan, record, budget, cap)
-        budget, preempted = planned or self._schedule_running(plan, budget, cap)
+        budget, preempted = planned or self._schedule_running(plan, budget, cap, spec_in_flight)
         if not preempted:  # a step that preempts admits nobody
             self._schedule_waiting(plan, budget, cap)
         if not plan.scheduled:
@@ -173,13 +171,15 @@ class Scheduler:
             self._running_rows = np.fromiter(map(_row, self.running), np.intp, len(self.running))
         return self._running_rows
 
-    def _schedule_running(self, plan: StepPlan, budget: int, cap: int) -> tuple[int, bool]:
+    def _schedule_running(
+        self, plan: StepPlan, budget: int, cap: int, spec_in_flight: bool
+    ) -> tuple[int, bool]:
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0 and len(plan.scheduled) < cap:
             req = self.running[i]
             i += 1
-            if req.num_inflight and (plan.propose or self._after_speculation or self.pipelined):
+            if req.num_inflight and (plan.propose or spec_in_flight or self.pipelined):
                 # its next drafts, how many tokens its speculative step emits, or (pipeline)
                 # its token, come with its result
                 continue

@@ -41,6 +41,7 @@ from pagedserve.actors.worker.speculative import num_accepted
 from pagedserve.actors.worker.step_inputs import check_plan_fits
 
 if TYPE_CHECKING:
+    from pagedserve.actors.worker.input_batch import InputBatch
     from pagedserve.actors.worker.model_runner import ModelRunner
 
 # (the requests that sample, how many tokens each samples, the samples, their logprobs)
@@ -48,16 +49,17 @@ Samples = tuple[list[int], list[int], list[int], list[TokenLogprobs | None] | No
 
 
 def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
-    batch, proposer = runner.input_batch, runner.proposer
-    assert proposer is not None
+    batch = runner.input_batch
     if not plan.scheduled:
         return StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     rows = np.fromiter((batch.row_of[h] for h in plan.scheduled), np.int64)
-    if not any(plan.spec_token_ids) and not _decode_shaped(
-        runner, plan.num_scheduled_tokens, rows, np.zeros(len(rows), np.int64)
+    drafts = plan.spec_token_ids or [[]] * len(rows)
+    num_drafts = np.fromiter(map(len, drafts), np.int64, len(rows))
+    if not num_drafts.any() and not _decode_shaped(
+        runner, plan.num_scheduled_tokens, rows, num_drafts
     ):
         return _plain_then_propose(runner, plan)
-    prompts = _prompt_chunks(runner, plan, rows)
+    prompts = _prompt_chunks(batch, plan.num_scheduled_tokens, rows, num_drafts)
     if prompts.any():  # and decodes with drafts: each part on its own fast path
         plain = _plain_then_propose(runner, _part(plan, prompts))
         return _joined(plain, _speculate(runner, _part(plan, ~prompts), rows[~prompts]))
@@ -77,12 +79,12 @@ def _speculate(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> StepRes
     return result
 
 
-def _prompt_chunks(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
+def _prompt_chunks(
+    batch: InputBatch, num_scheduled: list[int], rows: np.ndarray, num_drafts: np.ndarray
+) -> np.ndarray:
     """Per scheduled request: whether it runs more than its last known token and its drafts
     (a prompt chunk, which has no drafts)."""
-    batch = runner.input_batch
-    drafts = np.fromiter(map(len, plan.spec_token_ids), np.int64, len(plan.spec_token_ids))
-    one_each = np.asarray(plan.num_scheduled_tokens) == 1 + drafts
+    one_each = np.asarray(num_scheduled) == 1 + num_drafts
     at_last_token = batch.num_computed_tokens[rows] == batch.num_tokens[rows] - 1
     return ~(one_each & at_last_token)
 
@@ -90,8 +92,10 @@ def _prompt_chunks(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> np.
 def _part(plan: StepPlan, keep: np.ndarray) -> StepPlan:
     """The plan's requests where `keep`, with their tokens and drafts."""
 
+    selectors = keep.tolist()
+
     def pick(values: list) -> list:
-        return list(compress(values, keep.tolist()))
+        return list(compress(values, selectors))
 
     return msgspec.structs.replace(
         plan, scheduled=pick(plan.scheduled), num_scheduled_tokens=pick(plan.num_scheduled_tokens),
@@ -241,12 +245,10 @@ def _decode_shaped(
     runner: ModelRunner, num_scheduled: list[int], rows: np.ndarray, num_drafts: np.ndarray
 ) -> bool:
     """Every request runs its last known token and its drafts, within the decode graphs."""
-    batch, step = runner.input_batch, runner.decode_step
+    step = runner.decode_step
     if step is None or int((1 + num_drafts).sum()) > step.max_batch:
         return False
-    one_each = np.asarray(num_scheduled) == 1 + num_drafts
-    at_last_token = batch.num_computed_tokens[rows] == batch.num_tokens[rows] - 1
-    return bool(one_each.all() and at_last_token.all())
+    return not _prompt_chunks(runner.input_batch, num_scheduled, rows, num_drafts).any()
 
 
 def _verify_as_decode(
