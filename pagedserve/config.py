@@ -109,7 +109,7 @@ EXECUTOR_BACKENDS = ("mp", "ray")
 class NetworkConfig(msgspec.Struct, kw_only=True):
     """Where the sockets of an engine spread over machines live (the supervisor fills it in
     for the Ray executor; actors/network.py is the one place that reads it): every bound
-    socket is on tcp://host:base_port + k (bus.Addresses), torch.distributed's rendezvous
+    socket is on tcp://host:base_port + k (addresses.Addresses), torch.distributed's rendezvous
     store on tcp://host:rendezvous_port. `host` is the machine that runs the supervisor."""
 
     host: str

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import anyio
 import msgspec
@@ -262,4 +263,79 @@ async def test_a_receiver_that_polls_first_still_lets_the_loop_run(tmp_path) -> 
     finally:
         sender.close()
         receiver.close()
+        ctx.term()
+
+
+async def test_frames_for_another_socket_are_served_during_the_poll(tmp_path) -> None:
+    """meanwhile: while an inbox polls (here up to 10 s), frames on another socket of the loop
+    are served as they come, not after the poll, whether or not another task waits on that
+    socket; the inbox still gets its own frame."""
+    inbox_address, other_address = f"ipc://{tmp_path}/inbox.sock", f"ipc://{tmp_path}/other.sock"
+    ctx = zmq.asyncio.Context()
+    other = bus.Receiver(ctx, other_address, m.SchedulerInbound)
+    to_inbox: bus.Sender = bus.Sender(ctx, inbox_address)
+    to_other: bus.Sender = bus.Sender(ctx, other_address)
+    served: list[tuple[int, float]] = []
+
+    async def serve(message: m.AbortRequest) -> None:
+        served.append((message.seqs[0], time.monotonic() - start))
+        if len(served) == 2:
+            await to_inbox.send(m.AbortRequest(seqs=[0]))
+
+    async def serve_queued() -> None:
+        for message in other.recv_ready():
+            await serve(message)
+
+    async def task_waiting_on_other() -> None:
+        while True:
+            await serve(await other.recv())
+
+    receiver: bus.Receiver = bus.Receiver(
+        ctx, inbox_address, m.SchedulerInbound, poll_first_s=10.0,
+        meanwhile=(other.socket, serve_queued),
+    )  # fmt: skip
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(task_waiting_on_other)
+                await anyio.sleep(0.05)  # it waits on the loop for `other`
+                start = time.monotonic()
+                await to_other.send(m.AbortRequest(seqs=[1]))
+                await to_other.send(m.AbortRequest(seqs=[2]))
+                received = await receiver.recv()
+                tg.cancel_scope.cancel()
+        assert received.seqs == [0]
+        assert [seq for seq, _ in served] == [1, 2]
+        assert max(after for _, after in served) < 1.0  # not after the 10 s poll
+    finally:
+        for channel in (other, receiver, to_inbox, to_other):
+            channel.close()
+        ctx.term()
+
+
+async def test_a_router_told_not_to_poll_leaves_the_loop_free(tmp_path) -> None:
+    """Router.recv(poll_first=False) waits on the loop at once: another task (the tokenizer's
+    off-loop encode handing on its result) runs while it waits, whatever poll_first_s is."""
+    address = f"ipc://{tmp_path}/requests.sock"
+    ctx = zmq.asyncio.Context()
+    router: bus.Router = bus.Router(ctx, address, m.ClientRequests, poll_first_s=10.0)
+    dealer = bus.dealer_socket(ctx, address, b"client-1")
+    ran_after: list[float] = []
+
+    async def other_task() -> None:
+        await anyio.sleep(0.01)
+        ran_after.append(time.monotonic() - start)
+        await dealer.send(bus.encode(m.AbortRequest(seqs=[7])))
+
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                start = time.monotonic()
+                tg.start_soon(other_task)
+                identity, message = await router.recv(poll_first=False)
+        assert (identity, message.seqs) == (b"client-1", [7])
+        assert ran_after[0] < 1.0
+    finally:
+        dealer.close(linger=0)
+        router.close()
         ctx.term()

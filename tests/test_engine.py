@@ -6,12 +6,14 @@ transformers is the oracle: greedy tokens must be identical and logprobs close.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.actors import bus
 from tests.engine_settings import NO_STANDBY
 from tests.tiny_models import (
     hf_greedy,
@@ -159,23 +161,35 @@ def test_bad_requests_raise_and_engine_keeps_serving(llama_engine: LLM) -> None:
 
 
 def test_malformed_frames_do_not_kill_the_engine(llama_engine: LLM) -> None:
+    """Garbage from a peer that holds the run's keys (test_security: one that does not cannot
+    connect) reaches the scheduler's and the detokenizer's inboxes, which reject it and keep
+    serving. (A worker's inbox takes frames from the scheduler's bound socket alone.)"""
     import zmq
 
-    ctx = zmq.Context()
+    supervisor = llama_engine.supervisor
+    inboxes = {"scheduler": supervisor.addresses.scheduler_inbox,
+               "detokenizer": supervisor.addresses.detokenizer_inbox}  # fmt: skip
+    ctx = bus.sync_context(supervisor.credentials.for_clients())
     try:
-        for address in (
-            llama_engine.supervisor.addresses.scheduler_inbox,
-            llama_engine.supervisor.addresses.worker_inbox(0),
-            llama_engine.supervisor.addresses.detokenizer_inbox,
-        ):
-            sock = ctx.socket(zmq.PUSH)
-            sock.connect(address)
+        for address in inboxes.values():
+            sock = bus.push_socket(ctx, address)
+            sock.setsockopt(zmq.SNDTIMEO, 10_000)  # a peer that never connects fails the test
             sock.send(b"\x92garbage")
-            sock.close(linger=1000)
+            sock.close(linger=10_000)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)
     assert len(llama_engine.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids) == NEW_TOKENS
-    assert llama_engine.supervisor.dead_reason is None
+
+    def rejected() -> dict[str, int]:
+        actors = supervisor.status().actors
+        return {a.label: a.stats.rejected for a in actors if a.stats and a.label in inboxes}
+
+    deadline = time.monotonic() + 15  # heartbeats carry the counts, one a second
+    while rejected() != dict.fromkeys(inboxes, 1) and time.monotonic() < deadline:
+        llama_engine.generate([[5, 6]], GREEDY)
+        time.sleep(0.2)
+    assert rejected() == dict.fromkeys(inboxes, 1)
+    assert supervisor.dead_reason is None
 
 
 def test_shutdown_leaves_no_processes_or_sockets(llama_path: Path) -> None:

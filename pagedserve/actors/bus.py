@@ -9,7 +9,7 @@ Topology (same host: ipc:// sockets in a private run directory; `tcp://` works t
   clients  <-DEALER/ROUTER-->  detokenizer    (deltas out by the client's identity; Hello/Ping)
   senders  --PUSH/PULL----->   each actor's inbox (bound by the inbox owner)
   anyone      --DEALER/ROUTER-->  supervisor's status socket (the table of actors)
-A client reaches the engine by one *engine address*: `ipc://<run_dir>` or `tcp://host:port0`.
+A client reaches the engine by one *engine address* (addresses.py: where each socket lives).
 
 Every socket is made from an engine context (`async_context` / `sync_context`), which carries
 the run's credentials (security.py: CURVE on every socket, ipc socket files 0600) and counts the
@@ -19,7 +19,10 @@ frames its channels move (`Traffic`, reported in heartbeats).
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -36,11 +39,11 @@ T = TypeVar("T")
 
 _encoder = msgspec.msgpack.Encoder()
 
-# How long an inbox whose actor has little else to do while it waits (the scheduler, a worker;
-# the tokenizer and the detokenizer, which give their loop's other tasks a turn after each
-# message) polls for the next frame before it waits on the loop (Receiver's and Router's
-# `poll_first_s`): a frame that comes within it is taken without the loop's wake-up.
-POLL_FIRST_S = 0.005
+# How long an inbox polls for its next frame before it waits on the loop (`poll_first_s`): a
+# frame within it is taken without the loop's wake-up (~50-100 µs a side). It covers a step's
+# reply (an 8B model's lone prefill, ~6 ms, outlasted 5 ms); the loop's housekeeping needs a
+# turn only every 0.25 s; frames for its other tasks are served during it (`meanwhile`).
+POLL_FIRST_S = 0.05
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -137,70 +140,6 @@ class Codec(Generic[T]):
             return None
 
 
-@dataclass(frozen=True)
-class Addresses:
-    """Where every actor's sockets live: ipc:// files in `run_dir`, or consecutive tcp ports
-    from `tcp_base_port` on `tcp_host`."""
-
-    run_dir: str
-    tcp_host: str | None = None
-    tcp_base_port: int = 0
-
-    @classmethod
-    def from_engine_address(cls, address: str) -> Addresses:
-        """The addresses behind an engine address (what `pagedserve serve` prints)."""
-        if address.startswith("ipc://"):
-            return cls(address.removeprefix("ipc://"))
-        if address.startswith("tcp://"):
-            host, _, port = address.removeprefix("tcp://").rpartition(":")
-            if host and port.isdigit():
-                return cls("", host, int(port))
-        raise ValueError(f"not an engine address: {address!r} (ipc://DIR or tcp://HOST:PORT)")
-
-    @property
-    def engine_address(self) -> str:
-        if self.tcp_host is not None:
-            return f"tcp://{self.tcp_host}:{self.tcp_base_port}"
-        return f"ipc://{self.run_dir}"
-
-    def _address(self, name: str, index: int) -> str:
-        if self.tcp_host is not None:
-            return f"tcp://{self.tcp_host}:{self.tcp_base_port + index}"
-        return f"ipc://{os.path.join(self.run_dir, name)}"
-
-    @property
-    def supervisor(self) -> str:
-        return self._address("supervisor.sock", 0)
-
-    @property
-    def status(self) -> str:
-        """The supervisor's ROUTER: the table of actors (`pagedserve top`, /metrics)."""
-        return self._address("status.sock", 5)
-
-    @property
-    def requests(self) -> str:
-        """The tokenizer's ROUTER: clients send their requests here."""
-        return self._address("requests.sock", 1)
-
-    @property
-    def outputs(self) -> str:
-        """The detokenizer's ROUTER: clients receive their deltas from here."""
-        return self._address("outputs.sock", 2)
-
-    @property
-    def detokenizer_inbox(self) -> str:
-        return self._address("detokenizer-inbox.sock", 3)
-
-    @property
-    def scheduler_inbox(self) -> str:
-        return self._address("scheduler-inbox.sock", 4)
-
-    def worker_inbox(self, rank: int) -> str:
-        """Step plans to worker `rank`: bound by the scheduler (a worker may run on another
-        machine, so it connects), unlike the other inboxes."""
-        return self._address(f"worker-{rank}-inbox.sock", 16 + rank)
-
-
 def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
@@ -256,11 +195,10 @@ class Receiver(Generic[T]):
 
     A queued frame is taken at once, without a future or a round of the loop. With
     `poll_first_s`, `recv` then waits for the next frame in a blocking poll of up to that long
-    (the thread sleeps in the kernel, the GIL released) before it waits on the loop: a frame
-    that comes within it is taken without the loop's wake-up, about a third of a round trip
-    here. Only for an actor whose loop has little else to do meanwhile (the scheduler and the
-    workers: their loops' other tasks are housekeeping that a few milliseconds do not hurt; the
-    detokenizer, whose client handshakes get a turn of the loop after each message)."""
+    (in the kernel, the GIL released) before it waits on the loop, for an actor whose loop has
+    little else to do (scheduler, workers). `meanwhile`: another socket of the loop and what
+    serves its queued frames, called as they come during the poll (the detokenizer's client
+    handshakes): the poll takes that socket's wake-up too, so its task would not see them."""
 
     def __init__(
         self,
@@ -269,17 +207,20 @@ class Receiver(Generic[T]):
         message_type: Any,
         bind: bool = True,
         poll_first_s: float = 0.0,
+        meanwhile: tuple[zmq.Socket, Callable[[], Awaitable[None]]] | None = None,
     ) -> None:
         self.socket = _socket(ctx, zmq.PULL, address, bind)
         self._now = zmq.Socket.shadow(self.socket.underlying)  # the same socket, called directly
         self._poll_in = [(self._now, zmq.POLLIN)]  # for zmq_poll: no Poller object per call
-        self._poll_first_ms = int(poll_first_s * 1000)
+        self._poll_all = self._poll_in + ([(meanwhile[0], zmq.POLLIN)] if meanwhile else [])
+        self._serve_meanwhile = meanwhile[1] if meanwhile else None
+        self._poll_first_s = poll_first_s
         self.codec: Codec[T] = Codec(message_type, address, traffic_of(ctx))
 
     async def recv(self) -> T:
         while True:
             # a queued frame, or one within the poll (0 ms: only one already queued)
-            if zmq.zmq_poll(self._poll_in, self._poll_first_ms):
+            if await self._ready_within_poll():
                 try:
                     frame = self._now.recv(zmq.NOBLOCK)
                 except zmq.Again:  # the poll's event was not a frame for us after all
@@ -289,6 +230,20 @@ class Receiver(Generic[T]):
             message = self.codec.decode(frame)
             if message is not None:
                 return message
+
+    async def _ready_within_poll(self) -> bool:
+        """Whether a frame of ours is queued or comes within the poll."""
+        if not self._poll_first_s:
+            return bool(zmq.zmq_poll(self._poll_in, 0))
+        deadline = time.monotonic() + self._poll_first_s
+        while True:
+            wait_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            ready = zmq.zmq_poll(self._poll_all, wait_ms)
+            if any(socket is self._now for socket, _ in ready):
+                return True
+            if not ready or self._serve_meanwhile is None:
+                return False
+            await self._serve_meanwhile()
 
     def has_ready(self) -> bool:
         """Whether a frame is queued (recv would not wait)."""
@@ -309,9 +264,8 @@ class Receiver(Generic[T]):
 
 class Router(Generic[T]):
     """A client-facing ROUTER: receives (identity, message), replies by identity (a reply to
-    an identity that is not connected is dropped). With `poll_first_s`, `recv` first waits in
-    a blocking poll, as Receiver's (the tokenizer: its loop's other tasks are off-loop encodes,
-    which a few milliseconds do not hurt)."""
+    an identity that is not connected is dropped). `recv` polls first as Receiver's, unless
+    told not to (the tokenizer while off-loop encodes wait for the loop)."""
 
     def __init__(
         self, ctx: zmq.asyncio.Context, address: str, message_type: Any, poll_first_s: float = 0.0
@@ -323,9 +277,10 @@ class Router(Generic[T]):
         self._poll_first_ms = int(poll_first_s * 1000)
         self.codec: Codec[T] = Codec(message_type, address, traffic_of(ctx))
 
-    async def recv(self) -> tuple[bytes, T]:
+    async def recv(self, poll_first: bool = True) -> tuple[bytes, T]:
         while True:
-            if self._poll_first_ms and zmq.zmq_poll(self._poll_in, self._poll_first_ms):
+            poll_ms = self._poll_first_ms if poll_first else 0
+            if poll_ms and zmq.zmq_poll(self._poll_in, poll_ms):
                 try:
                     frames = self._now.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:  # the poll's event was not a frame for us after all

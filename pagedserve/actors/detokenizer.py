@@ -144,7 +144,7 @@ class DetokenizerActor(Actor):
         )
         self.inbox: bus.Receiver[DetokenizerInbound] = bus.Receiver(
             self.ctx, self.addresses.detokenizer_inbox, DetokenizerInbound,
-            poll_first_s=bus.POLL_FIRST_S,
+            poll_first_s=bus.POLL_FIRST_S, meanwhile=(self.clients.socket, self.answer_clients),
         )  # fmt: skip
         self.to_scheduler: bus.Sender[SchedulerInbound] = bus.Sender(
             self.ctx, self.addresses.scheduler_inbox
@@ -169,12 +169,18 @@ class DetokenizerActor(Actor):
             tg.cancel_scope.cancel()
 
     async def serve_clients(self) -> None:
-        """Hello -> Welcome, Ping -> Pong: connection and liveness, with the epoch."""
+        """Hello -> Welcome, Ping -> Pong: connection and liveness, with the epoch (while the
+        inbox polls, `answer_clients` serves them)."""
         while True:
-            client, message = await self.clients.recv()
-            kind = Welcome if isinstance(message, Hello) else Pong
-            reply = kind(self.epoch, self.failure)
-            await self.clients.send(client, reply)
+            await self.answer(*await self.clients.recv())
+
+    async def answer_clients(self) -> None:
+        for client, message in self.clients.recv_ready():
+            await self.answer(client, message)
+
+    async def answer(self, client: bytes, message: ClientControl) -> None:
+        kind = Welcome if isinstance(message, Hello) else Pong
+        await self.clients.send(client, kind(self.epoch, self.failure))
 
     async def serve_engine(self) -> None:
         while True:

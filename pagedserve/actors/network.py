@@ -4,7 +4,7 @@ workers meet for torch.distributed.
 On one machine (config.network None): ipc:// sockets in the run directory, and the workers'
 rendezvous in a file there. Spread over machines (the Ray executor: config.network set by
 the supervisor): every bound socket is on tcp://host:base_port + k of the supervisor's machine
-(bus.Addresses), the only sockets a worker binds are none (it connects to the scheduler, which
+(addresses.py), the only sockets a worker binds are none (it connects to the scheduler, which
 binds its plan channels), and the rendezvous is a torch.distributed TCPStore that the
 supervisor hosts on tcp://host:rendezvous_port. Each incarnation of the worker group (a
 restart moves the epoch) meets under its own key prefix, or in its own file.
@@ -21,24 +21,24 @@ import random
 import socket
 from typing import TYPE_CHECKING
 
-from pagedserve.actors import bus
+from pagedserve.actors.addresses import Addresses
 from pagedserve.config import EngineConfig, NetworkConfig
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-# Ports of bus.Addresses: base + 0..15 for the actors, base + 16 + rank for the workers
+# Ports of addresses.Addresses: base + 0..15 for the actors, base + 16 + rank for the workers
 _BUS_PORTS = 16
 _PORT_RANGE = (20000, 60000)
 _PORT_TRIES = 200
 _EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
-def engine_addresses(run_dir: str, network: NetworkConfig | None) -> bus.Addresses:
+def engine_addresses(run_dir: str, network: NetworkConfig | None) -> Addresses:
     """Every actor's sockets: ipc in run_dir, or tcp on the supervisor's machine."""
     if network is None:
-        return bus.Addresses(run_dir)
-    return bus.Addresses(run_dir, network.host, network.base_port)
+        return Addresses(run_dir)
+    return Addresses(run_dir, network.host, network.base_port)
 
 
 def plan_network(host: str, num_workers: int) -> NetworkConfig:

@@ -164,8 +164,8 @@ class TokenizerActor(Actor):
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
-            while True:
-                client, message = await self.clients.recv()
+            while True:  # no poll while off-loop encodes wait for the loop to hand them on
+                client, message = await self.clients.recv(poll_first=not self.encoding)
                 if isinstance(message, GenerateRequest):
                     if self.encoder.inline(message):
                         await self.admit(client, message, off_loop=False)

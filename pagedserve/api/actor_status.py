@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagedserve.actors import bus
+from pagedserve.actors.addresses import Addresses
 from pagedserve.actors.security import Credentials, client_credentials
 from pagedserve.actors.supervision_messages import EngineStatus, StatusRequest
 
@@ -22,7 +23,7 @@ class StatusClient:
     """Synchronous reader of the supervisor's status socket."""
 
     def __init__(self, address: str, credentials: Credentials | str | None = None) -> None:
-        addresses = bus.Addresses.from_engine_address(address)
+        addresses = Addresses.from_engine_address(address)
         self._ctx = bus.sync_context(client_credentials(address, credentials))
         identity = f"status-{uuid.uuid4().hex[:12]}".encode()
         self._socket = bus.dealer_socket(self._ctx, addresses.status, identity)
@@ -46,7 +47,7 @@ class AsyncStatusClient:
     """The same for an asyncio program (the API server); one request at a time."""
 
     def __init__(self, address: str, credentials: Credentials | None) -> None:
-        addresses = bus.Addresses.from_engine_address(address)
+        addresses = Addresses.from_engine_address(address)
         self._ctx = bus.async_context(credentials)
         identity = f"status-{uuid.uuid4().hex[:12]}".encode()
         self._socket = bus.dealer_socket(self._ctx, addresses.status, identity)

@@ -37,6 +37,7 @@ import anyio
 import anyio.abc
 
 from pagedserve.actors import bus
+from pagedserve.actors.addresses import Addresses
 from pagedserve.actors.messages import (
     AbortRequest,
     ClientOutbound,
@@ -102,7 +103,7 @@ class Client:
         credentials: Credentials | str | None = None,
     ) -> None:
         self.address, self.liveness_timeout_s = address, liveness_timeout_s
-        addresses = bus.Addresses.from_engine_address(address)
+        addresses = Addresses.from_engine_address(address)
         self.core = ClientCore()
         self._ctx = bus.sync_context(_credentials(address, credentials))
         self._requests = bus.dealer_socket(self._ctx, addresses.requests, self.core.identity)
@@ -273,7 +274,7 @@ class AsyncClient:
         answer its own health checks while the engine is away)."""
         self.address = address
         self.connect_timeout_s, self.liveness_timeout_s = connect_timeout_s, liveness_timeout_s
-        addresses = bus.Addresses.from_engine_address(address)
+        addresses = Addresses.from_engine_address(address)
         self.core = ClientCore()
         self._ctx = bus.async_context(_credentials(address, credentials))
         self._requests = bus.dealer_socket(self._ctx, addresses.requests, self.core.identity)

@@ -8,7 +8,7 @@
 - long prompts: 32 prompts of 7,000-8,000 tokens, 64 output tokens each, Llama-3.1-8B: the
   time of the whole batch.
 
-    python scripts/gpu/bench_first_token.py --out FILE
+    python scripts/gpu/bench_first_token.py --out FILE [--only offline-llama served ...]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -98,16 +99,22 @@ def free() -> None:
     torch.cuda.empty_cache()
 
 
+MEASURES: dict[str, tuple[str, Callable[[], float]]] = {
+    "offline-qwen3": ("offline TTFT, Qwen3-0.6B, 128 tokens (ms)",
+                      lambda: offline_ttft(str(CONFIGS / "qwen3-0.6b"))),
+    "offline-llama": ("offline TTFT, Llama-3.1-8B, 128 tokens (ms)",
+                      lambda: offline_ttft(str(CONFIGS / "llama-3.1-8b"))),
+    "served": ("served TTFT, Qwen3-0.6B, real tokenizer (ms)", served_ttft),
+    "long": ("32 x 7-8k prompts, 64 out, Llama-3.1-8B (s)", long_prompts),
+}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="+", choices=list(MEASURES), default=list(MEASURES))
     args = parser.parse_args()
-    rows = {
-        "offline TTFT, Qwen3-0.6B, 128 tokens (ms)": offline_ttft(str(CONFIGS / "qwen3-0.6b")),
-        "offline TTFT, Llama-3.1-8B, 128 tokens (ms)": offline_ttft(str(CONFIGS / "llama-3.1-8b")),
-        "served TTFT, Qwen3-0.6B, real tokenizer (ms)": served_ttft(),
-        "32 x 7-8k prompts, 64 out, Llama-3.1-8B (s)": long_prompts(),
-    }
+    rows = {MEASURES[key][0]: MEASURES[key][1]() for key in args.only}
     lines = [f"## First token, {datetime.datetime.now():%Y-%m-%d %H:%M} (issue 15)", "",
              "| measure | pagedserve |", "|---|---:|"]  # fmt: skip
     lines += [f"| {name} | {value:.2f} |" for name, value in rows.items()]

@@ -15,11 +15,15 @@ Variants, run in interleaved rounds so that a busy machine disturbs them alike:
   floor             the same bytes ping-ponged by plain synchronous ZeroMQ sockets, with no
                     Python work but send and receive: what the machine and ZeroMQ cost
 Every socket speaks CURVE, as the engine's do; `--no-curve` adds rows without it.
+`--reply-delay-ms D` makes the echo sleep D ms before each answer (a step on the device): the
+row's round trip is then the time beyond D, and an inbox whose poll (`--poll-first-ms`, the
+engine's bus.POLL_FIRST_S by default; one row each) is shorter than D waits on the loop.
 `--cpus D E` pins the driver's process (its threads, ZeroMQ's I/O thread among them) to CPU D
 and the echo's to CPU E before either makes a socket: `0 0` shares one CPU, `0 1` gives each
 its own; without it the kernel places them.
 
     python scripts/profile/bus.py --decodes 256 --iterations 3000 [--cpus 0 1]
+        [--reply-delay-ms 8 --poll-first-ms 5 50]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import zmq
 from harness import latency_cells, percentiles, row
 
 from pagedserve.actors import bus
+from pagedserve.actors.addresses import Addresses
 from pagedserve.actors.messages import (
     AddRequest,
     SamplingParams,
@@ -85,25 +90,27 @@ def worker_result(plan: StepPlan) -> StepResult:
     return StepResult(step_id=plan.step_id, handles=plan.scheduled, sampled_token_ids=tokens)
 
 
-async def echo(run_dir: str, credentials: Credentials | None, poll_first_s: float) -> None:
-    addresses = bus.Addresses(run_dir)
+async def echo(run_dir: str, credentials: Credentials | None, poll_first_s: float,
+               delay_s: float) -> None:  # fmt: skip
+    addresses = Addresses(run_dir)
     ctx = bus.async_context(credentials)
     inbox: bus.Receiver = bus.Receiver(
         ctx, addresses.worker_inbox(0), WorkerInbound, bind=False, poll_first_s=poll_first_s
     )
     out: bus.Sender = bus.Sender(ctx, addresses.scheduler_inbox)
     while not isinstance(plan := await inbox.recv(), Shutdown):
+        time.sleep(delay_s)  # the step on the device: the worker's loop waits with it
         await out.send(worker_result(plan))
     ctx.destroy(linger=0)
 
 
 async def drive(run_dir: str, credentials: Credentials | None, decodes: int, n: int,
-                epoch: int) -> list[float]:  # fmt: skip
+                epoch: int, poll_first_s: float, delay_s: float) -> list[float]:  # fmt: skip
     scheduler = decoding_scheduler(decodes, n + WARM_UP, epoch)
-    addresses = bus.Addresses(run_dir)
+    addresses = Addresses(run_dir)
     ctx = bus.async_context(credentials)
     inbox: bus.Receiver = bus.Receiver(
-        ctx, addresses.scheduler_inbox, SchedulerInbound, poll_first_s=bus.POLL_FIRST_S
+        ctx, addresses.scheduler_inbox, SchedulerInbound, poll_first_s=poll_first_s
     )
     out: bus.Sender = bus.Sender(ctx, addresses.worker_inbox(0), bind=True)
     samples = []
@@ -114,7 +121,7 @@ async def drive(run_dir: str, credentials: Credentials | None, decodes: int, n: 
         await out.send_frame(bus.encode(plan))
         result = await inbox.recv()
         if i >= WARM_UP:
-            samples.append(time.perf_counter() - start)
+            samples.append(time.perf_counter() - start - delay_s)
         assert isinstance(result, StepResult) and result.step_id == plan.step_id
         scheduler.update_from_result(result)
     await out.send(Shutdown())
@@ -148,9 +155,9 @@ def typical_frames(decodes: int, epoch: int) -> tuple[bytes, bytes]:
 
 
 def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: int,
-          epoch: int) -> list[float]:  # fmt: skip
+          epoch: int, delay_s: float) -> list[float]:  # fmt: skip
     """The same frames by synchronous sockets: `role` "echo" answers, "drive" times."""
-    addresses, ctx, drives = bus.Addresses(run_dir), zmq.Context(), role == "drive"
+    addresses, ctx, drives = Addresses(run_dir), zmq.Context(), role == "drive"
     plans = floor_socket(
         ctx, zmq.PUSH if drives else zmq.PULL, addresses.worker_inbox(0), drives, keys
     )
@@ -160,25 +167,27 @@ def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: in
     plan, result = typical_frames(decodes, epoch)
     samples = []
     while not drives and len(plans.recv()) > 1:
+        time.sleep(delay_s)
         results.send(result)
     for i in range(n + WARM_UP if drives else 0):
         start = time.perf_counter()
         plans.send(plan)
         results.recv()
         if i >= WARM_UP:
-            samples.append(time.perf_counter() - start)
+            samples.append(time.perf_counter() - start - delay_s)
     plans.send(b"x") if drives else None
     ctx.destroy(linger=0)
     return samples
 
 
 def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int,
-            echo_cpu: int | None) -> list[float]:  # fmt: skip
+            echo_cpu: int | None, poll_ms: float, delay_ms: float) -> list[float]:  # fmt: skip
     run_dir = tempfile.mkdtemp(prefix="bus-profile-")
     credentials = Credentials.generate() if secure else None
     keys = msgspec.json.encode(credentials).decode() if credentials else ""
     command = [sys.executable, __file__, "--echo", run_dir, "--variants", variant]
-    command += ["--epoch", str(epoch)]
+    command += ["--epoch", str(epoch), "--poll-first-ms", str(poll_ms)]
+    command += ["--reply-delay-ms", str(delay_ms)]
     command += [] if echo_cpu is None else ["--cpus", str(echo_cpu), str(echo_cpu)]
     child = subprocess.Popen(command + ["--decodes", str(decodes)], stdin=subprocess.PIPE,
                              text=True)  # fmt: skip
@@ -186,8 +195,9 @@ def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int,
     child.stdin.close()  # type: ignore[union-attr]
     try:
         if variant == "floor":
-            return floor(run_dir, credentials, "drive", decodes, n, epoch)
-        return anyio.run(drive, run_dir, credentials, decodes, n, epoch)
+            return floor(run_dir, credentials, "drive", decodes, n, epoch, delay_ms / 1e3)
+        return anyio.run(drive, run_dir, credentials, decodes, n, epoch, poll_ms / 1e3,
+                         delay_ms / 1e3)  # fmt: skip
     finally:
         child.wait(30)
 
@@ -195,12 +205,12 @@ def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int,
 def run_echo(args: argparse.Namespace) -> None:
     keys = sys.stdin.read()
     credentials = msgspec.json.decode(keys, type=Credentials) if keys else None
-    variant = args.variants[0]
+    variant, delay_s = args.variants[0], args.reply_delay_ms / 1e3
     if variant == "floor":
-        floor(args.echo, credentials, "echo", args.decodes[0], 0, args.epoch)
+        floor(args.echo, credentials, "echo", args.decodes[0], 0, args.epoch, delay_s)
     else:
-        poll_first_s = 0.0 if variant == "bus-worker-waits" else bus.POLL_FIRST_S
-        anyio.run(echo, args.echo, credentials, poll_first_s)
+        poll_first_s = 0.0 if variant == "bus-worker-waits" else args.poll_first_ms[0] / 1e3
+        anyio.run(echo, args.echo, credentials, poll_first_s, delay_s)
     os.rmdir(args.echo) if not os.listdir(args.echo) else None
 
 
@@ -216,6 +226,11 @@ def main() -> None:
                         "handles and step ids are above 2**40 and take 9 bytes each)")  # fmt: skip
     parser.add_argument("--cpus", type=int, nargs=2, default=None, metavar=("DRIVER", "ECHO"),
                         help="pin the driver and the echo, each to one CPU")  # fmt: skip
+    parser.add_argument("--reply-delay-ms", type=float, default=0.0,
+                        help="the echo sleeps this long before each answer")  # fmt: skip
+    parser.add_argument("--poll-first-ms", type=float, nargs="+",
+                        default=[bus.POLL_FIRST_S * 1e3],
+                        help="inbox polls to try, a row each")  # fmt: skip
     parser.add_argument("--echo", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpus is not None:  # before any thread or socket: ZeroMQ's I/O thread inherits it
@@ -223,24 +238,27 @@ def main() -> None:
     if args.echo is not None:
         return run_echo(args)
     echo_cpu = None if args.cpus is None else args.cpus[1]
-    print("| decodes | CURVE | path | plan bytes | result bytes | p50 µs each round "
+    print(f"reply delay {args.reply_delay_ms} ms (round trips are the time beyond it)\n")
+    print("| decodes | CURVE | path | poll ms | plan bytes | result bytes | p50 µs each round "
           "| round trip µs p50 | p90 | p99 |")  # fmt: skip
-    print("|---:|:---:|---|---:|---:|---|---:|---:|---:|")
+    print("|---:|:---:|---|---:|---:|---:|---|---:|---:|---:|")
     for decodes in args.decodes:
-        cases = [(v, True) for v in args.variants]
-        cases += [(v, False) for v in args.variants] if args.no_curve else []
-        samples: dict[tuple[str, bool], list[list[float]]] = {case: [] for case in cases}
+        polls = {v: args.poll_first_ms if v != "floor" else [0.0] for v in args.variants}
+        cases = [(v, True, p) for v in args.variants for p in polls[v]]
+        cases += [(v, False, p) for v in args.variants for p in polls[v]] if args.no_curve else []
+        samples: dict[tuple[str, bool, float], list[list[float]]] = {c: [] for c in cases}
         for _ in range(args.rounds):
-            for variant, secure in cases:
+            for variant, secure, poll in cases:
                 n = args.iterations // args.rounds
-                samples[variant, secure].append(
-                    measure(variant, decodes, n, secure, args.epoch, echo_cpu)
-                )
+                samples[variant, secure, poll].append(measure(
+                    variant, decodes, n, secure, args.epoch, echo_cpu, poll, args.reply_delay_ms
+                ))  # fmt: skip
         plan, result = typical_frames(decodes, args.epoch)
-        for (variant, secure), rounds in samples.items():
+        for (variant, secure, poll), rounds in samples.items():
             each = " / ".join(f"{percentiles(r)['p50_us']:.0f}" for r in rounds)
             pooled = percentiles([s for r in rounds for s in r])
-            cells = [decodes, "yes" if secure else "no", variant, len(plan), len(result), each]
+            cells = [decodes, "yes" if secure else "no", variant, f"{poll:g}", len(plan),
+                     len(result), each]  # fmt: skip
             print(row(cells + latency_cells(pooled)), flush=True)
 
 

@@ -18,6 +18,7 @@ import zmq
 
 from pagedserve.actors import bus
 from pagedserve.actors.actor import ActorLaunch
+from pagedserve.actors.addresses import Addresses
 from pagedserve.actors.executors import LocalExecutor
 from pagedserve.actors.processes import ActorProcesses
 from pagedserve.actors.security import Credentials
@@ -31,7 +32,7 @@ class SoloActor:
     def __init__(self, name: str, config: EngineConfig, listen_fd: int = -1) -> None:
         self.config = config.resolve()
         self.run_dir = tempfile.mkdtemp(prefix=f"profile-{name}-")
-        self.addresses = bus.Addresses(self.run_dir)
+        self.addresses = Addresses(self.run_dir)
         self.credentials = Credentials.generate()
         self.sync_ctx = bus.sync_context(self.credentials)
         self._inbox = bus.pull_socket(self.sync_ctx, self.addresses.supervisor)
