@@ -99,7 +99,8 @@ async def echo(run_dir: str, credentials: Credentials | None, poll_first_s: floa
     )
     out: bus.Sender = bus.Sender(ctx, addresses.scheduler_inbox)
     while not isinstance(plan := await inbox.recv(), Shutdown):
-        time.sleep(delay_s)  # the step on the device: the worker's loop waits with it
+        if delay_s:  # the step on the device: the worker's loop waits with it
+            time.sleep(delay_s)  # (a sleep of 0 would yield the CPU: not the engine's way)
         await out.send(worker_result(plan))
     ctx.destroy(linger=0)
 
@@ -167,7 +168,8 @@ def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: in
     plan, result = typical_frames(decodes, epoch)
     samples = []
     while not drives and len(plans.recv()) > 1:
-        time.sleep(delay_s)
+        if delay_s:
+            time.sleep(delay_s)
         results.send(result)
     for i in range(n + WARM_UP if drives else 0):
         start = time.perf_counter()
