@@ -118,6 +118,8 @@ def main() -> None:
     path = "static (decode graph rows)" if runner.static_prefill else "eager"
     if runner.static_prefill and args.prompt > (runner.decode_step or runner).max_batch:
         path = "eager (longer than the decode graphs' rows)"
+    if runner.prefill_step is not None and args.prompt <= runner.prefill_step.max_tokens:
+        path = "prefill graphs"
     lines = [f"# Prefill anatomy: {Path(args.model).name}, {args.prompt}-token prompt, "
              f"{config.device}, {path} path", "",
              f"- host launch (nothing in flight): {launch_ms:.3f} ms (median of {args.iters})",
