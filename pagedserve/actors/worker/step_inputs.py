@@ -14,6 +14,7 @@ prefill tokens the model's last layer, past caching every token's k/v, runs only
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -87,6 +88,36 @@ def _logits_rows(
     )  # fmt: skip
 
 
+class _TokenLayout(NamedTuple):
+    """Per token of a step: its id on the host, position and KV slot; and the tokens the step
+    in flight samples (`targets`, indices into the step's tokens; `sources`, into its output)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    targets: np.ndarray
+    sources: np.ndarray
+
+
+def _token_layout(
+    batch: InputBatch, rows: np.ndarray, computed: np.ndarray, query_lens: np.ndarray,
+    pending_index: np.ndarray, block_size: int,
+) -> _TokenLayout:  # fmt: skip
+    request_of_token = np.repeat(np.arange(len(rows)), query_lens)
+    query_starts = np.cumsum(query_lens) - query_lens
+    offsets = np.arange(len(request_of_token)) - query_starts[request_of_token]
+    positions = computed[request_of_token] + offsets
+    token_rows = rows[request_of_token]
+    input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
+    # tokens sampled by the step in flight: copied on the device from its output
+    in_flight = pending_index[request_of_token] >= 0
+    targets = np.flatnonzero((positions == batch.num_tokens[token_rows]) & in_flight)
+    sources = pending_index[request_of_token[targets]]
+    blocks = batch.block_table_np[token_rows, positions // block_size].astype(np.int64)
+    slot_mapping = blocks * block_size + positions % block_size
+    return _TokenLayout(input_ids, positions, slot_mapping, targets, sources)
+
+
 def check_plan_fits(
     batch: InputBatch, rows: np.ndarray, seq_lens: np.ndarray, known: np.ndarray, block_size: int
 ) -> None:
@@ -123,46 +154,17 @@ class StepInputBuilder:
         computed = batch.num_computed_tokens[rows]
         seq_lens = computed + query_lens
         check_plan_fits(batch, rows, seq_lens, known, block_size)
-        request_of_token = np.repeat(np.arange(len(rows)), query_lens)
-        query_starts = np.cumsum(query_lens) - query_lens
-        offsets = np.arange(len(request_of_token)) - query_starts[request_of_token]
-        positions = computed[request_of_token] + offsets
-        token_rows = rows[request_of_token]
-        input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
-        # tokens sampled by the step in flight: copied on the device from its output
-        in_flight = pending_index[request_of_token] >= 0
-        targets = np.flatnonzero((positions == batch.num_tokens[token_rows]) & in_flight)
-        sources = pending_index[request_of_token[targets]]
-        blocks = batch.block_table_np[token_rows, positions // block_size].astype(np.int64)
-        slot_mapping = blocks * block_size + positions % block_size
+        tokens = _token_layout(batch, rows, computed, query_lens, pending_index, block_size)
         block_tables = batch.block_table_np[rows, : cdiv(int(seq_lens.max()), block_size)]
         batch.num_computed_tokens[rows] = seq_lens
         out = _logits_rows(seq_lens >= known, num_drafts, query_lens, seq_lens)
         prompt_rows = prompt_logprobs.select_rows(batch, handles, rows, computed, query_lens)
         if prompt_rows is not None:  # their rows follow the sampling rows
             out.add(prompt_rows.token_index, prompt_rows.request_index, prompt_rows.positions + 1)
-        host = _metadata_host(query_lens, seq_lens, block_tables, slot_mapping)
-        arrays = [input_ids, positions, targets, sources, out.indices]
-        arrays += [t.numpy() for t in metadata_inputs(*host)]
-        # prefill in the step: the last layer needs only the logits rows past its k/v
-        rows_host = None
-        if 0 < len(out.indices) < len(slot_mapping):
-            rows_host = _metadata_host(
-                np.ones(len(out.indices), np.int64), out.seq_lens,
-                block_tables[out.requests], slot_mapping[out.indices],
-            )  # fmt: skip
-            arrays += [t.numpy() for t in metadata_inputs(*rows_host)]
-        device_ids, device_positions, device_targets, device_sources, device_logits, *rest = (
-            self.uploader.upload(arrays)
+        host = _metadata_host(query_lens, seq_lens, block_tables, tokens.slot_mapping)
+        device_ids, device_positions, device_logits, metadata = self._upload(
+            tokens, out, host, block_tables
         )
-        fields = len(rest) // (1 if rows_host is None else 2)  # metadata_inputs' tensors
-        metadata = self._assemble(rest[:fields], host)
-        if rows_host is not None:
-            output_rows = self._assemble(rest[fields:], rows_host)
-            metadata.output_rows = OutputRows(device_logits, output_rows)
-        if len(targets):
-            fed = self.sampled.index_select(0, device_sources)
-            device_ids.index_copy_(0, device_targets, fed)
         return StepInputs(
             input_ids=device_ids,
             positions=device_positions,
@@ -174,6 +176,35 @@ class StepInputBuilder:
             sampling_counts=out.counts,
             prompt_logprobs=prompt_rows,
         )
+
+    def _upload(
+        self, tokens: _TokenLayout, out: _LogitsRows, host: HostMetadata, block_tables: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Every array on the device in one upload (in a step with prefill, the last layer's
+        metadata for the logits rows too), and the tokens the step in flight samples copied
+        into the ids: (ids, positions, logits indices, attention metadata)."""
+        arrays = [tokens.input_ids, tokens.positions, tokens.targets, tokens.sources, out.indices]
+        arrays += [t.numpy() for t in metadata_inputs(*host)]
+        # prefill in the step: the last layer needs only the logits rows past its k/v
+        rows_host = None
+        if 0 < len(out.indices) < len(tokens.slot_mapping):
+            rows_host = _metadata_host(
+                np.ones(len(out.indices), np.int64), out.seq_lens,
+                block_tables[out.requests], tokens.slot_mapping[out.indices],
+            )  # fmt: skip
+            arrays += [t.numpy() for t in metadata_inputs(*rows_host)]
+        device_ids, device_positions, device_targets, device_sources, device_logits, *rest = (
+            self.uploader.upload(arrays)
+        )
+        fields = len(rest) // (1 if rows_host is None else 2)  # metadata_inputs' tensors
+        metadata = self._assemble(rest[:fields], host)
+        if rows_host is not None:
+            output_rows = self._assemble(rest[fields:], rows_host)
+            metadata.output_rows = OutputRows(device_logits, output_rows)
+        if len(tokens.targets):
+            fed = self.sampled.index_select(0, device_sources)
+            device_ids.index_copy_(0, device_targets, fed)
+        return device_ids, device_positions, device_logits, metadata
 
     def _assemble(self, device_inputs: list[torch.Tensor], host: HostMetadata) -> AttentionMetadata:
         query_lens, seq_lens, block_tables, _ = host
