@@ -16,15 +16,64 @@ if TYPE_CHECKING:  # transformers (and torch with it) is imported only to load a
 GENERATION_CONFIG = "generation_config.json"
 
 
-def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
-    """The model's HF tokenizer, from local files only (a directory or the HF cache);
-    `chat_template` (Jinja text, `EngineConfig.chat_template`) replaces its own."""
-    from transformers import AutoTokenizer
+TOKENIZER_CLASS_FILE = "tokenizer-class.json"  # in the run directory
 
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+def load_tokenizer(
+    path: str, chat_template: str | None = None, run_dir: str | None = None
+) -> PreTrainedTokenizerBase:
+    """The model's HF tokenizer, from local files only (a directory or the HF cache);
+    `chat_template` (Jinja text, `EngineConfig.chat_template`) replaces its own.
+
+    AutoTokenizer chooses the class (by the tokenizer's config and the model's type) and in
+    doing so imports torch: ~2 s of a restart. With `run_dir`, the first load of a run records
+    the class it chose there, and later loads (restarted actors, standbys) build that class
+    directly."""
+    tokenizer = _load_recorded_class(path, run_dir) if run_dir else None
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if run_dir:
+            _record_class(path, run_dir, type(tokenizer).__name__)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def _class_record(path: str, class_name: str) -> dict[str, str]:
+    import transformers
+
+    return {"path": path, "transformers": transformers.__version__, "class": class_name}
+
+
+def _load_recorded_class(path: str, run_dir: str) -> PreTrainedTokenizerBase | None:
+    """The tokenizer built from the class recorded in `run_dir`; None when none matches."""
+    try:
+        with open(os.path.join(run_dir, TOKENIZER_CLASS_FILE), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record != _class_record(path, str(record.get("class"))):
+        return None
+    import transformers
+
+    cls = getattr(transformers, record["class"], None)
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedTokenizerBase):
+        return None
+    return cls.from_pretrained(path, local_files_only=True)
+
+
+def _record_class(path: str, run_dir: str, class_name: str) -> None:
+    """Write the record whole or not at all (the actors that load a tokenizer start together)."""
+    target = os.path.join(run_dir, TOKENIZER_CLASS_FILE)
+    partial = f"{target}.{os.getpid()}"
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            json.dump(_class_record(path, class_name), f)
+        os.replace(partial, target)
+    except OSError:
+        pass  # a cache: without it a restart takes AutoTokenizer's path
 
 
 def resolve_chat_template(value: str) -> str:

@@ -134,7 +134,9 @@ class TokenizerActor(Actor):
         if self.config.skip_tokenizer_init:
             vocab_size = model_vocab_size
         else:
-            tokenizer = load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
+            tokenizer = load_tokenizer(
+                self.config.tokenizer_path, self.config.chat_template, self.addresses.run_dir
+            )
             vocab_size = len(tokenizer)
         self.eos_token_ids = eos_token_ids(self.config.model_path, tokenizer)
         if tokenizer is not None:

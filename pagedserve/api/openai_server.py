@@ -271,7 +271,9 @@ class APIServerActor(Actor):
     def prepare(self) -> None:
         self.tokenizer = None
         if not self.config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
+            self.tokenizer = load_tokenizer(
+                self.config.tokenizer_path, self.config.chat_template, self.addresses.run_dir
+            )
 
     async def setup(self) -> dict:
         server_config = self.config.server
