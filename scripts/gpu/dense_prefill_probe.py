@@ -32,11 +32,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "gpu")]
 
-from sweep_prefill import BLOCK_SIZE, HEAD_DIM, Step, make_step  # noqa: E402
+from sweep_prefill import BLOCK_SIZE, HEAD_DIM, Step, make_step, triton_fn  # noqa: E402
 
 from pagedserve.api import bench  # noqa: E402
 from pagedserve.kernels import attention_ref  # noqa: E402
-from pagedserve.kernels import triton_attention as ta  # noqa: E402
 
 LLAMA = str(ROOT / "scripts" / "gpu" / "configs" / "llama-3.1-8b")
 SCALE = HEAD_DIM**-0.5
@@ -58,36 +57,22 @@ def gather(cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> torch.Tensor:
     return cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
 
 
-def cudnn_fresh(step: Step) -> Callable[[], torch.Tensor]:
-    out, reqs = torch.empty_like(step.q), requests(step)
-
-    def run() -> torch.Tensor:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            for start, q_len, ctx, blocks in reqs:
-                q = step.q[start : start + q_len].transpose(0, 1)[None]
-                k, v = gather(step.k_cache, blocks, ctx), gather(step.v_cache, blocks, ctx)
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE,
-                                                   enable_gqa=True)  # fmt: skip
-                out[start : start + q_len] = o[0].transpose(0, 1)
-        return out
-
-    return run
-
-
-def cudnn_masked(step: Step) -> Callable[[], torch.Tensor]:
+def cudnn_sdpa(step: Step, masked: bool) -> Callable[[], torch.Tensor]:
+    """cuDNN per request: causal (fresh chunks) or with a bottom-right boolean mask."""
     out, reqs = torch.empty_like(step.q), requests(step)
     masks = [
         torch.ones(q_len, ctx, dtype=torch.bool, device="cuda").tril(ctx - q_len)
+        if masked else None
         for _, q_len, ctx, _ in reqs
-    ]
+    ]  # fmt: skip
 
     def run() -> torch.Tensor:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             for (start, q_len, ctx, blocks), mask in zip(reqs, masks):
                 q = step.q[start : start + q_len].transpose(0, 1)[None]
                 k, v = gather(step.k_cache, blocks, ctx), gather(step.v_cache, blocks, ctx)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE,
-                                                   enable_gqa=True)  # fmt: skip
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked,
+                                                   scale=SCALE, enable_gqa=True)  # fmt: skip
                 out[start : start + q_len] = o[0].transpose(0, 1)
         return out
 
@@ -125,14 +110,6 @@ def cudnn_split(step: Step, merge: bool = True) -> Callable[[], torch.Tensor]:
     return run
 
 
-def triton_fn(step: Step) -> Callable[[], torch.Tensor]:
-    md, out = step.metadata, torch.empty_like(step.q)
-    return lambda: ta.paged_attention(
-        step.q, step.k_cache, step.v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-        md.max_query_len, SCALE, out, max_seq_len=md.max_seq_len, longest_first=md.longest_first,
-    )  # fmt: skip
-
-
 def attention() -> None:
     gen = torch.Generator().manual_seed(0)
     fresh = [(0, int(n)) for n in torch.randint(7000, 8001, (32,), generator=gen)]
@@ -145,9 +122,12 @@ def attention() -> None:
     ]
     checks = {"fresh": [(0, 1000), (0, 300), (0, 77)], "cont": [(700, 900), (64, 300), (5, 77)]}
     shapes = {"fresh": fresh, "cont": cont}
+    engine_kernel = lambda s: triton_fn(s, None, True)  # noqa: E731 - the engine's tiles
     variants: dict[str, dict[str, Callable[[Step], Callable[[], torch.Tensor]]]] = {
-        "fresh": {"triton": triton_fn, "cudnn causal": cudnn_fresh, "cudnn op": cudnn_split},
-        "cont": {"triton": triton_fn, "cudnn mask": cudnn_masked, "cudnn split": cudnn_split,
+        "fresh": {"triton": engine_kernel, "cudnn causal": lambda s: cudnn_sdpa(s, masked=False),
+                  "cudnn op": cudnn_split},
+        "cont": {"triton": engine_kernel, "cudnn mask": lambda s: cudnn_sdpa(s, masked=True),
+                 "cudnn split": cudnn_split,
                  "cudnn split, no merge": lambda s: cudnn_split(s, merge=False)},
     }  # fmt: skip
     for kind, fns in variants.items():

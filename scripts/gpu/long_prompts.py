@@ -33,12 +33,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "gpu")]
 
-from sweep_prefill import BLOCK_SIZE, HEAD_DIM, Step, flashinfer_fn, make_step  # noqa: E402
+from sweep_prefill import BLOCK_SIZE, HEAD_DIM, Step, flashinfer_fn, make_step, triton_fn  # noqa: E402
 
 from pagedserve.api import bench  # noqa: E402
 from pagedserve.config import ProfileConfig  # noqa: E402
 from pagedserve.kernels import attention_ref  # noqa: E402
-from pagedserve.kernels import triton_attention as ta  # noqa: E402
 
 LLAMA = str(ROOT / "scripts" / "gpu" / "configs" / "llama-3.1-8b")
 SUMMARY: list[str] = []
@@ -97,15 +96,6 @@ def sdpa_fn(step: Step, backend: SDPBackend, gather: bool) -> Callable[[], torch
     return run
 
 
-def triton_fn(step: Step) -> Callable[[], torch.Tensor]:
-    md, out = step.metadata, torch.empty_like(step.q)
-    return lambda: ta.paged_attention(
-        step.q, step.k_cache, step.v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-        md.max_query_len, HEAD_DIM**-0.5, out, max_seq_len=md.max_seq_len,
-        longest_first=md.longest_first,
-    )  # fmt: skip
-
-
 def attention() -> None:
     try:
         import flashinfer
@@ -120,7 +110,9 @@ def attention() -> None:
     gen = torch.Generator().manual_seed(0)
     long = [(0, int(n)) for n in torch.randint(7000, 8001, (32,), generator=gen)]
     step = make_step(long, 32, 8, seed=2)
-    variants: dict[str, Callable[[Step], Callable[[], torch.Tensor]]] = {"triton": triton_fn}
+    variants: dict[str, Callable[[Step], Callable[[], torch.Tensor]]] = {
+        "triton": lambda s: triton_fn(s, None, True)  # the engine's own tiles
+    }
     if flashinfer is not None:
         variants["flashinfer"] = lambda s: flashinfer_fn(s, flashinfer)
     for name, backend in [("cudnn", SDPBackend.CUDNN_ATTENTION),

@@ -113,7 +113,10 @@ def shapes(quick: bool) -> list[tuple[str, str, int, int, list[tuple[int, int]]]
     return [(s, h, nh, nkv, cases) for s, cases in sizes for h, nh, nkv in heads]
 
 
-def triton_fn(step: Step, tiles: ta.PrefillTiles, ordered: bool) -> Callable[[], torch.Tensor]:
+def triton_fn(
+    step: Step, tiles: ta.PrefillTiles | None, ordered: bool
+) -> Callable[[], torch.Tensor]:
+    """This engine's prefill kernel on `step`; tiles None: the kernel's own (the engine's)."""
     md = step.metadata
     out = torch.empty_like(step.q)
     order = md.longest_first if ordered else None
