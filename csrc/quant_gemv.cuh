@@ -6,7 +6,8 @@
 //                a step = 128 consecutive k of one group g (the group size is a multiple of 128)
 //   fp8          y[m, n] = s[n] sum_k x[m, k] q[n, k] (+ b[n])
 // where x[m, k] is the activation after the act-order permutation (x[m, perm[k]]), q the exact
-// code (an integer, or the E4M3 value), all sums in fp32 and one rounding to x's dtype at the end.
+// code (an integer, or the E4M3 value), all sums in fp32 and one rounding to x's dtype at the end
+// (int4 sums P over q + code_offset and subtracts (z + code_offset) X: the same y).
 //
 // Tensor cores, "swap AB": mma.m16n8k16 with A = 16 weight rows x 16 k (the dequantized codes:
 // exact small integers or E4M3 values, in x's dtype) and B = 16 k x 8 batch rows (x), fp32
@@ -18,12 +19,15 @@
 // memory (distributed shared memory: a fixed order, deterministic; no workspace, no atomics).
 // Lane (g, c) = (lane / 4, lane % 4) streams rows g and g + 8 of its warp's tile: per step of 128
 // codes a row, its 32 codes [32 c, 32 c + 32), one 16-byte vector (int4) or two (int8 / fp8),
-// loaded with ld.global.nc.L1::no_allocate; `unroll` steps of loads are in flight a thread.
+// loaded with ld.global.nc.L1::no_allocate from the weight's rows or its tiles (w_tiled:
+// quant_gemv.h); a ring of `unroll` steps a thread, each slot refilled right after its step's
+// MMAs (so unroll - 1 steps of loads are in flight while a step computes, and no code is copied).
 //
 // Dequantization without conversions (the MMA's k order is free: any permutation of k applied to
 // both A and B gives the same sum, so x is staged in the order the codes come out):
 //   int4  ((word >> 4i) & 0x000F000F) | MAGIC = (MAGIC + q_i, MAGIC + q_{i+4}) in fp16 (1024 +
-//         q, 0x6400) or bf16 (128 + q, 0x4300), both exact; minus MAGIC (hsub2): (q_i, q_{i+4})
+//         q, 0x6400) or bf16 (128 + q, 0x4300), both exact, one lop3 a pair; MAGIC's value
+//         (code_offset) stays in: the step subtracts it with the zero point, (z + offset) X
 //   int8  fp16: prmt of the code bytes under 0x64 = 1024 + q, minus 1024; bf16: prmt into fp32
 //         2^23 + q, minus 2^23, two codes packed by cvt.rn.bf16x2.f32: pairs (q0, q2), (q1, q3)
 //   fp8   fp16: cvt.rn.f16x2.e4m3x2: pairs (q0, q1), (q2, q3); bf16: the sign and the 7 bits of
@@ -145,14 +149,29 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 
 // ------------------------------------------------------------------ dequantization
 
+// (a & mask) | bits in one instruction
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+  return d;
+}
+
+// What the int4 codes' values carry on top of the code (the MAGIC of the dequantization, left
+// in: the steps subtract it with the zero point, kOffset X), 0 for the other schemes.
+template <Scheme S, typename T>
+__host__ __device__ constexpr float code_offset() {
+  if constexpr (S != Scheme::kInt4) return 0.0f;
+  return std::is_same_v<T, __half> ? 1024.0f : 128.0f;
+}
+
 // The codes of one 8-column group of a row (int4: one word; int8 / fp8: two) -> 4 pairs of
-// exact values of type T, in the pair order x_order<S, T>() stages x in.
+// exact values of type T (int4: code_offset + q), in the pair order x_order<S, T>() stages x in.
 template <Scheme S, typename T>
 __device__ __forceinline__ void dequant8(const uint32_t* words, uint32_t (&a)[4]) {
   if constexpr (S == Scheme::kInt4) {
     constexpr uint32_t kMagic = std::is_same_v<T, __half> ? 0x64006400u : 0x43004300u;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = sub2<T>(((words[0] >> (4 * i)) & 0x000F000Fu) | kMagic, kMagic);
+    for (int i = 0; i < 4; ++i) a[i] = and_or(words[0] >> (4 * i), 0x000F000Fu, kMagic);
   } else if constexpr (S == Scheme::kInt8 && std::is_same_v<T, __half>) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -290,27 +309,53 @@ __device__ __forceinline__ void group_words(const uint4 (&v)[Stage<S>::kVectors]
 struct Rows {
   const unsigned char* w_g;  // row g's weights at the split's first step, lane c's vector
   const unsigned char* w_h;
-  int64_t s_g;  // offsets of rows g, g + 8 in the scales / zeros (elements)
+  int64_t step_bytes;  // from one step's vectors of a row to the next step's
+  int vector_bytes;    // from a lane's first vector of a row and step to its second (8-bit)
+  int64_t s_g;         // offsets of rows g, g + 8 in the scales / zeros (elements)
   int64_t s_h;
+  int step0;           // the split's first step (k0 / kStepK)
 };
+
+// Where lane (g, c) of the warp owning rows [n0, n0 + kTileN) reads its codes (see w_tiled in
+// quant_gemv.h), from step k0 / kStepK on; the rows past N are clamped (rows layout) or padding.
+template <Scheme S>
+__device__ __forceinline__ Rows lane_rows(const Params& p, int n0, int k0) {
+  constexpr int kStepBytes = S == Scheme::kInt4 ? kStepK / 2 : kStepK;  // of a row
+  constexpr int kLaneBytes = kStepBytes / 4;                             // of a row and step
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int row_g = min(n0 + g, p.n - 1), row_h = min(n0 + g + 8, p.n - 1);
+  const auto* w = static_cast<const unsigned char*>(p.w);
+  if (p.w_tiled) {
+    constexpr int kChunk = kTileN * kStepBytes;
+    const int64_t chunk = int64_t{n0 / kTileN} * (p.k / kStepK) + k0 / kStepK;
+    const unsigned char* base = w + chunk * kChunk + lane * 16;
+    return {base,          base + kChunk / 2,      kChunk, 512, row_g * p.s_stride_n,
+            row_h * p.s_stride_n, k0 / kStepK};
+  }
+  const int64_t k0_bytes = S == Scheme::kInt4 ? k0 / 2 : k0;
+  const unsigned char* base = w + k0_bytes + c * kLaneBytes;
+  return {base + row_g * p.w_stride_bytes, base + row_h * p.w_stride_bytes, kStepBytes, 16,
+          row_g * p.s_stride_n, row_h * p.s_stride_n, k0 / kStepK};
+}
 
 template <Scheme S, typename T>
 __device__ __forceinline__ void load_stage(const Params& p, const Rows& r, int k0, int s,
                                            Stage<S>& st) {
-  constexpr int kStepBytes = S == Scheme::kInt4 ? kStepK / 2 : kStepK;
 #pragma unroll
   for (int v = 0; v < Stage<S>::kVectors; ++v) {
-    st.g[v] = load_stream(r.w_g + s * kStepBytes + 16 * v);
-    st.h[v] = load_stream(r.w_h + s * kStepBytes + 16 * v);
+    st.g[v] = load_stream(r.w_g + s * r.step_bytes + r.vector_bytes * v);
+    st.h[v] = load_stream(r.w_h + s * r.step_bytes + r.vector_bytes * v);
   }
   if constexpr (S != Scheme::kFp8) {
-    const int64_t group = (k0 + s * kStepK) / p.group_size * p.s_stride_g;
+    // the step's group: (step0 + s) / (group_size / kStepK) as one multiply-high (group_magic)
+    const int group = __umulhi(2u * static_cast<unsigned>(r.step0 + s), p.group_magic);
+    const int64_t offset = int64_t{group} * p.s_stride_g;
     const auto* scales = static_cast<const unsigned short*>(p.scales);
     const auto* zeros = static_cast<const unsigned short*>(p.zeros);
-    st.scale_g = __ldg(scales + r.s_g + group);
-    st.zero_g = __ldg(zeros + r.s_g + group);
-    st.scale_h = __ldg(scales + r.s_h + group);
-    st.zero_h = __ldg(zeros + r.s_h + group);
+    st.scale_g = __ldg(scales + r.s_g + offset);
+    st.zero_g = __ldg(zeros + r.s_g + offset);
+    st.scale_h = __ldg(scales + r.s_h + offset);
+    st.zero_h = __ldg(zeros + r.s_h + offset);
   }
 }
 
@@ -341,8 +386,9 @@ __device__ __forceinline__ void compute_step(const Params& p, const Stage<S>& st
     }
   }
   if constexpr (S != Scheme::kFp8) {
-    const float sg = to_float<T>(st.scale_g), zg = to_float<T>(st.zero_g);
-    const float sh = to_float<T>(st.scale_h), zh = to_float<T>(st.zero_h);
+    constexpr float kOffset = code_offset<S, T>();
+    const float sg = to_float<T>(st.scale_g), zg = to_float<T>(st.zero_g) + kOffset;
+    const float sh = to_float<T>(st.scale_h), zh = to_float<T>(st.zero_h) + kOffset;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const float2 x = *reinterpret_cast<const float2*>(sums_step + 8 * mt + 2 * c);
@@ -397,7 +443,7 @@ __device__ void epilogue(const Params& p, const float (&acc)[MT][4], float* part
 template <Scheme S, typename T, int MT, int UNROLL>
 __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
+  const int warp = threadIdx.x / 32;
   const int k0 = blockIdx.y * p.k_per_split;
   const int steps = max(0, min(p.k_per_split, p.k - k0)) / kStepK;
   const int row_bytes = p.k_per_split * 2 + kXRowPad;
@@ -406,12 +452,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Params p)
   const int n0 = (blockIdx.x * p.warps + warp) * kTileN;
   const bool active = n0 < p.n;
 
-  constexpr int kCodeBytesPerLane = 32 * (S == Scheme::kInt4 ? 1 : 2) / 2;  // of a step
-  const int row_g = min(n0 + g, p.n - 1), row_h = min(n0 + g + 8, p.n - 1);
-  const int64_t k0_bytes = S == Scheme::kInt4 ? k0 / 2 : k0;
-  const auto* w = static_cast<const unsigned char*>(p.w) + k0_bytes + c * kCodeBytesPerLane;
-  const Rows rows{w + row_g * p.w_stride_bytes, w + row_h * p.w_stride_bytes,
-                  row_g * p.s_stride_n, row_h * p.s_stride_n};
+  const Rows rows = lane_rows<S>(p, n0, k0);
 
   Stage<S> ring[UNROLL];
 #pragma unroll
@@ -426,17 +467,16 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Params p)
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int s = s0 + u;
-        if (s < steps) {
-          const Stage<S> current = ring[u];
+        if (s < steps) {  // the slot's codes used, then refilled (no copy of them)
+          compute_step<S, T, MT>(p, ring[u], smem + s * 256, row_bytes, sums + s * kMaxRows, acc);
           if (s + UNROLL < steps) load_stage<S, T>(p, rows, k0, s + UNROLL, ring[u]);
-          compute_step<S, T, MT>(p, current, smem + s * 256, row_bytes, sums + s * kMaxRows, acc);
         }
       }
     }
   }
   if constexpr (S == Scheme::kFp8) {
     const auto* scale = static_cast<const float*>(p.scales);
-    const float sg = __ldg(scale + row_g), sh = __ldg(scale + row_h);
+    const float sg = __ldg(scale + rows.s_g), sh = __ldg(scale + rows.s_h);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       acc[mt][0] *= sg, acc[mt][1] *= sg, acc[mt][2] *= sh, acc[mt][3] *= sh;
@@ -477,6 +517,14 @@ cudaError_t launch_instance(const Params& p, cudaStream_t stream) {
 template <Scheme S, typename T>
 cudaError_t launch(const Params& p, cudaStream_t stream) {
   const bool two_tiles = p.m > 8;
+  if (p.unroll == 8) {  // int4 only: the 8-bit codes' rings of 8 spill
+    if constexpr (S == Scheme::kInt4) {
+      return two_tiles ? launch_instance<S, T, 2, 8>(p, stream)
+                       : launch_instance<S, T, 1, 8>(p, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  }
   if (p.unroll == 4) {
     return two_tiles ? launch_instance<S, T, 2, 4>(p, stream) : launch_instance<S, T, 1, 4>(p, stream);
   }

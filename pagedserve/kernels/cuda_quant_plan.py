@@ -26,7 +26,8 @@ TARGET_WARPS_PER_SM = 32
 @dataclass(frozen=True)
 class GemvConfig:
     """warps: a CTA's warps (16 weight rows each), 1..MAX_WARPS; splits: CTAs along K (one
-    cluster), 1..MAX_SPLITS, None = automatic; unroll: weight steps in flight a thread (2, 4)."""
+    cluster), 1..MAX_SPLITS, None = automatic; unroll: the weight steps a thread's ring holds
+    (2, 4; int4 also 8)."""
 
     warps: int = 4
     splits: int | None = None
@@ -51,7 +52,8 @@ DEFAULTS = {"int4": GemvConfig(4, None, 4), "int8": GemvConfig(4, None, 2),
             "fp8": GemvConfig(4, None, 2)}  # fmt: skip
 # (SM count, scheme, M bucket (8: M <= 8, else 16), N, K) -> the fastest config measured by
 # scripts/gpu/check_quant_cuda.py (its literal; scripts/results/session9/call2_quant_cuda.md:
-# H200, 132 SMs)
+# H200, 132 SMs); Llama's int4 M <= 8 rows from scripts/gpu/quant_tiles_probe.py after the
+# kernel's step lost ~70 instructions (scripts/results/session18/call2_tiles.md)
 QUANT_CUDA_TUNED: dict[tuple[int, str, int, int, int], GemvConfig] = {
     # llama8b qkv 6144x4096 fp8 M=4: 18.6 -> 14.2 µs
     (132, "fp8", 8, 6144, 4096): GemvConfig(8, 4, 2),
@@ -61,8 +63,8 @@ QUANT_CUDA_TUNED: dict[tuple[int, str, int, int, int], GemvConfig] = {
     (132, "int8", 8, 6144, 4096): GemvConfig(8, 4, 2),
     # llama8b qkv 6144x4096 int8 M=16: 29.4 -> 22.3 µs
     (132, "int8", 16, 6144, 4096): GemvConfig(8, 4, 2),
-    # llama8b qkv 6144x4096 int4 M=4: 17.3 -> 14.1 µs
-    (132, "int4", 8, 6144, 4096): GemvConfig(8, 4, 2),
+    # llama8b qkv 6144x4096 int4 M=1: 12.9 -> 12.5 µs (session 18, call 2)
+    (132, "int4", 8, 6144, 4096): GemvConfig(4, 4, 2),
     # llama8b qkv 6144x4096 int4 M=16: 26.3 -> 19.4 µs
     (132, "int4", 16, 6144, 4096): GemvConfig(8, 4, 4),
     # llama8b o_proj 4096x4096 fp8 M=16: 21.9 -> 18.1 µs
@@ -71,8 +73,8 @@ QUANT_CUDA_TUNED: dict[tuple[int, str, int, int, int], GemvConfig] = {
     (132, "int8", 8, 4096, 4096): GemvConfig(4, 4, 2),
     # llama8b o_proj 4096x4096 int8 M=16: 24.0 -> 20.7 µs
     (132, "int8", 16, 4096, 4096): GemvConfig(4, 4, 2),
-    # llama8b o_proj 4096x4096 int4 M=4: 15.2 -> 12.0 µs
-    (132, "int4", 8, 4096, 4096): GemvConfig(4, 4, 4),
+    # llama8b o_proj 4096x4096 int4 M=1: 11.0 -> 10.8 µs (session 18, call 2)
+    (132, "int4", 8, 4096, 4096): GemvConfig(4, None, 2),
     # llama8b o_proj 4096x4096 int4 M=16: 21.8 -> 17.7 µs
     (132, "int4", 16, 4096, 4096): GemvConfig(4, None, 2),
     # llama8b gate_up 28672x4096 fp8 M=1: 47.1 -> 34.1 µs
@@ -83,8 +85,8 @@ QUANT_CUDA_TUNED: dict[tuple[int, str, int, int, int], GemvConfig] = {
     (132, "int8", 8, 28672, 4096): GemvConfig(8, 1, 2),
     # llama8b gate_up 28672x4096 int8 M=16: 88.1 -> 67.6 µs
     (132, "int8", 16, 28672, 4096): GemvConfig(8, 2, 2),
-    # llama8b gate_up 28672x4096 int4 M=4: 45.0 -> 34.7 µs
-    (132, "int4", 8, 28672, 4096): GemvConfig(8, 1, 4),
+    # llama8b gate_up 28672x4096 int4 M=1: 30.3 -> 29.1 µs (session 18, call 2)
+    (132, "int4", 8, 28672, 4096): GemvConfig(8, 1, 2),
     # llama8b gate_up 28672x4096 int4 M=16: 74.6 -> 57.0 µs
     (132, "int4", 16, 28672, 4096): GemvConfig(8, 2, 4),
     # llama8b down 4096x14336 fp8 M=16: 49.2 -> 42.9 µs
@@ -93,8 +95,8 @@ QUANT_CUDA_TUNED: dict[tuple[int, str, int, int, int], GemvConfig] = {
     (132, "int8", 8, 4096, 14336): GemvConfig(4, 4, 2),
     # llama8b down 4096x14336 int8 M=16: 58.1 -> 52.1 µs
     (132, "int8", 16, 4096, 14336): GemvConfig(8, 8, 2),
-    # llama8b down 4096x14336 int4 M=4: 30.8 -> 25.5 µs
-    (132, "int4", 8, 4096, 14336): GemvConfig(4, None, 2),
+    # llama8b down 4096x14336 int4 M=1: 20.1 -> 20.0 µs (session 18, call 2)
+    (132, "int4", 8, 4096, 14336): GemvConfig(4, 8, 2),
     # llama8b down 4096x14336 int4 M=16: 51.2 -> 44.6 µs
     (132, "int4", 16, 4096, 14336): GemvConfig(8, 8, 4),
     # qwen0.6b qkv 4096x1024 fp8 M=1: 7.8 -> 6.4 µs
@@ -143,10 +145,11 @@ def shared_bytes(scheme: str, m: int, k_per_split: int, warps: int, splits: int)
     return x_rows + sums + partials
 
 
-def check_config(config: GemvConfig) -> None:
-    """ValueError unless the config is launchable."""
-    if not 1 <= config.warps <= MAX_WARPS or config.unroll not in (2, 4):
-        raise ValueError(f"warps 1..{MAX_WARPS} and unroll 2 or 4: {config}")
+def check_config(config: GemvConfig, scheme: str) -> None:
+    """ValueError unless the config is launchable for `scheme`."""
+    unrolls = (2, 4, 8) if scheme == "int4" else (2, 4)
+    if not 1 <= config.warps <= MAX_WARPS or config.unroll not in unrolls:
+        raise ValueError(f"warps 1..{MAX_WARPS} and unroll in {unrolls} for {scheme}: {config}")
     if config.splits is not None and not 1 <= config.splits <= MAX_SPLITS:
         raise ValueError(f"splits 1..{MAX_SPLITS} (None: automatic): {config}")
 
@@ -162,7 +165,7 @@ def plan_gemv(
     if config is None:
         bucket = 8 if m <= 8 else MAX_ROWS
         config = QUANT_CUDA_TUNED.get((num_sms, scheme, bucket, n, k), DEFAULTS[scheme])
-    check_config(config)
+    check_config(config, scheme)
     steps = k // STEP_K
     most = min(MAX_SPLITS, steps)
     tiles = -(-n // TILE_N)
