@@ -32,22 +32,17 @@ pq::Scheme scheme_of(const std::string& name) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// rows: [N, K / 8] int32 (int4) or [N, K] bytes with 16-byte aligned rows; tiled: the same
-// dtype and row size, N padded to a multiple of kTileN, contiguous (quant_gemv.h)
 void check_weight(pq::Scheme scheme, const at::Tensor& w, const at::Tensor& scales,
                   const std::optional<at::Tensor>& zeros, int64_t n, int64_t k,
-                  int64_t group_size, at::ScalarType dtype, bool tiled) {
+                  int64_t group_size, at::ScalarType dtype) {
   const bool int4 = scheme == pq::Scheme::kInt4;
   const at::ScalarType code_type =
       int4 ? at::kInt : (scheme == pq::Scheme::kInt8 ? at::kByte : at::kFloat8_e4m3fn);
-  const int64_t rows = tiled ? (n + pq::kTileN - 1) / pq::kTileN * pq::kTileN : n;
-  TORCH_CHECK(w.scalar_type() == code_type && w.dim() == 2 && w.size(0) == rows &&
+  TORCH_CHECK(w.scalar_type() == code_type && w.dim() == 2 && w.size(0) == n &&
                   w.size(1) == (int4 ? k / 8 : k) && w.stride(1) == 1,
-              "w must be ", code_type, " [", tiled ? "N padded to 16" : "N", ", ",
-              int4 ? "K / 8" : "K", "] with contiguous rows");
+              "w must be ", code_type, " [N, ", int4 ? "K / 8" : "K", "] with contiguous rows");
   TORCH_CHECK(aligned16(w.data_ptr()) && (w.stride(0) * w.element_size()) % 16 == 0,
               "weight rows must be 16-byte aligned");
-  TORCH_CHECK(!tiled || w.is_contiguous(), "a tiled weight must be contiguous");
   if (scheme == pq::Scheme::kFp8) {
     TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == n &&
                     scales.is_contiguous(),
@@ -76,13 +71,12 @@ cudaError_t dispatch_scheme(pq::Scheme scheme, const pq::Params& p, cudaStream_t
 }  // namespace
 
 // out [M, N] = x [M, K] (perm applied) @ W^T (+ bias) for the weight of `scheme` (int4: codes
-// int32 [N, K / 8], int8: uint8 [N, K], fp8: float8_e4m3fn [N, K] with float32 scales [N]), in
-// rows or (w_tiled) in the tiled layout of quant_gemv.h.
+// int32 [N, K / 8], int8: uint8 [N, K], fp8: float8_e4m3fn [N, K] with float32 scales [N]).
 void quant_gemv(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scales,
                 std::optional<at::Tensor> zeros, std::optional<at::Tensor> perm,
                 std::optional<at::Tensor> bias, const std::string& scheme_name,
                 int64_t group_size, int64_t warps, int64_t splits, int64_t k_per_split,
-                int64_t unroll, bool w_tiled) {
+                int64_t unroll) {
   const pq::Scheme scheme = scheme_of(scheme_name);
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && scales.device() == x.device() &&
                   out.device() == x.device(),
@@ -91,13 +85,12 @@ void quant_gemv(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scales,
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "x must be bf16 or fp16");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= pq::kMaxRows && x.stride(1) == 1,
               "x must be [M <= ", pq::kMaxRows, ", K] with contiguous rows");
-  TORCH_CHECK(out.dim() == 2, "out must be [M, N]");
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   TORCH_CHECK(k % pq::kStepK == 0 && k < pq::kMaxK && n < (int64_t{1} << 30),
               "K must be a multiple of ", pq::kStepK, " below ", pq::kMaxK);
   TORCH_CHECK(perm.has_value() || (aligned16(x.data_ptr()) && x.stride(0) % 8 == 0),
               "x rows must be 16-byte aligned");
-  check_weight(scheme, w, scales, zeros, n, k, group_size, dtype, w_tiled);
+  check_weight(scheme, w, scales, zeros, n, k, group_size, dtype);
   TORCH_CHECK(!perm.has_value() || (perm->scalar_type() == at::kLong && perm->dim() == 1 &&
                                     perm->size(0) == k && perm->is_contiguous()),
               "perm must be int64 [K], contiguous");
@@ -108,9 +101,8 @@ void quant_gemv(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scales,
                   out.size(1) == n && out.is_contiguous(),
               "out must be [M, N] of x's dtype, contiguous");
   TORCH_CHECK(warps >= 1 && warps <= pq::kMaxWarps && splits >= 1 && splits <= pq::kMaxSplits &&
-                  (unroll == 2 || unroll == 4 || (unroll == 8 && scheme == pq::Scheme::kInt4)),
-              "warps 1..", pq::kMaxWarps, ", splits 1..", pq::kMaxSplits,
-              ", unroll 2 or 4 (int4: or 8)");
+                  (unroll == 2 || unroll == 4),
+              "warps 1..", pq::kMaxWarps, ", splits 1..", pq::kMaxSplits, ", unroll 2 or 4");
   TORCH_CHECK(k_per_split > 0 && k_per_split % pq::kStepK == 0 && splits * k_per_split >= k &&
                   (splits - 1) * k_per_split < k,
               "the splits must tile K in multiples of ", pq::kStepK);
@@ -136,7 +128,6 @@ void quant_gemv(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scales,
   p.splits = static_cast<int>(splits);
   p.k_per_split = static_cast<int>(k_per_split);
   p.unroll = static_cast<int>(unroll);
-  p.w_tiled = w_tiled ? 1 : 0;
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
@@ -158,8 +149,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"),
         pybind11::arg("zeros"), pybind11::arg("perm"), pybind11::arg("bias"),
         pybind11::arg("scheme"), pybind11::arg("group_size"), pybind11::arg("warps"),
-        pybind11::arg("splits"), pybind11::arg("k_per_split"), pybind11::arg("unroll"),
-        pybind11::arg("w_tiled"));
+        pybind11::arg("splits"), pybind11::arg("k_per_split"), pybind11::arg("unroll"));
   m.def("shared_bytes", &shared_bytes, "dynamic shared memory of a launch (bytes)",
         pybind11::arg("scheme"), pybind11::arg("m"), pybind11::arg("k_per_split"),
         pybind11::arg("warps"), pybind11::arg("splits"));

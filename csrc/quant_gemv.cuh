@@ -19,9 +19,9 @@
 // memory (distributed shared memory: a fixed order, deterministic; no workspace, no atomics).
 // Lane (g, c) = (lane / 4, lane % 4) streams rows g and g + 8 of its warp's tile: per step of 128
 // codes a row, its 32 codes [32 c, 32 c + 32), one 16-byte vector (int4) or two (int8 / fp8),
-// loaded with ld.global.nc.L1::no_allocate from the weight's rows or its tiles (w_tiled:
-// quant_gemv.h); a ring of `unroll` steps a thread, each slot refilled right after its step's
-// MMAs (so unroll - 1 steps of loads are in flight while a step computes, and no code is copied).
+// loaded with ld.global.nc.L1::no_allocate; a ring of `unroll` steps a thread, each slot
+// refilled right after its step's MMAs (so unroll - 1 steps of loads are in flight while a step
+// computes, and no code is copied).
 //
 // Dequantization without conversions (the MMA's k order is free: any permutation of k applied to
 // both A and B gives the same sum, so x is staged in the order the codes come out):
@@ -309,42 +309,31 @@ __device__ __forceinline__ void group_words(const uint4 (&v)[Stage<S>::kVectors]
 struct Rows {
   const unsigned char* w_g;  // row g's weights at the split's first step, lane c's vector
   const unsigned char* w_h;
-  int64_t step_bytes;  // from one step's vectors of a row to the next step's
-  int vector_bytes;    // from a lane's first vector of a row and step to its second (8-bit)
-  int64_t s_g;         // offsets of rows g, g + 8 in the scales / zeros (elements)
+  int64_t s_g;  // offsets of rows g, g + 8 in the scales / zeros (elements)
   int64_t s_h;
-  int step0;           // the split's first step (k0 / kStepK)
+  int step0;    // the split's first step (k0 / kStepK)
 };
 
-// Where lane (g, c) of the warp owning rows [n0, n0 + kTileN) reads its codes (see w_tiled in
-// quant_gemv.h), from step k0 / kStepK on; the rows past N are clamped (rows layout) or padding.
+// Where lane (g, c) of the warp owning rows [n0, n0 + kTileN) reads its codes, from step
+// k0 / kStepK on (the rows past N clamped to the last).
 template <Scheme S>
 __device__ __forceinline__ Rows lane_rows(const Params& p, int n0, int k0) {
-  constexpr int kStepBytes = S == Scheme::kInt4 ? kStepK / 2 : kStepK;  // of a row
-  constexpr int kLaneBytes = kStepBytes / 4;                             // of a row and step
+  constexpr int kLaneBytes = (S == Scheme::kInt4 ? kStepK / 2 : kStepK) / 4;  // a row and step
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int row_g = min(n0 + g, p.n - 1), row_h = min(n0 + g + 8, p.n - 1);
-  const auto* w = static_cast<const unsigned char*>(p.w);
-  if (p.w_tiled) {
-    constexpr int kChunk = kTileN * kStepBytes;
-    const int64_t chunk = int64_t{n0 / kTileN} * (p.k / kStepK) + k0 / kStepK;
-    const unsigned char* base = w + chunk * kChunk + lane * 16;
-    return {base,          base + kChunk / 2,      kChunk, 512, row_g * p.s_stride_n,
-            row_h * p.s_stride_n, k0 / kStepK};
-  }
   const int64_t k0_bytes = S == Scheme::kInt4 ? k0 / 2 : k0;
-  const unsigned char* base = w + k0_bytes + c * kLaneBytes;
-  return {base + row_g * p.w_stride_bytes, base + row_h * p.w_stride_bytes, kStepBytes, 16,
+  const auto* base = static_cast<const unsigned char*>(p.w) + k0_bytes + c * kLaneBytes;
+  return {base + row_g * p.w_stride_bytes, base + row_h * p.w_stride_bytes,
           row_g * p.s_stride_n, row_h * p.s_stride_n, k0 / kStepK};
 }
 
 template <Scheme S, typename T>
-__device__ __forceinline__ void load_stage(const Params& p, const Rows& r, int k0, int s,
-                                           Stage<S>& st) {
+__device__ __forceinline__ void load_stage(const Params& p, const Rows& r, int s, Stage<S>& st) {
+  constexpr int kStepBytes = S == Scheme::kInt4 ? kStepK / 2 : kStepK;
 #pragma unroll
   for (int v = 0; v < Stage<S>::kVectors; ++v) {
-    st.g[v] = load_stream(r.w_g + s * r.step_bytes + r.vector_bytes * v);
-    st.h[v] = load_stream(r.w_h + s * r.step_bytes + r.vector_bytes * v);
+    st.g[v] = load_stream(r.w_g + s * kStepBytes + 16 * v);
+    st.h[v] = load_stream(r.w_h + s * kStepBytes + 16 * v);
   }
   if constexpr (S != Scheme::kFp8) {
     // the step's group: (step0 + s) / (group_size / kStepK) as one multiply-high (group_magic)
@@ -457,7 +446,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Params p)
   Stage<S> ring[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
-    if (active && u < steps) load_stage<S, T>(p, rows, k0, u, ring[u]);
+    if (active && u < steps) load_stage<S, T>(p, rows, u, ring[u]);
   stage_x<S, T>(p, smem, sums, k0, steps, row_bytes);
   __syncthreads();
 
@@ -469,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Params p)
         const int s = s0 + u;
         if (s < steps) {  // the slot's codes used, then refilled (no copy of them)
           compute_step<S, T, MT>(p, ring[u], smem + s * 256, row_bytes, sums + s * kMaxRows, acc);
-          if (s + UNROLL < steps) load_stage<S, T>(p, rows, k0, s + UNROLL, ring[u]);
+          if (s + UNROLL < steps) load_stage<S, T>(p, rows, s + UNROLL, ring[u]);
         }
       }
     }
@@ -517,14 +506,6 @@ cudaError_t launch_instance(const Params& p, cudaStream_t stream) {
 template <Scheme S, typename T>
 cudaError_t launch(const Params& p, cudaStream_t stream) {
   const bool two_tiles = p.m > 8;
-  if (p.unroll == 8) {  // int4 only: the 8-bit codes' rings of 8 spill
-    if constexpr (S == Scheme::kInt4) {
-      return two_tiles ? launch_instance<S, T, 2, 8>(p, stream)
-                       : launch_instance<S, T, 1, 8>(p, stream);
-    } else {
-      return cudaErrorInvalidValue;
-    }
-  }
   if (p.unroll == 4) {
     return two_tiles ? launch_instance<S, T, 2, 4>(p, stream) : launch_instance<S, T, 1, 4>(p, stream);
   }

@@ -41,7 +41,7 @@ struct Params {
   int n;
   int k;
   int group_size;         // int schemes: a multiple of kStepK dividing K
-  unsigned group_magic;   // ceil(2^31 / (group_size / kStepK)): a step's group, group_index()
+  unsigned group_magic;   // group_magic(group_size / kStepK): a step's group by multiply-high
   int64_t x_stride;       // x row stride
   int64_t w_stride_bytes; // weight row stride
   int64_t s_stride_n;     // scales / zeros strides (row, group)
@@ -49,20 +49,12 @@ struct Params {
   int warps;              // warps a CTA, 1..kMaxWarps: CTA x covers warps * kTileN rows
   int splits;             // CTAs along K (grid y, one cluster), 1..kMaxSplits
   int k_per_split;        // a multiple of kStepK; splits * k_per_split >= K
-  int unroll;             // steps of weights a thread's ring holds: 2 or 4 (int4: or 8)
-  int w_tiled;            // 0: weight rows [N, K bytes]; 1: warp tiles (below)
+  int unroll;             // steps of weights a thread's ring holds: 2 or 4
 };
-
-// The tiled weight layout (w_tiled = 1), the order in which the warps read the codes: one chunk
-// of kTileN * step_bytes bytes per (tile t of 16 rows, step s of kStepK columns), chunk
-// (t * K / kStepK + s) of the tensor (N padded to a multiple of kTileN); inside a chunk
-// [half h][vector v][row g][lane c][16 bytes] holds bytes [c * 16 V + 16 v, +16) of step s of
-// row 16 t + 8 h + g (V = step_bytes / 64 vectors a lane and row). So each of a warp's loads
-// reads 512 contiguous bytes and a warp streams its tile's chunks in address order.
 
 // ceil(2^31 / d) for the d = group_size / kStepK steps of a group: for every step index t and
 // d below 2^15, t / d == umulhi(2 t, group_magic(d)) (the rounding up adds t e / (d 2^31) with
-// e < d to t / d: less than 1 / d, so the floor is the same). Hence K <= kMaxK.
+// e < d to t / d: less than 1 / d, so the floor is the same). Hence K < kMaxK.
 inline unsigned group_magic(int steps_per_group) {
   return static_cast<unsigned>(((uint64_t{1} << 31) + steps_per_group - 1) / steps_per_group);
 }

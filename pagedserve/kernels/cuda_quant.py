@@ -39,7 +39,7 @@ from pagedserve.kernels.cuda_quant_plan import (
     plan_gemv,
 )
 from pagedserve.kernels.extensions import ExtensionSpec, built_library, import_extension
-from pagedserve.kernels.quant_ref import FP8_DTYPE, TILE_ROWS, IntWeight
+from pagedserve.kernels.quant_ref import FP8_DTYPE, IntWeight
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +92,9 @@ def _bias_problem(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> str 
     return None
 
 
-def _weight_rows_problem(w: torch.Tensor, n: int, tiled: bool) -> str | None:
+def _weight_rows_problem(w: torch.Tensor) -> str | None:
     if w.stride(-1) != 1 or w.data_ptr() % 16 or (w.stride(0) * w.element_size()) % 16:
         return "weight rows must be contiguous and 16-byte aligned"
-    if tiled and (w.shape[0] != -(-n // TILE_ROWS) * TILE_ROWS or not w.is_contiguous()):
-        return f"a tiled weight has N padded to a multiple of {TILE_ROWS} rows, contiguous"
     return None
 
 
@@ -108,25 +106,23 @@ def _device_problem(*tensors: torch.Tensor | None) -> str | None:
 
 
 def int_weight_problem(
-    x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None, tiled: bool = False
+    x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None
 ) -> str | None:
-    """Why the kernel does not take these operands (None: it does); tiled: the codes are in
-    the tiled layout (quant_ref.tile_codes)."""
-    n, k = weight.scales.shape[0], weight.shape[1]
+    """Why the kernel does not take these operands (None: it does)."""
+    n, k = weight.shape
     perm = weight.perm
     return (
         _rows_problem(x, k, aligned=perm is None)
-        or _codes_problem(x, weight, n, tiled)
-        or _weight_rows_problem(weight.qweight, n, tiled)
+        or _codes_problem(x, weight)
+        or _weight_rows_problem(weight.qweight)
         or _bias_problem(bias, n, x.dtype)
         or _device_problem(x, weight.qweight, weight.scales, weight.zeros, perm, bias)
     )
 
 
-def _codes_problem(x: torch.Tensor, weight: IntWeight, n: int, tiled: bool) -> str | None:
-    k = weight.shape[1]
-    rows = -(-n // TILE_ROWS) * TILE_ROWS if tiled else n
-    expected = {4: ((rows, k // 8), torch.int32), 8: ((rows, k), torch.uint8)}.get(weight.bits)
+def _codes_problem(x: torch.Tensor, weight: IntWeight) -> str | None:
+    n, k = weight.shape
+    expected = {4: ((n, k // 8), torch.int32), 8: ((n, k), torch.uint8)}.get(weight.bits)
     if expected is None:
         return f"{weight.bits}-bit weights: 4 or 8"
     if tuple(weight.qweight.shape) != expected[0] or weight.qweight.dtype != expected[1]:
@@ -145,22 +141,17 @@ def _codes_problem(x: torch.Tensor, weight: IntWeight, n: int, tiled: bool) -> s
 
 
 def fp8_weight_problem(
-    x: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    tiled: bool = False,
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> str | None:
-    """Why the kernel does not take these operands (None: it does); tiled as for
-    int_weight_problem."""
+    """Why the kernel does not take these operands (None: it does)."""
     if wq.dim() != 2 or wq.dtype != FP8_DTYPE:
         return "wq must be float8_e4m3fn [N, K]"
-    n, k = w_scale.shape[0] if tiled else wq.shape[0], wq.shape[1]
+    n, k = wq.shape
     if w_scale.shape != (n,) or w_scale.dtype != torch.float32 or w_scale.stride(0) != 1:
         return f"w_scale must be float32 [{n}], contiguous"
     return (
         _rows_problem(x, k, aligned=True)
-        or _weight_rows_problem(wq, n, tiled)
+        or _weight_rows_problem(wq)
         or _bias_problem(bias, n, x.dtype)
         or _device_problem(x, wq, w_scale, bias)
     )
@@ -175,18 +166,16 @@ def int_weight_gemv(
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
-    tiled: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) -> x[..., perm] @ W^T (+ bias), [..., N] of x's
     dtype; ValueError for operands the kernel does not take (int_weight_problem), or a config
-    with no launch. config: forced launch parameters (the GPU check's sweep), else planned;
-    tiled: weight.qweight is in the tiled layout (quant_ref.tile_codes)."""
-    problem = int_weight_problem(x, weight, bias, tiled)
+    with no launch. config: forced launch parameters (the GPU check's sweep), else planned."""
+    problem = int_weight_problem(x, weight, bias)
     if problem is not None:
         raise ValueError(problem)
     kind = "int4" if weight.bits == 4 else "int8"
     return _launch(x, kind, weight.qweight, weight.scales, weight.zeros, weight.perm, bias,
-                   weight.group_size, config, tiled)  # fmt: skip
+                   weight.group_size, config)  # fmt: skip
 
 
 def fp8_weight_gemv(
@@ -196,14 +185,13 @@ def fp8_weight_gemv(
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
-    tiled: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) -> x @ (wq * w_scale[:, None])^T (+ bias), the fp8
-    weight read once, x not quantized (W8A16); ValueError, config and tiled as int_weight_gemv."""
-    problem = fp8_weight_problem(x, wq, w_scale, bias, tiled)
+    weight read once, x not quantized (W8A16); ValueError as int_weight_gemv."""
+    problem = fp8_weight_problem(x, wq, w_scale, bias)
     if problem is not None:
         raise ValueError(problem)
-    return _launch(x, "fp8", wq, w_scale, None, None, bias, wq.shape[1], config, tiled)
+    return _launch(x, "fp8", wq, w_scale, None, None, bias, wq.shape[1], config)
 
 
 def _launch(
@@ -216,17 +204,15 @@ def _launch(
     bias: torch.Tensor | None,
     group_size: int,
     config: GemvConfig | None,
-    tiled: bool,
 ) -> torch.Tensor:
-    n, k = scales.shape[0], x.shape[-1]
+    n, k = w.shape[0], x.shape[-1]
     x2d = x.reshape(-1, k)
     plan = plan_gemv(kind, x2d.shape[0], n, k, num_sms(x.device), config)
     if plan is None:
         raise ValueError(f"no launch of {kind} {n}x{k} at M = {x2d.shape[0]} fits shared memory")
     out = torch.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
     load_extension().quant_gemv(out, x2d, w, scales, zeros, perm, bias, kind, group_size,
-                                plan.warps, plan.splits, plan.k_per_split, plan.unroll,
-                                tiled)  # fmt: skip
+                                plan.warps, plan.splits, plan.k_per_split, plan.unroll)  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
 

@@ -27,7 +27,7 @@ TARGET_WARPS_PER_SM = 32
 class GemvConfig:
     """warps: a CTA's warps (16 weight rows each), 1..MAX_WARPS; splits: CTAs along K (one
     cluster), 1..MAX_SPLITS, None = automatic; unroll: the weight steps a thread's ring holds
-    (2, 4; int4 also 8)."""
+    (2, 4)."""
 
     warps: int = 4
     splits: int | None = None
@@ -52,8 +52,8 @@ DEFAULTS = {"int4": GemvConfig(4, None, 4), "int8": GemvConfig(4, None, 2),
             "fp8": GemvConfig(4, None, 2)}  # fmt: skip
 # (SM count, scheme, M bucket (8: M <= 8, else 16), N, K) -> the fastest config measured by
 # scripts/gpu/check_quant_cuda.py (its literal; scripts/results/session9/call2_quant_cuda.md:
-# H200, 132 SMs); Llama's int4 M <= 8 rows from scripts/gpu/quant_tiles_probe.py after the
-# kernel's step lost ~70 instructions (scripts/results/session18/call2_tiles.md)
+# H200, 132 SMs); Llama's int4 M <= 8 rows re-measured after the kernel's step lost ~70
+# instructions (session 18: scripts/results/session18/call2_tiles.md, the "rows" columns)
 QUANT_CUDA_TUNED: dict[tuple[int, str, int, int, int], GemvConfig] = {
     # llama8b qkv 6144x4096 fp8 M=4: 18.6 -> 14.2 µs
     (132, "fp8", 8, 6144, 4096): GemvConfig(8, 4, 2),
@@ -145,11 +145,10 @@ def shared_bytes(scheme: str, m: int, k_per_split: int, warps: int, splits: int)
     return x_rows + sums + partials
 
 
-def check_config(config: GemvConfig, scheme: str) -> None:
-    """ValueError unless the config is launchable for `scheme`."""
-    unrolls = (2, 4, 8) if scheme == "int4" else (2, 4)
-    if not 1 <= config.warps <= MAX_WARPS or config.unroll not in unrolls:
-        raise ValueError(f"warps 1..{MAX_WARPS} and unroll in {unrolls} for {scheme}: {config}")
+def check_config(config: GemvConfig) -> None:
+    """ValueError unless the config is launchable."""
+    if not 1 <= config.warps <= MAX_WARPS or config.unroll not in (2, 4):
+        raise ValueError(f"warps 1..{MAX_WARPS} and unroll 2 or 4: {config}")
     if config.splits is not None and not 1 <= config.splits <= MAX_SPLITS:
         raise ValueError(f"splits 1..{MAX_SPLITS} (None: automatic): {config}")
 
@@ -165,7 +164,7 @@ def plan_gemv(
     if config is None:
         bucket = 8 if m <= 8 else MAX_ROWS
         config = QUANT_CUDA_TUNED.get((num_sms, scheme, bucket, n, k), DEFAULTS[scheme])
-    check_config(config, scheme)
+    check_config(config)
     steps = k // STEP_K
     most = min(MAX_SPLITS, steps)
     tiles = -(-n // TILE_N)

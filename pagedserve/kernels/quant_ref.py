@@ -97,7 +97,8 @@ class IntWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """(N, K) of the weight it stands for."""
-        return self.scales.shape[0], self.scales.shape[1] * self.group_size
+        n = self.qweight.shape[0]
+        return n, self.scales.shape[1] * self.group_size
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -131,47 +132,6 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes.to(torch.uint8)
     raise ValueError(f"{bits}-bit weights are not supported (4 or 8)")
-
-
-# --------------------------------------------------------------------------- the tiled layout
-
-TILE_ROWS = 16  # weight rows a warp of the CUDA GEMV owns (csrc/quant_gemv.h: kTileN)
-TILE_STEP_K = 128  # columns a step (kStepK)
-
-
-def _tile_dims(codes: torch.Tensor, row_bytes: int) -> tuple[int, int, int]:
-    """(padded rows, steps, 16-byte vectors a lane, row and step) of a code tensor's tiles."""
-    if codes.dtype != torch.int32 and codes.element_size() != 1:
-        raise ValueError(f"codes of {codes.dtype}: int32 words (int4) or bytes (int8, fp8)")
-    step_bytes = TILE_STEP_K // 2 if codes.dtype == torch.int32 else TILE_STEP_K
-    if row_bytes % step_bytes:
-        raise ValueError(f"rows of {row_bytes} bytes are not whole steps of {step_bytes}")
-    return -(-codes.shape[0] // TILE_ROWS) * TILE_ROWS, row_bytes // step_bytes, step_bytes // 64
-
-
-def tile_codes(codes: torch.Tensor) -> torch.Tensor:
-    """A code tensor in rows ([N, K // 8] int32 int4 words, or [N, K] uint8 / fp8 bytes) in
-    the CUDA GEMV's tiled layout (csrc/quant_gemv.h, w_tiled): the same dtype and row size, N
-    padded with zero codes to a multiple of TILE_ROWS, each (16-row tile, 128-column step)
-    chunk contiguous as [half][vector][row][lane][16 bytes]."""
-    flat = codes.contiguous().view(torch.uint8)
-    n, row_bytes = flat.shape
-    rows, steps, vectors = _tile_dims(codes, row_bytes)
-    padded = flat.new_zeros(rows, row_bytes)
-    padded[:n] = flat
-    tiles = padded.reshape(rows // TILE_ROWS, 2, 8, steps, 4, vectors, 16)
-    out = tiles.permute(0, 3, 1, 5, 2, 4, 6).contiguous().reshape(rows, row_bytes)
-    return out.view(codes.dtype)
-
-
-def untile_codes(tiled: torch.Tensor, n: int) -> torch.Tensor:
-    """tile_codes' inverse: the first n rows of the codes in rows."""
-    flat = tiled.contiguous().view(torch.uint8)
-    rows, row_bytes = flat.shape
-    _, steps, vectors = _tile_dims(tiled, row_bytes)
-    tiles = flat.reshape(rows // TILE_ROWS, steps, 2, vectors, 8, 4, 16)
-    out = tiles.permute(0, 2, 4, 1, 5, 3, 6).contiguous().reshape(rows, row_bytes)
-    return out[:n].view(tiled.dtype)
 
 
 def quantize_int_weight(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> IntWeight:
