@@ -3,7 +3,10 @@
 The API server actor runs as in the engine (uvicorn, the async ZeroMQ client, CURVE); the
 profiler is the engine: it binds the tokenizer's and the detokenizer's ROUTERs, answers Hello
 and Ping, and answers every GenerateRequest at once with one final delta of `--tokens` tokens.
-So the figures are the HTTP server's own cost: parsing, the client, rendering, SSE.
+So the figures are the HTTP server's own cost: parsing, the client, rendering, SSE. (The
+server's client does not wait for its Welcome, so its first request may come before its Hello:
+the profiler answers requests once the Hello came, as a frame to a DEALER the ROUTER has not
+seen yet is dropped.)
 
 `--streams S` measures the streaming output path instead: S streamed completions at once, the
 profiler's engine sending one DeltaBatch of a token for every live stream each `--step-ms`
@@ -44,19 +47,24 @@ from pagedserve.api.sse_client import stream_events
 from pagedserve.config import EngineConfig, ServerConfig
 
 
+async def answer_control(outputs: bus.Router, greeted: anyio.Event) -> None:
+    """Hello -> Welcome, Ping -> Pong; `greeted` is set once the server's client said Hello."""
+    while True:
+        identity, message = await outputs.recv()
+        await outputs.send(identity, Welcome(0) if isinstance(message, Hello) else Pong(0))
+        greeted.set()
+
+
 async def fake_engine(actor: SoloActor, tokens: int) -> None:
     ctx = actor.peer_context()
     requests: bus.Router = bus.Router(ctx, actor.addresses.requests, ClientRequests)
     outputs: bus.Router = bus.Router(ctx, actor.addresses.outputs, ClientControl)
-
-    async def control() -> None:
-        while True:
-            identity, message = await outputs.recv()
-            await outputs.send(identity, Welcome(0) if isinstance(message, Hello) else Pong(0))
+    greeted = anyio.Event()
 
     async def generate() -> None:
         while True:
             identity, message = await requests.recv()
+            await greeted.wait()
             if isinstance(message, GenerateRequest):
                 delta = RequestDelta(
                     seq=message.seq, text=" to" * tokens, token_ids=[5] * tokens,
@@ -66,7 +74,7 @@ async def fake_engine(actor: SoloActor, tokens: int) -> None:
 
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(control)
+            tg.start_soon(answer_control, outputs, greeted)
             await generate()
     finally:
         ctx.destroy(linger=0)
@@ -78,11 +86,7 @@ async def streaming_engine(actor: SoloActor, tokens: int, step_s: float) -> None
     requests: bus.Router = bus.Router(ctx, actor.addresses.requests, ClientRequests)
     outputs: bus.Router = bus.Router(ctx, actor.addresses.outputs, ClientControl)
     live: dict[tuple[bytes, int], int] = {}  # route -> tokens sent
-
-    async def control() -> None:
-        while True:
-            identity, message = await outputs.recv()
-            await outputs.send(identity, Welcome(0) if isinstance(message, Hello) else Pong(0))
+    greeted = anyio.Event()
 
     async def admit() -> None:
         while True:
@@ -95,8 +99,9 @@ async def streaming_engine(actor: SoloActor, tokens: int, step_s: float) -> None
 
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(control)
+            tg.start_soon(answer_control, outputs, greeted)
             tg.start_soon(admit)
+            await greeted.wait()
             while True:
                 await anyio.sleep(step_s)
                 await step(outputs, live, tokens)

@@ -3,7 +3,8 @@
 The worker actor runs as in the engine (its own process, the model, the KV cache); the profiler
 is its scheduler: a reset plan admitting N requests (the prefill), then decode plans (the
 columnar diff, one token each, a new block when one fills), each answered by a StepResult. It
-keeps `--inflight` plans at the worker, as the scheduler does.
+keeps `--inflight` plans at the worker, as the scheduler does. Each batch size is a new
+scheduler epoch (a worker ignores plans of an older scheduler than the one that reset it).
 
     python scripts/profile/worker.py --batch 1 32 256 --steps 200
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 
 import anyio
 from harness import SoloActor, latency_cells, percentiles, row
@@ -32,12 +34,13 @@ PROMPT_LEN = 32
 BLOCK_SIZE = 16
 
 
-def plans(batch: int, steps: int, blocks_each: int):
-    """The prefill plan, then decode plans (one token a request)."""
+def plans(batch: int, steps: int, blocks_each: int, epoch: int) -> Iterator[StepPlan]:
+    """The prefill plan (a reset), then decode plans (one token a request), of a scheduler
+    of `epoch`."""
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 1)
-    handles = [(1 << EPOCH_SHIFT) + i for i in range(batch)]
+    handles = [(epoch << EPOCH_SHIFT) + i for i in range(batch)]
     tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch)]
-    step_id = 1 << EPOCH_SHIFT
+    step_id = epoch << EPOCH_SHIFT
     new = [NewRequestData(h, [1 + (h + j) % 300 for j in range(PROMPT_LEN)], PROMPT_LEN, greedy,
                           7, tables[i][:2], 0) for i, h in enumerate(handles)]  # fmt: skip
     yield StepPlan(step_id=step_id, new_requests=new, scheduled=handles,
@@ -53,7 +56,11 @@ def plans(batch: int, steps: int, blocks_each: int):
         )  # fmt: skip
 
 
-async def measure(actor: SoloActor, batch: int, steps: int, inflight: int) -> dict[str, float]:
+async def measure(
+    actor: SoloActor, batch: int, steps: int, inflight: int, epoch: int = 1
+) -> dict[str, float]:
+    """Steps per second and result latencies of `steps` decode steps of `batch` requests,
+    as a scheduler of `epoch` (above the previous measure's: its reset drops that batch)."""
     ctx = actor.peer_context()
     results: bus.Receiver = bus.Receiver(ctx, actor.addresses.scheduler_inbox, SchedulerInbound)
     worker: bus.Sender[WorkerInbound] = bus.Sender(ctx, actor.addresses.worker_inbox(0), bind=True)
@@ -62,7 +69,7 @@ async def measure(actor: SoloActor, batch: int, steps: int, inflight: int) -> di
     samples: list[float] = []
     pending = 0
     start = 0.0
-    for index, plan in enumerate(plans(batch, steps, blocks_each)):
+    for index, plan in enumerate(plans(batch, steps, blocks_each, epoch)):
         if index == 1:
             start = time.perf_counter()
         sent[plan.step_id] = time.perf_counter()
@@ -78,8 +85,6 @@ async def measure(actor: SoloActor, batch: int, steps: int, inflight: int) -> di
         samples.append(time.perf_counter() - sent[result.step_id])
         pending -= 1
     elapsed = time.perf_counter() - start
-    await worker.send(StepPlan(step_id=(2 << EPOCH_SHIFT), reset=True))  # drop the batch
-    await results.recv()
     ctx.destroy(linger=0)
     return {"steps_per_s": steps / elapsed, **percentiles(samples)}
 
@@ -96,8 +101,8 @@ def main() -> None:
     try:
         print(row(["batch", "decode steps/s", "tokens/s", "result latency µs p50", "p90", "p99"]))
         print(row(["---:"] * 6))
-        for batch in args.batch:
-            r = anyio.run(measure, actor, batch, args.steps, args.inflight)
+        for epoch, batch in enumerate(args.batch, start=1):
+            r = anyio.run(measure, actor, batch, args.steps, args.inflight, epoch)
             rates = [f"{r['steps_per_s']:.0f}", f"{r['steps_per_s'] * batch:.0f}"]
             print(row([batch, *rates, *latency_cells(r)]))
     finally:
