@@ -374,6 +374,23 @@ def test_earliest_stop_string_wins(tok):
     _check_stop(tok, text, ["emoji", "llo"], "hé", "llo")
 
 
+def test_random_stop_strings(tok):
+    """A stop string cut from the text (or one that never occurs) ends the stream at its first
+    occurrence, whatever characters precede it."""
+    rng = random.Random(3)
+    words = " ".join(TEXTS).split()
+    for _ in range(40):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 10)))
+        full = tok.decode(_encode(tok, text), skip_special_tokens=True)
+        start = rng.randrange(len(full))
+        stop = full[start : start + rng.randint(1, 4)]
+        if rng.random() < 0.3:
+            stop = "§" + stop  # never in the text: nothing is held back for good
+        cut = full.find(stop)
+        expected = full if cut < 0 else full[:cut]
+        _check_stop(tok, text, [stop], expected, None if cut < 0 else stop)
+
+
 def test_held_back_text_flushed_when_finished(bl):
     out = _encode(bl, "abc wörld x")
     d = IncrementalDetokenizer(TokenDecoder(bl), [], SamplingParams(stop=["x marks", "wörld!"]))

@@ -30,7 +30,11 @@ import anyio
 
 from pagedserve.actors import bus
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.incremental_detokenizer import IncrementalDetokenizer, TokenDecoder
+from pagedserve.actors.incremental_detokenizer import (
+    DetokenizeResult,
+    IncrementalDetokenizer,
+    TokenDecoder,
+)
 from pagedserve.actors.messages import (
     ClientControl,
     DeltaBatch,
@@ -78,12 +82,12 @@ class OutputStream:
         """The delta for new tokens. When they complete a stop string, finish is STOP and the
         delta ends with the token that completed it (a step may emit several tokens)."""
         text, count = self._detokenize(token_ids, finished=finish is not None)
-        if count < len(token_ids) or text.stop is not None:
-            finish, stop_reason = FinishReason.STOP, text.stop
+        if count < len(token_ids) or text.stop_string is not None:
+            finish, stop_reason = FinishReason.STOP, text.stop_string
             token_ids = token_ids[:count]
             logprobs = None if logprobs is None else logprobs[:count]
         delta = RequestDelta(
-            seq=self.seq, text=text.text, token_ids=token_ids, logprobs=logprobs,
+            seq=self.seq, text=text.text_delta, token_ids=token_ids, logprobs=logprobs,
             finish_reason=finish, stop_reason=stop_reason,
             token_offset=self.num_tokens, text_offset=self.text_length,
         )  # fmt: skip
@@ -92,7 +96,7 @@ class OutputStream:
             delta.num_cached_tokens = num_cached_tokens
             self.first_sent = True
         self.num_tokens += len(token_ids)
-        self.text_length += len(text.text)
+        self.text_length += len(text.text_delta)
         return delta
 
     def unsent(self, output: RequestOutput) -> tuple[list[int], list[TokenLogprobs] | None]:
@@ -105,28 +109,21 @@ class OutputStream:
         logprobs = output.new_logprobs
         return output.new_token_ids[sent:], None if logprobs is None else logprobs[sent:]
 
-    def _detokenize(self, token_ids: list[int], finished: bool) -> tuple[StreamedText, int]:
+    def _detokenize(self, token_ids: list[int], finished: bool) -> tuple[DetokenizeResult, int]:
         """The text of `token_ids` and how many of them count: all, or up to the one that
         completes a stop string (tokens go in one at a time when there are several)."""
         if self.text is None:
-            return StreamedText(""), len(token_ids)
+            return DetokenizeResult(""), len(token_ids)
         if len(token_ids) <= 1:
-            result = self.text.update(token_ids, finished)
-            return StreamedText(result.text_delta, result.stop_string), len(token_ids)
+            return self.text.update(token_ids, finished), len(token_ids)
         pieces = []
         for index, token in enumerate(token_ids):
             last = index == len(token_ids) - 1
             result = self.text.update([token], finished and last)
             pieces.append(result.text_delta)
             if result.stop_string is not None:
-                return StreamedText("".join(pieces), result.stop_string), index + 1
-        return StreamedText("".join(pieces)), len(token_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class StreamedText:
-    text: str
-    stop: str | None = None  # the stop string it ended on
+                return DetokenizeResult("".join(pieces), result.stop_string), index + 1
+        return DetokenizeResult("".join(pieces)), len(token_ids)
 
 
 class DetokenizerActor(Actor):

@@ -23,9 +23,9 @@ from __future__ import annotations
 import codecs
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import tokenizers
 
 from pagedserve.actors.messages import SamplingParams
@@ -37,8 +37,9 @@ MAX_CONTEXT_EXTENSION = 8  # extra prompt tokens to reach the start of a charact
 Decoder = Callable[[list[int]], str]
 
 
-@dataclass(frozen=True, slots=True)
-class DetokenizeResult:
+class DetokenizeResult(msgspec.Struct, frozen=True):
+    """One update's text (a Struct: built for every token, and cheaper than a dataclass)."""
+
     text_delta: str  # new output text, safe to stream
     stop_string: str | None = None  # the stop string that matched (the request is finished)
 
@@ -92,6 +93,7 @@ class ByteLevelVocab:
     def __init__(self, tokenizer: tokenizers.Tokenizer, special_ids: set[int]) -> None:
         self._tokenizer = tokenizer
         self._bytes: dict[int, bytes] = {}
+        self._whole_texts: dict[int, str | None] = {}
         self.special_ids = special_ids
 
     @classmethod
@@ -114,6 +116,17 @@ class ByteLevelVocab:
                 cached = token.encode()
             self._bytes[token_id] = cached
         return cached
+
+    def whole_text(self, token_id: int) -> str | None:
+        """The token's text decoded from a character boundary when that leaves no incomplete
+        character behind (most tokens), else None; looked up once."""
+        try:
+            return self._whole_texts[token_id]
+        except KeyError:
+            data = self.bytes_of(token_id)
+            text, consumed = codecs.utf_8_decode(data, "replace", False)
+            self._whole_texts[token_id] = text if consumed == len(data) else None
+            return self._whole_texts[token_id]
 
 
 def special_token_ids(tokenizer: Any) -> set[int]:
@@ -181,17 +194,27 @@ class ByteLevelStream:
     def __init__(self, vocab: ByteLevelVocab, skip_special_tokens: bool) -> None:
         self._vocab = vocab
         self._skipped = vocab.special_ids if skip_special_tokens else set()
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pending = b""  # the bytes of an incomplete character
 
     def push(self, new_ids: list[int], flush: bool) -> str:
-        """Append tokens; return the text they complete (all pending text when `flush`)."""
-        vocab, skipped = self._vocab, self._skipped
-        if len(new_ids) == 1:
+        """Append tokens; return the text they complete (all pending text when `flush`).
+        One token after a character boundary is a cached lookup (the common step)."""
+        if len(new_ids) == 1 and not self._pending:
             token_id = new_ids[0]
-            data = b"" if token_id in skipped else vocab.bytes_of(token_id)
-        else:
-            data = b"".join([vocab.bytes_of(t) for t in new_ids if t not in skipped])
-        return self._utf8.decode(data, flush)
+            if token_id in self._skipped:
+                return ""
+            text = self._vocab.whole_text(token_id)
+            if text is not None:
+                return text
+        return self._decode(new_ids, flush)
+
+    def _decode(self, new_ids: list[int], flush: bool) -> str:
+        """The incremental UTF-8 decoding of the pending bytes and those of `new_ids`."""
+        vocab, skipped = self._vocab, self._skipped
+        data = self._pending + b"".join([vocab.bytes_of(t) for t in new_ids if t not in skipped])
+        text, consumed = codecs.utf_8_decode(data, "replace", flush)
+        self._pending = data[consumed:]
+        return text
 
 
 class StopStringMatcher:
@@ -203,11 +226,14 @@ class StopStringMatcher:
         self._prefixes = {s[:k] for s in stops for k in range(1, len(s))}
         self._max_hold = max((len(s) for s in stops), default=1) - 1
         self._firsts = {s[0] for s in stops if len(s) > 1}  # where a held suffix starts
+        self._starts = {s[0] for s in stops}  # where any match starts
         self._pending = ""  # decoded text not yet emitted
 
     def feed(self, text: str, flush: bool) -> tuple[str, str | None]:
         """Add decoded text; return (text safe to emit, matched stop string or None)."""
         buf = self._pending + text
+        if self._starts.isdisjoint(buf):
+            return buf, None  # no match and nothing to hold can start in it (so none pending)
         match = self._find(buf)
         if match is not None:
             idx, stop = match
@@ -229,7 +255,7 @@ class StopStringMatcher:
     def _hold_length(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
         tail = buf[-self._max_hold :]  # (all of buf when _max_hold is 0, but then no _firsts)
-        if not any(first in tail for first in self._firsts):
+        if self._firsts.isdisjoint(tail):
             return 0  # no stop string can start in the last characters (the common case)
         for k in range(min(len(buf), self._max_hold), 0, -1):
             if buf[-k:] in self._prefixes:
