@@ -306,25 +306,43 @@ __device__ __forceinline__ void group_words(const uint4 (&v)[Stage<S>::kVectors]
   }
 }
 
+// Row g's (and g + 8's) clamped index of the warp owning rows [n0, n0 + kTileN): the rows past N
+// read the last row.
+__device__ __forceinline__ int lane_row(const Params& p, int n0, int half) {
+  return min(n0 + (threadIdx.x % 32) / 4 + 8 * half, p.n - 1);
+}
+
+// Where lane (g, c) reads, computed once before the steps (pointers, not offsets: a step adds
+// only its own byte and group offsets to them).
 struct Rows {
-  const unsigned char* w_g;  // row g's weights at the split's first step, lane c's vector
+  const unsigned char* w_g;      // row g's weights at the split's first step, lane c's vector
   const unsigned char* w_h;
-  int64_t s_g;  // offsets of rows g, g + 8 in the scales / zeros (elements)
-  int64_t s_h;
-  int step0;    // the split's first step (k0 / kStepK)
+  const unsigned char* scale_g;  // row g's scale of group 0 (int schemes)
+  const unsigned char* scale_h;
+  int64_t zeros_from_scales;     // bytes from a scale to its zero point (same strides)
+  int step0;                     // the split's first step (k0 / kStepK)
 };
 
-// Where lane (g, c) of the warp owning rows [n0, n0 + kTileN) reads its codes, from step
-// k0 / kStepK on (the rows past N clamped to the last).
+// The value, opaque to the compiler: computed here once and kept in registers (ptxas otherwise
+// recomputes the row clamps and addresses below at every step, ~35 instructions of ~160).
+template <typename P>
+__device__ __forceinline__ P* kept(P* ptr) {
+  asm volatile("" : "+l"(ptr));
+  return ptr;
+}
+
 template <Scheme S>
 __device__ __forceinline__ Rows lane_rows(const Params& p, int n0, int k0) {
   constexpr int kLaneBytes = (S == Scheme::kInt4 ? kStepK / 2 : kStepK) / 4;  // a row and step
-  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int row_g = min(n0 + g, p.n - 1), row_h = min(n0 + g + 8, p.n - 1);
+  const int c = threadIdx.x % 4, row_g = lane_row(p, n0, 0), row_h = lane_row(p, n0, 1);
   const int64_t k0_bytes = S == Scheme::kInt4 ? k0 / 2 : k0;
   const auto* base = static_cast<const unsigned char*>(p.w) + k0_bytes + c * kLaneBytes;
-  return {base + row_g * p.w_stride_bytes, base + row_h * p.w_stride_bytes,
-          row_g * p.s_stride_n, row_h * p.s_stride_n, k0 / kStepK};
+  const auto* scales = static_cast<const unsigned char*>(p.scales);
+  const int64_t zeros_from_scales = S == Scheme::kFp8 ? 0
+      : reinterpret_cast<intptr_t>(p.zeros) - reinterpret_cast<intptr_t>(p.scales);
+  return {kept(base + row_g * p.w_stride_bytes), kept(base + row_h * p.w_stride_bytes),
+          kept(scales + row_g * p.s_stride_n * 2), kept(scales + row_h * p.s_stride_n * 2),
+          zeros_from_scales, k0 / kStepK};
 }
 
 template <Scheme S, typename T>
@@ -338,13 +356,15 @@ __device__ __forceinline__ void load_stage(const Params& p, const Rows& r, int s
   if constexpr (S != Scheme::kFp8) {
     // the step's group: (step0 + s) / (group_size / kStepK) as one multiply-high (group_magic)
     const int group = __umulhi(2u * static_cast<unsigned>(r.step0 + s), p.group_magic);
-    const int64_t offset = int64_t{group} * p.s_stride_g;
-    const auto* scales = static_cast<const unsigned short*>(p.scales);
-    const auto* zeros = static_cast<const unsigned short*>(p.zeros);
-    st.scale_g = __ldg(scales + r.s_g + offset);
-    st.zero_g = __ldg(zeros + r.s_g + offset);
-    st.scale_h = __ldg(scales + r.s_h + offset);
-    st.zero_h = __ldg(zeros + r.s_h + offset);
+    const int64_t offset = int64_t{group} * p.s_stride_g * 2;  // bytes
+    const auto* sg = reinterpret_cast<const unsigned short*>(r.scale_g + offset);
+    const auto* sh = reinterpret_cast<const unsigned short*>(r.scale_h + offset);
+    st.scale_g = __ldg(sg);
+    st.zero_g = __ldg(reinterpret_cast<const unsigned short*>(
+        reinterpret_cast<const unsigned char*>(sg) + r.zeros_from_scales));
+    st.scale_h = __ldg(sh);
+    st.zero_h = __ldg(reinterpret_cast<const unsigned short*>(
+        reinterpret_cast<const unsigned char*>(sh) + r.zeros_from_scales));
   }
 }
 
@@ -465,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Params p)
   }
   if constexpr (S == Scheme::kFp8) {
     const auto* scale = static_cast<const float*>(p.scales);
-    const float sg = __ldg(scale + rows.s_g), sh = __ldg(scale + rows.s_h);
+    const float sg = __ldg(scale + lane_row(p, n0, 0)), sh = __ldg(scale + lane_row(p, n0, 1));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       acc[mt][0] *= sg, acc[mt][1] *= sg, acc[mt][2] *= sh, acc[mt][3] *= sh;
