@@ -337,12 +337,21 @@ __device__ __forceinline__ Rows lane_rows(const Params& p, int n0, int k0) {
   const int c = threadIdx.x % 4, row_g = lane_row(p, n0, 0), row_h = lane_row(p, n0, 1);
   const int64_t k0_bytes = S == Scheme::kInt4 ? k0 / 2 : k0;
   const auto* base = static_cast<const unsigned char*>(p.w) + k0_bytes + c * kLaneBytes;
-  const auto* scales = static_cast<const unsigned char*>(p.scales);
-  const int64_t zeros_from_scales = S == Scheme::kFp8 ? 0
-      : reinterpret_cast<intptr_t>(p.zeros) - reinterpret_cast<intptr_t>(p.scales);
-  return {kept(base + row_g * p.w_stride_bytes), kept(base + row_h * p.w_stride_bytes),
-          kept(scales + row_g * p.s_stride_n * 2), kept(scales + row_h * p.s_stride_n * 2),
-          zeros_from_scales, k0 / kStepK};
+  Rows rows{kept(base + row_g * p.w_stride_bytes), kept(base + row_h * p.w_stride_bytes),
+            nullptr, nullptr, 0, k0 / kStepK};
+  if constexpr (S != Scheme::kFp8) {  // fp8's per-channel scales are read once, after the steps
+    const auto* scales = static_cast<const unsigned char*>(p.scales);
+    rows.scale_g = kept(scales + row_g * p.s_stride_n * 2);
+    rows.scale_h = kept(scales + row_h * p.s_stride_n * 2);
+    rows.zeros_from_scales =
+        reinterpret_cast<intptr_t>(p.zeros) - reinterpret_cast<intptr_t>(p.scales);
+  }
+  return rows;
+}
+
+// A 16-bit scale or zero point at a byte address.
+__device__ __forceinline__ uint32_t load_half_bits(const unsigned char* at) {
+  return __ldg(reinterpret_cast<const unsigned short*>(at));
 }
 
 template <Scheme S, typename T>
@@ -357,14 +366,12 @@ __device__ __forceinline__ void load_stage(const Params& p, const Rows& r, int s
     // the step's group: (step0 + s) / (group_size / kStepK) as one multiply-high (group_magic)
     const int group = __umulhi(2u * static_cast<unsigned>(r.step0 + s), p.group_magic);
     const int64_t offset = int64_t{group} * p.s_stride_g * 2;  // bytes
-    const auto* sg = reinterpret_cast<const unsigned short*>(r.scale_g + offset);
-    const auto* sh = reinterpret_cast<const unsigned short*>(r.scale_h + offset);
-    st.scale_g = __ldg(sg);
-    st.zero_g = __ldg(reinterpret_cast<const unsigned short*>(
-        reinterpret_cast<const unsigned char*>(sg) + r.zeros_from_scales));
-    st.scale_h = __ldg(sh);
-    st.zero_h = __ldg(reinterpret_cast<const unsigned short*>(
-        reinterpret_cast<const unsigned char*>(sh) + r.zeros_from_scales));
+    const unsigned char* sg = r.scale_g + offset;
+    const unsigned char* sh = r.scale_h + offset;
+    st.scale_g = load_half_bits(sg);
+    st.zero_g = load_half_bits(sg + r.zeros_from_scales);
+    st.scale_h = load_half_bits(sh);
+    st.zero_h = load_half_bits(sh + r.zeros_from_scales);
   }
 }
 
