@@ -96,7 +96,7 @@ pd::SplitPlan choose_plan(int batch, int num_kv_heads, int64_t max_seq_len, int6
 template <typename T, int HEAD_DIM, int GROUP>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-         int64_t max_seq_len, int64_t num_splits) {
+         int64_t max_seq_len, int64_t num_splits, bool dependent_launch) {
   const int batch = static_cast<int>(q.size(0));
   const int num_heads = static_cast<int>(q.size(1));
   const int num_kv_heads = static_cast<int>(k_cache.size(2));
@@ -136,7 +136,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
     p.part_l = part_ml[1].data_ptr<float>();
   }
   const cudaError_t err = pd::launch<T, HEAD_DIM, GROUP>(
-      p, num_kv_heads, c10::cuda::getCurrentCUDAStream(device).stream());
+      p, num_kv_heads, c10::cuda::getCurrentCUDAStream(device).stream(), dependent_launch);
   TORCH_CHECK(err == cudaSuccess, "paged_attention_decode launch failed: ",
               cudaGetErrorString(err));
 }
@@ -152,10 +152,11 @@ bool aligned16(const at::Tensor& cache) {
 }  // namespace
 
 // num_splits > 0 replaces the planned split count (clamped to 1..min(key tiles, 128); for
-// benchmarks); 0 keeps the plan.
+// benchmarks); 0 keeps the plan. dependent_launch: the kernels start as programmatic dependents
+// of the kernel before them (PDL; sm_90+, grid_dependency.h).
 void paged_attention_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                            int64_t max_seq_len, int64_t num_splits) {
+                            int64_t max_seq_len, int64_t num_splits, bool dependent_launch) {
   TORCH_CHECK(q.is_cuda() && k_cache.is_cuda() && v_cache.is_cuda() && out.is_cuda() &&
                   block_tables.is_cuda() && seq_lens.is_cuda(),
               "CUDA tensors expected");
@@ -191,7 +192,8 @@ void paged_attention_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at
   dispatch(q.scalar_type(), q.size(2), q.size(1) / k_cache.size(2), [&](auto instance) {
     using I = decltype(instance);
     run<typename I::type, I::head_dim, I::group>(out, q, k_cache, v_cache, block_tables,
-                                                 seq_lens, scale, max_seq_len, num_splits);
+                                                 seq_lens, scale, max_seq_len, num_splits,
+                                                 dependent_launch);
   });
 }
 
@@ -218,7 +220,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "planned split count",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
-        pybind11::arg("scale"), pybind11::arg("max_seq_len"), pybind11::arg("num_splits") = 0);
+        pybind11::arg("scale"), pybind11::arg("max_seq_len"), pybind11::arg("num_splits") = 0,
+        pybind11::arg("dependent_launch") = false);
   m.def("planned_num_splits", &planned_num_splits,
         "the split count paged_attention_decode plans for these shapes on the current device",
         pybind11::arg("batch"), pybind11::arg("num_kv_heads"), pybind11::arg("max_seq_len"),

@@ -53,6 +53,9 @@
 // graphs captured with max_model_len stay valid) by a small wave/bandwidth model of the device
 // (SM count and this kernel's occupancy): enough CTAs to keep HBM busy for small batches, few
 // splits (no reduce pass) when the batch alone fills the GPU. Nothing syncs with the host.
+//
+// Launched as programmatic dependents (PDL, `dependent`), both kernels wait for the kernel
+// before them at their top (grid_dependency.h) and then let the next one start.
 
 #pragma once
 
@@ -63,6 +66,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "grid_dependency.h"
 #include "paged_attention_decode.h"
 
 namespace pagedserve_decode {
@@ -241,6 +245,8 @@ __global__ void __launch_bounds__(NUM_THREADS, (Config<T, HEAD_DIM, GROUP>::MIN_
   const int num_heads = p.num_heads;
   const bool direct = p.num_splits == 1;
 
+  pagedserve_pdl::await_previous_grid();  // q and this step's k/v come from the kernels before
+  pagedserve_pdl::allow_dependent_grid();
   const int seq_len = p.seq_lens[b];
   const int keys_per_split = request_keys_per_split(seq_len, p);
   const int k_begin = split * keys_per_split;
@@ -493,6 +499,8 @@ __global__ void __launch_bounds__(NUM_THREADS) reduce_kernel(const Params p) {
   const int tid = threadIdx.x, lane = tid % WARP;
   const int64_t row = blockIdx.x;
   const int b = static_cast<int>(row / p.num_heads);
+  pagedserve_pdl::await_previous_grid();  // the partials of the decode kernel
+  pagedserve_pdl::allow_dependent_grid();
   const int seq_len = p.seq_lens[b];
   const int keys_per_split = request_keys_per_split(seq_len, p);
   const int used =
@@ -658,21 +666,38 @@ SplitPlan plan_with_splits(int64_t max_seq_len, int64_t num_splits) {
   return fixed_splits(max_seq_len, Config<T, HEAD_DIM, GROUP>::TILE, num_splits);
 }
 
+// One kernel on `stream`, a programmatic dependent of the kernel before it when `dependent`
+// (grid_dependency.h; the kernels here wait for it at their top).
+template <typename Kernel>
+cudaError_t launch_kernel(Kernel kernel, dim3 grid, int smem, cudaStream_t stream, bool dependent,
+                          const Params& p) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(NUM_THREADS, 1, 1);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attributes[1] = {pagedserve_pdl::dependent_launch_attribute()};
+  config.attrs = attributes;
+  config.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, p);
+}
+
 // Launch the decode kernel (and the reduce when p.num_splits > 1) on `stream`; p carries the
-// plan (keys_per_split, num_splits) and, for several splits, the partial buffers.
+// plan (keys_per_split, num_splits) and, for several splits, the partial buffers. dependent:
+// both launched as programmatic dependents (PDL).
 template <typename T, int HEAD_DIM, int GROUP>
-cudaError_t launch(const Params& plan_params, int num_kv_heads, cudaStream_t stream) {
+cudaError_t launch(const Params& plan_params, int num_kv_heads, cudaStream_t stream,
+                   bool dependent) {
   using C = Config<T, HEAD_DIM, GROUP>;
   Params p = plan_params;
   p.split_tile = C::TILE;
   if (p.batch == 0) return cudaSuccess;
   const dim3 grid(num_kv_heads, p.batch, p.num_splits);
-  decode_kernel<T, HEAD_DIM, GROUP><<<grid, NUM_THREADS, C::SMEM_BYTES, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err =
+      launch_kernel(decode_kernel<T, HEAD_DIM, GROUP>, grid, C::SMEM_BYTES, stream, dependent, p);
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const unsigned rows = static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.num_heads);
-  reduce_kernel<T, HEAD_DIM><<<rows, NUM_THREADS, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(reduce_kernel<T, HEAD_DIM>, dim3(rows), 0, stream, dependent, p);
 }
 
 }  // namespace pagedserve_decode

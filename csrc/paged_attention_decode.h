@@ -69,9 +69,10 @@ SplitPlan plan(int batch, int num_kv_heads, int64_t max_seq_len, int device);
 template <typename T, int HEAD_DIM, int GROUP>
 SplitPlan plan_with_splits(int64_t max_seq_len, int64_t num_splits);
 
-// Launch the decode kernel (and the reduce when p.num_splits > 1) on `stream`.
+// Launch the decode kernel (and the reduce when p.num_splits > 1) on `stream`; dependent: as
+// programmatic dependents of the kernel before them (PDL, sm_90+: grid_dependency.h).
 template <typename T, int HEAD_DIM, int GROUP>
-cudaError_t launch(const Params& p, int num_kv_heads, cudaStream_t stream);
+cudaError_t launch(const Params& p, int num_kv_heads, cudaStream_t stream, bool dependent);
 
 }  // namespace pagedserve_decode
 
@@ -90,7 +91,7 @@ cudaError_t launch(const Params& p, int num_kv_heads, cudaStream_t stream);
   template pagedserve_decode::SplitPlan pagedserve_decode::plan_with_splits<T, HEAD_DIM, GROUP>( \
       int64_t, int64_t);                                                                      \
   template cudaError_t pagedserve_decode::launch<T, HEAD_DIM, GROUP>(                        \
-      const pagedserve_decode::Params&, int, cudaStream_t);
+      const pagedserve_decode::Params&, int, cudaStream_t, bool);
 
 // Every GQA group of one (T, HEAD_DIM): the body of an instantiation unit.
 #define PAGEDSERVE_DECODE_INSTANTIATE(T, HEAD_DIM) \

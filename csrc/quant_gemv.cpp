@@ -76,7 +76,7 @@ void quant_gemv(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scales,
                 std::optional<at::Tensor> zeros, std::optional<at::Tensor> perm,
                 std::optional<at::Tensor> bias, const std::string& scheme_name,
                 int64_t group_size, int64_t warps, int64_t splits, int64_t k_per_split,
-                int64_t unroll) {
+                int64_t unroll, bool dependent_launch) {
   const pq::Scheme scheme = scheme_of(scheme_name);
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && scales.device() == x.device() &&
                   out.device() == x.device(),
@@ -128,6 +128,7 @@ void quant_gemv(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scales,
   p.splits = static_cast<int>(splits);
   p.k_per_split = static_cast<int>(k_per_split);
   p.unroll = static_cast<int>(unroll);
+  p.dependent_launch = dependent_launch;
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
@@ -149,7 +150,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"),
         pybind11::arg("zeros"), pybind11::arg("perm"), pybind11::arg("bias"),
         pybind11::arg("scheme"), pybind11::arg("group_size"), pybind11::arg("warps"),
-        pybind11::arg("splits"), pybind11::arg("k_per_split"), pybind11::arg("unroll"));
+        pybind11::arg("splits"), pybind11::arg("k_per_split"), pybind11::arg("unroll"),
+        pybind11::arg("dependent_launch") = false);
   m.def("shared_bytes", &shared_bytes, "dynamic shared memory of a launch (bytes)",
         pybind11::arg("scheme"), pybind11::arg("m"), pybind11::arg("k_per_split"),
         pybind11::arg("warps"), pybind11::arg("splits"));

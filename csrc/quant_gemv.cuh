@@ -41,7 +41,9 @@
 // codes and placed so that the quad's four lanes read adjacent 16-byte slots (slot 4 w + c for
 // group w of lane c: conflict-free, with rows 64 bytes apart mod 128), plus X per (step, row).
 // The first `unroll` steps of weight loads are issued before the staging, so that its latency
-// hides behind theirs.
+// hides behind theirs. Launched as a programmatic dependent (PDL, p.dependent_launch), the
+// kernel issues those weight loads, then waits for the kernel before it (grid_dependency.h)
+// before it stages x: its weights stream while that kernel drains.
 
 #pragma once
 
@@ -56,6 +58,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "grid_dependency.h"
 #include "quant_gemv.h"
 
 namespace pagedserve_quant {
@@ -474,6 +477,8 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Params p)
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
     if (active && u < steps) load_stage<S, T>(p, rows, u, ring[u]);
+  pagedserve_pdl::await_previous_grid();  // x, and the output's last readers, come before
+  pagedserve_pdl::allow_dependent_grid();
   stage_x<S, T>(p, smem, sums, k0, steps, row_bytes);
   __syncthreads();
 
@@ -520,13 +525,18 @@ cudaError_t launch_instance(const Params& p, cudaStream_t stream) {
   config.blockDim = dim3(p.warps * 32, 1, 1);
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 1;
-  cluster[0].val.clusterDim.y = p.splits;
-  cluster[0].val.clusterDim.z = 1;
-  config.attrs = cluster;
-  config.numAttrs = p.splits > 1 ? 1 : 0;
+  cudaLaunchAttribute attributes[2];
+  int count = 0;
+  if (p.splits > 1) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count].val.clusterDim.x = 1;
+    attributes[count].val.clusterDim.y = p.splits;
+    attributes[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  if (p.dependent_launch) attributes[count++] = pagedserve_pdl::dependent_launch_attribute();
+  config.attrs = attributes;
+  config.numAttrs = count;
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 

@@ -50,6 +50,7 @@ struct Params {
   int splits;             // CTAs along K (grid y, one cluster), 1..kMaxSplits
   int k_per_split;        // a multiple of kStepK; splits * k_per_split >= K
   int unroll;             // steps of weights a thread's ring holds: 2 or 4
+  bool dependent_launch;  // launched as a programmatic dependent (PDL, sm_90: grid_dependency.h)
 };
 
 // ceil(2^31 / d) for the d = group_size / kStepK steps of a group: for every step index t and

@@ -188,6 +188,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # C++ weight-only GEMV (kernels/cuda_quant.py, built at install for sm_90+) where it is
     # built; off, or not built: the Triton quantized GEMV
     cuda_quant_gemv: bool = True
+    # CUDA sm_90+: the decode path's kernels (RMSNorm, q/k rotary, SiLU-and-mul, the small-batch
+    # and quantized GEMVs, the CUDA decode attention) launch as programmatic dependents (PDL):
+    # each is resident and prefetches its weights while the kernel before it drains, and waits
+    # for it in-kernel (csrc/grid_dependency.h); also inside CUDA graphs
+    dependent_launch: bool = True
     # CPU: the C++ kernels of csrc/cpu_kernels.cpp (AVX-512 machines) where they load; off:
     # the pure-torch paths (the same math)
     cpu_kernels: bool = True

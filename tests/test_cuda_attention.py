@@ -30,6 +30,7 @@ import torch
 
 from pagedserve.kernels import cuda_attention, extensions
 from pagedserve.kernels.attention_backends import resolve_attention_backend
+from pagedserve.kernels.attention_metadata import build_attention_metadata
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 C_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp32": "float"}
@@ -212,7 +213,9 @@ def test_a_new_build_replaces_the_older_library(
 
 def test_build_inputs_are_all_the_kernel_files_of_csrc() -> None:
     inputs = {path.name for path in cuda_attention.build_inputs()}
-    assert inputs == {path.name for path in CSRC.glob("paged_attention_decode*")}
+    # its own files and the header of programmatic dependent launches it shares
+    own = {path.name for path in CSRC.glob("paged_attention_decode*")}
+    assert inputs == own | {"grid_dependency.h"}
     assert {"paged_attention_decode.h", "paged_attention_decode.cuh"} <= inputs
 
 
@@ -306,20 +309,35 @@ def _decode_inputs() -> tuple[torch.Tensor, ...]:
     return q, cache, cache.clone(), block_tables, seq_lens
 
 
-def test_decode_passes_num_splits_to_the_kernel(
+def test_decode_passes_num_splits_and_dependent_launch_to_the_kernel(
     loaded: types.ModuleType, fake_cuda: FakeCuda
 ) -> None:
-    assert inspect.signature(loaded.decode).parameters["num_splits"].default is None
+    parameters = inspect.signature(loaded.decode).parameters
+    assert parameters["num_splits"].default is None
+    assert parameters["dependent_launch"].default is False
     inputs = _decode_inputs()
     out = loaded.decode(*inputs, 0.125, 64)
-    loaded.decode(*inputs, 0.125, 64, num_splits=5)
+    loaded.decode(*inputs, 0.125, 64, num_splits=5, dependent_launch=True)
     planned, forced = fake_cuda.decode_calls
     assert planned[0] is out and all(a is b for a, b in zip(planned[1:6], inputs))
-    assert planned[6:] == (0.125, 64, 0)  # 0: the planned count
-    assert forced[6:] == (0.125, 64, 5)
+    assert planned[6:] == (0.125, 64, 0, False)  # 0: the planned count
+    assert forced[6:] == (0.125, 64, 5, True)
     with pytest.raises(ValueError, match="num_splits"):
         loaded.decode(*inputs, 0.125, 64, num_splits=0)
     assert len(fake_cuda.decode_calls) == 2
+
+
+def test_the_backend_launches_decode_as_the_engine_says(fake_cuda: FakeCuda) -> None:
+    """resolve_attention_backend's dependent_launch reaches the decode kernel's launch."""
+    fake_cuda.build()
+    q, k_cache, v_cache, block_tables, seq_lens = _decode_inputs()
+    metadata = build_attention_metadata(torch.ones(2, dtype=torch.int64), seq_lens.long(),
+                                        block_tables, torch.zeros(2, dtype=torch.int64), 16,
+                                        torch.device("cpu"))  # fmt: skip
+    for dependent_launch in (False, True):
+        backend = resolve_attention_backend("cuda", dependent_launch=dependent_launch)
+        backend.attend(q, k_cache, v_cache, metadata, 0.125, 1.0, 1.0)
+    assert [call[-1] for call in fake_cuda.decode_calls] == [False, True]
 
 
 def test_planned_num_splits_asks_the_extension(

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import types
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -300,26 +301,38 @@ def test_every_unit_compiles_for_sm_90_without_spills_in_the_defaults(tmp_path: 
 # ------------------------------------------------------------------ the linear methods' choice
 
 
-def _layer_config(cuda_quant_gemv: bool) -> LayerConfig:
+def _layer_config(cuda_quant_gemv: bool, dependent_launch: bool = False) -> LayerConfig:
     return LayerConfig(torch.device("cpu"), torch.bfloat16, attention=None, fused_ops="triton",
-                       cuda_quant_gemv=cuda_quant_gemv)  # type: ignore[arg-type]  # fmt: skip
+                       cuda_quant_gemv=cuda_quant_gemv,
+                       dependent_launch=dependent_launch)  # type: ignore[arg-type]  # fmt: skip
+
+
+def _recorder(calls: list, tag: str) -> Callable[..., None]:
+    """A stand-in GEMV that records (tag, its dependent_launch)."""
+
+    def gemv(*operands: object, dependent_launch: bool) -> None:
+        calls.append((tag, dependent_launch))
+
+    return gemv
 
 
 @pytest.mark.parametrize(("enabled", "takes"), [(True, True), (True, False), (False, True)])
 def test_int_layers_run_the_cuda_gemv_where_enabled_and_taken(
     monkeypatch: pytest.MonkeyPatch, enabled: bool, takes: bool
 ) -> None:
-    """cuda_quant_gemv on and operands the kernel takes: the CUDA GEMV; otherwise Triton's."""
-    calls: list[str] = []
+    """cuda_quant_gemv on and operands the kernel takes: the CUDA GEMV; otherwise Triton's;
+    either launched as the config's dependent_launch says."""
+    calls: list[tuple[str, bool]] = []
     monkeypatch.setattr(cuda_quant, "int_weight_supported", lambda x, w, b: takes)
-    monkeypatch.setattr(cuda_quant, "int_weight_gemv", lambda x, w, b: calls.append("cuda"))
-    monkeypatch.setattr(triton_quant, "int_weight_gemv", lambda x, w, b: calls.append("triton"))
-    method = IntWeightLinearMethod(IntScheme(4, 128, False, "float"), _layer_config(enabled))
+    for module, tag in ((cuda_quant, "cuda"), (triton_quant, "triton")):
+        monkeypatch.setattr(module, "int_weight_gemv", _recorder(calls, tag))
+    config = _layer_config(enabled, dependent_launch=True)
+    method = IntWeightLinearMethod(IntScheme(4, 128, False, "float"), config)
     method.group_size = 128
     w = _bf16(_int_weight())
     layer = types.SimpleNamespace(qweight=w.qweight, scales=w.scales, zeros=w.zeros, perm=None)
     method.apply(layer, _x(), None)  # type: ignore[arg-type]
-    assert calls == ["cuda" if enabled and takes else "triton"]
+    assert calls == [("cuda" if enabled and takes else "triton", True)]
 
 
 @pytest.mark.parametrize(("enabled", "takes"), [(True, True), (True, False), (False, True)])
@@ -327,15 +340,14 @@ def test_fp8_layers_run_the_cuda_gemv_where_enabled_and_taken(
     monkeypatch: pytest.MonkeyPatch, enabled: bool, takes: bool
 ) -> None:
     monkeypatch.setattr(cuda_quant, "ENGINE_SCHEMES", frozenset(cuda_quant.SCHEMES))
-    calls: list[str] = []
+    calls: list[tuple[str, bool]] = []
     monkeypatch.setattr(cuda_quant, "fp8_weight_supported", lambda x, wq, s, b: takes)
-    monkeypatch.setattr(cuda_quant, "fp8_weight_gemv", lambda x, wq, s, b: calls.append("cuda"))
-    monkeypatch.setattr(triton_quant, "fp8_weight_gemv",
-                        lambda x, wq, s, b: calls.append("triton"))  # fmt: skip
+    for module, tag in ((cuda_quant, "cuda"), (triton_quant, "triton")):
+        monkeypatch.setattr(module, "fp8_weight_gemv", _recorder(calls, tag))
     method = Fp8LinearMethod(Fp8Scheme("float"), _layer_config(enabled))
     wq, scale = _fp8()
     method.apply(types.SimpleNamespace(qweight=wq, weight_scale=scale), _x(), None)  # type: ignore[arg-type]
-    assert calls == ["cuda" if enabled and takes else "triton"]
+    assert calls == [("cuda" if enabled and takes else "triton", False)]
 
 
 def test_the_engine_takes_the_cuda_gemv_for_the_integer_schemes_only() -> None:
@@ -357,8 +369,8 @@ def test_schemes_the_engine_does_not_take_run_triton(
     calls: list[str] = []
     for module in (cuda_quant, triton_quant):
         tag = "cuda" if module is cuda_quant else "triton"
-        monkeypatch.setattr(module, "int_weight_gemv", lambda x, w, b, t=tag: calls.append(t))
-        monkeypatch.setattr(module, "fp8_weight_gemv", lambda x, wq, s, b, t=tag: calls.append(t))
+        monkeypatch.setattr(module, "int_weight_gemv", _recorder(calls, tag))
+        monkeypatch.setattr(module, "fp8_weight_gemv", _recorder(calls, tag))
     method = IntWeightLinearMethod(IntScheme(bits, 128, False, "float"), _layer_config(True))
     method.group_size = 128
     w = _bf16(_int_weight(bits=bits))
@@ -368,7 +380,7 @@ def test_schemes_the_engine_does_not_take_run_triton(
     fp8_layer = types.SimpleNamespace(qweight=wq, weight_scale=scale)
     fp8 = Fp8LinearMethod(Fp8Scheme("float"), _layer_config(True))
     fp8.apply(fp8_layer, _x(), None)  # type: ignore[arg-type]
-    assert calls == ["triton", "triton"]
+    assert calls == [("triton", False), ("triton", False)]
 
 
 def test_the_loader_enables_the_cuda_gemv_only_for_quantized_cuda_models(

@@ -64,3 +64,36 @@ def test_layers_keep_the_loaders_decisions(model_dir: Path) -> None:
     assert not any(m.fuses_kv_write for m in attention)
     linears = [m for m in modules if isinstance(m, LinearBase | LMHead)]
     assert all(m.tp is layer_config.tp for m in linears)
+
+
+@pytest.mark.parametrize(
+    ("capability", "enabled", "expected"),
+    [((9, 0), True, True), ((10, 0), True, True), ((8, 0), True, False), ((9, 0), False, False)],
+)
+def test_dependent_launch_only_on_hopper_and_later(
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capability: tuple[int, int],
+    enabled: bool,
+    expected: bool,
+) -> None:
+    """Programmatic dependent launch: the Triton path on a visible GPU of compute capability
+    9.0 or more, when the config allows it; the layers and the attention backend get it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    hf = load_model_config(str(model_dir))
+    config = EngineConfig(model=str(model_dir), attention_backend="triton",
+                          dependent_launch=enabled)  # fmt: skip
+    layer_config = build_layer_config(config, hf, torch.device("cuda"))
+    assert layer_config.dependent_launch is expected
+    assert RMSNorm(8, 1e-6, layer_config).dependent_launch is expected
+    assert SiluAndMul(layer_config).dependent_launch is expected
+    assert not build_layer_config(config, hf, torch.device("cpu")).dependent_launch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="decisions of a machine without a GPU")
+def test_no_dependent_launch_without_a_gpu(model_dir: Path) -> None:
+    hf = load_model_config(str(model_dir))
+    config = EngineConfig(model=str(model_dir), attention_backend="triton")
+    assert config.dependent_launch  # on by default
+    assert not build_layer_config(config, hf, torch.device("cuda")).dependent_launch

@@ -367,14 +367,20 @@ def test_sweep_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 # --------------------------------------------------------------------------- layer dispatch
 
 
-def _spy_skinny(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    calls: list[tuple[int, ...]] = []
+def _spy_skinny(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], bool]]:
+    """skinny_linear's calls: (x's shape, dependent_launch); run without PDL (the CPU
+    interpreter has none)."""
+    calls: list[tuple[tuple[int, ...], bool]] = []
     original = tg.skinny_linear
 
     def spy(
-        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        dependent_launch: bool = False,
     ) -> torch.Tensor:
-        calls.append(tuple(x.shape))
+        calls.append((tuple(x.shape), dependent_launch))
         return original(x, weight, bias)
 
     monkeypatch.setattr(tg, "skinny_linear", spy)
@@ -382,13 +388,13 @@ def _spy_skinny(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 
 
 def _linear_modules(
-    dtype: torch.dtype, small_batch_gemm: bool
+    dtype: torch.dtype, small_batch_gemm: bool, dependent_launch: bool = False
 ) -> list[tuple[torch.nn.Module, torch.Tensor | None]]:
     """A column- and a row-parallel layer with biases and an LM head (70 of 72 rows used),
     the same random weights for every config: (module, its bias)."""
     config = LayerConfig(
         torch.device("cpu"), dtype, torch_ref_backend(), fused_ops="triton",
-        small_batch_gemm=small_batch_gemm,
+        small_batch_gemm=small_batch_gemm, dependent_launch=dependent_launch,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(11)
     with default_dtype(dtype):
@@ -425,4 +431,8 @@ def test_linear_layers_dispatch_small_low_precision_batches(
                     assert_matches_linear(out, xb[:rows], weight, bias)
                 else:
                     assert torch.equal(out, expected)
-        assert calls == [(1, 200)] * 3
+        assert calls == [((1, 200), False)] * 3
+        calls.clear()
+        for module, _ in _linear_modules(torch.bfloat16, True, dependent_launch=True):
+            module(xb[:1])
+        assert calls == [((1, 200), True)] * 3  # the config's launch mode reaches the kernel

@@ -179,28 +179,35 @@ def latency_pagedserve(
     engine_args: dict[str, Any], input_len: int, output_len: int, iters: int
 ) -> dict[str, float]:
     """Batch 1: time per output token = (e2e - ttft) / (output_len - 1), via streaming."""
-    from pagedserve import SamplingParams
     from pagedserve.actors.supervisor import Supervisor
     from pagedserve.api.client import Client
     from pagedserve.config import EngineConfig
 
     supervisor = Supervisor(EngineConfig(**engine_args))
     supervisor.start()
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    tpots, ttfts = [], []
     try:
         credentials = supervisor.credentials.for_clients()
         with Client(supervisor.addresses.engine_address, credentials=credentials) as client:
-            for i in range(iters + 1):
-                prompt = random_workload(1, (input_len, input_len), (1, 1), 1000, seed=i)[0][0]
-                start = time.perf_counter()
-                stamps = [time.perf_counter() for _ in client.generate(prompt, params)]
-                if i == 0:
-                    continue  # warm-up
-                ttfts.append(stamps[0] - start)
-                tpots.append((stamps[-1] - stamps[0]) / max(1, len(stamps) - 1))
+            return latency_of_client(client, input_len, output_len, iters)
     finally:
         supervisor.stop()
+
+
+def latency_of_client(client: Any, input_len: int, output_len: int, iters: int) -> dict[str, float]:
+    """latency_pagedserve's measure on an engine's running ZeroMQ client: `iters` random
+    prompts after a warm-up one, medians."""
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    tpots, ttfts = [], []
+    for i in range(iters + 1):
+        prompt = random_workload(1, (input_len, input_len), (1, 1), 1000, seed=i)[0][0]
+        start = time.perf_counter()
+        stamps = [time.perf_counter() for _ in client.generate(prompt, params)]
+        if i == 0:
+            continue  # warm-up
+        ttfts.append(stamps[0] - start)
+        tpots.append((stamps[-1] - stamps[0]) / max(1, len(stamps) - 1))
     return {"tpot_ms": statistics.median(tpots) * 1e3, "ttft_ms": statistics.median(ttfts) * 1e3}
 
 

@@ -90,34 +90,37 @@ def triton_backend() -> AttentionBackend:
     )
 
 
-def cuda_backend() -> AttentionBackend:
-    """The CUDA decode kernel as built at install (ImportError when it cannot load here)."""
+def cuda_backend(dependent_launch: bool = False) -> AttentionBackend:
+    """The CUDA decode kernel as built at install (ImportError when it cannot load here);
+    dependent_launch: its kernels launch as programmatic dependents (PDL, sm_90+)."""
     from pagedserve.kernels import cuda_attention
 
     cuda_attention.load_extension()
     return AttentionBackend(
         "cuda",
-        cuda_attention.paged_attention_backend,
+        functools.partial(
+            cuda_attention.paged_attention_backend, dependent_launch=dependent_launch
+        ),
         cuda_attention.write_kv_cache,
         fuses_kv_write=True,
         graph_safe=True,
     )
 
 
-_LOADED_BACKENDS = {"triton": triton_backend, "cuda": cuda_backend}
-
-
-def resolve_attention_backend(name: str, use_cpu_kernels: bool = False) -> AttentionBackend:
+def resolve_attention_backend(
+    name: str, use_cpu_kernels: bool = False, dependent_launch: bool = False
+) -> AttentionBackend:
     """The backend `name` ('auto': 'cuda' on a CUDA machine, else 'torch'); 'cuda' that cannot
     load falls back to 'triton' on a CUDA machine, and any backend that cannot load to 'torch'
-    (with a warning). use_cpu_kernels: the 'torch' backend's C++ kernels are loaded and on."""
+    (with a warning). use_cpu_kernels: the 'torch' backend's C++ kernels are loaded and on;
+    dependent_launch: the 'cuda' decode kernels launch as programmatic dependents (PDL)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "torch"
     if name == "torch_ref":
         return torch_ref_backend()
-    if name in _LOADED_BACKENDS:
+    if name in ("triton", "cuda"):
         try:
-            return _LOADED_BACKENDS[name]()
+            return cuda_backend(dependent_launch) if name == "cuda" else triton_backend()
         except ImportError as exc:
             reason = str(exc)
         fallback = "triton" if name == "cuda" and torch.cuda.is_available() else "torch"

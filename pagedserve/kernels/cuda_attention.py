@@ -105,13 +105,16 @@ def decode(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """q [batch, num_heads, head_dim] (one query per request); caches
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [batch, max_blocks] int32;
     seq_lens [batch] int32 (context incl. this token, already written); returns out like q.
     num_splits (for benchmarks) replaces the planned number of context splits, clamped to
     1..min(key tiles of max_seq_len, 128) and rounded to whole tiles a split as the plan is
-    (`planned_num_splits` tells the plan's choice); None keeps the plan."""
+    (`planned_num_splits` tells the plan's choice); None keeps the plan. dependent_launch: the
+    kernels start as programmatic dependents of the kernel before them (PDL, sm_90;
+    csrc/grid_dependency.h)."""
     if q.dim() != 3 or k_cache.dim() != 4 or q.shape[0] != seq_lens.shape[0]:
         raise ValueError("decode expects q [B, H, D], caches [N, bs, KVH, D], seq_lens [B]")
     if q.shape[-1] != k_cache.shape[-1] or q.dtype != k_cache.dtype:
@@ -121,8 +124,9 @@ def decode(
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     splits = 0 if num_splits is None else num_splits  # 0: the planned count
     load_extension().paged_attention_decode(
-        out, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, splits
-    )
+        out, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, splits,
+        dependent_launch,
+    )  # fmt: skip
     return out
 
 
@@ -169,9 +173,11 @@ def paged_attention_backend(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    dependent_launch: bool = False,
 ) -> torch.Tensor:
-    """Decode-only steps run the CUDA kernel; steps with prefill chunks, and fp8 caches, run
-    Triton's."""
+    """Decode-only steps run the CUDA kernel (as programmatic dependents with
+    dependent_launch); steps with prefill chunks, and fp8 caches, run Triton's."""
     from pagedserve.kernels import triton_attention
 
     if metadata.max_query_len != 1 or not supported(q, k_cache, v_cache):
@@ -179,8 +185,9 @@ def paged_attention_backend(
             q, k_cache, v_cache, metadata, scale, k_scale, v_scale
         )
     return decode(
-        q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, metadata.max_seq_len
-    )
+        q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, metadata.max_seq_len,
+        dependent_launch=dependent_launch,
+    )  # fmt: skip
 
 
 def write_kv_cache(

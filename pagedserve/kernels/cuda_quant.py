@@ -166,16 +166,19 @@ def int_weight_gemv(
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
+    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) -> x[..., perm] @ W^T (+ bias), [..., N] of x's
     dtype; ValueError for operands the kernel does not take (int_weight_problem), or a config
-    with no launch. config: forced launch parameters (the GPU check's sweep), else planned."""
+    with no launch. config: forced launch parameters (the GPU check's sweep), else planned.
+    dependent_launch: launched as a programmatic dependent of the kernel before it (PDL,
+    sm_90: its first weights stream while that kernel drains; csrc/grid_dependency.h)."""
     problem = int_weight_problem(x, weight, bias)
     if problem is not None:
         raise ValueError(problem)
     kind = "int4" if weight.bits == 4 else "int8"
     return _launch(x, kind, weight.qweight, weight.scales, weight.zeros, weight.perm, bias,
-                   weight.group_size, config)  # fmt: skip
+                   weight.group_size, config, dependent_launch)  # fmt: skip
 
 
 def fp8_weight_gemv(
@@ -185,13 +188,16 @@ def fp8_weight_gemv(
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
+    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) -> x @ (wq * w_scale[:, None])^T (+ bias), the fp8
-    weight read once, x not quantized (W8A16); ValueError as int_weight_gemv."""
+    weight read once, x not quantized (W8A16); ValueError and dependent_launch as
+    int_weight_gemv."""
     problem = fp8_weight_problem(x, wq, w_scale, bias)
     if problem is not None:
         raise ValueError(problem)
-    return _launch(x, "fp8", wq, w_scale, None, None, bias, wq.shape[1], config)
+    return _launch(x, "fp8", wq, w_scale, None, None, bias, wq.shape[1], config,
+                   dependent_launch)  # fmt: skip
 
 
 def _launch(
@@ -204,6 +210,7 @@ def _launch(
     bias: torch.Tensor | None,
     group_size: int,
     config: GemvConfig | None,
+    dependent_launch: bool,
 ) -> torch.Tensor:
     n, k = w.shape[0], x.shape[-1]
     x2d = x.reshape(-1, k)
@@ -212,7 +219,8 @@ def _launch(
         raise ValueError(f"no launch of {kind} {n}x{k} at M = {x2d.shape[0]} fits shared memory")
     out = torch.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
     load_extension().quant_gemv(out, x2d, w, scales, zeros, perm, bias, kind, group_size,
-                                plan.warps, plan.splits, plan.k_per_split, plan.unroll)  # fmt: skip
+                                plan.warps, plan.splits, plan.k_per_split, plan.unroll,
+                                dependent_launch)  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
 

@@ -29,6 +29,12 @@ IEEE fp32 dots (no TF32).
 CUDA graphs: the grid, block sizes and split count come from the shapes only (no host sync, no
 data-dependent launch); the partial workspace comes from torch's caching allocator.
 
+Programmatic dependent launch (`dependent_launch`, sm_90; see triton_ops' docstring): the fma
+loop loads its first weight chunk, then awaits the kernel before it (`await_inputs`) and only
+then reads x, so the weights stream while that kernel drains; the dot loop awaits first. Split
+counters and partials are touched only after the wait, so consecutive launches never overlap
+there.
+
 Tuning: `plan_skinny_linear` first looks up SKINNY_TUNED, per-shape configs measured on one GPU
 model (keyed by its SM count, the M bucket, N and K), then falls back to the M bucket's
 SKINNY_TUNING entry and the split-K heuristic. `scripts/gpu/sweep_gemv.py` times candidate
@@ -45,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton_ops import _round
+from pagedserve.kernels.triton_ops import _round, await_inputs
 
 __all__ = [
     "SKINNY_MAX_M",
@@ -261,11 +267,13 @@ def _fma_mainloop(
     EVEN_K: tl.constexpr,
     W_CACHE: tl.constexpr,
     W_EVICT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """sum over k in [k_start, k_end) of x[m, k] * w[n, k] in fp32 -> [BLOCK_M, BLOCK_N]:
     elementwise products accumulated in a [BLOCK_M, BLOCK_N, BLOCK_K] tile, reduced once after
     the loop. x and w are loaded as 3-D [BLOCK_M, 1, BLOCK_K] / [1, BLOCK_N, BLOCK_K] tiles so
-    both get the accumulator's layout (no per-chunk shared-memory layout conversion)."""
+    both get the accumulator's layout (no per-chunk shared-memory layout conversion). The first
+    chunk's weights are loaded before await_inputs(PDL), x after."""
     rk = tl.arange(0, BLOCK_K)[None, None, :]
     x_row_ok = (tl.arange(0, BLOCK_M) < M)[:, None, None]
     x3 = x_ptrs[:, None, :]
@@ -273,12 +281,16 @@ def _fma_mainloop(
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x3, mask=x_row_ok, other=0.0)
             w = tl.load(w3, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         else:
-            in_k = (k + rk) < K
-            x = tl.load(x3, mask=x_row_ok & in_k, other=0.0)
-            w = tl.load(w3, mask=in_k, other=0.0, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+            w = tl.load(w3, mask=k + rk < K, other=0.0, cache_modifier=W_CACHE,
+                        eviction_policy=W_EVICT)  # fmt: skip
+        if k == k_start:  # the first weights (constant) are in flight while it waits
+            await_inputs(PDL)
+        if EVEN_K:
+            x = tl.load(x3, mask=x_row_ok, other=0.0)
+        else:
+            x = tl.load(x3, mask=x_row_ok & (k + rk < K), other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)
         x3 += BLOCK_K
         w3 += BLOCK_K
@@ -374,6 +386,7 @@ def _skinny_linear_kernel(
     UPCAST: tl.constexpr,
     W_CACHE: tl.constexpr,
     W_EVICT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (t, s) of a (tiles, S) grid, rows n in [t * BLOCK_N, (t + 1) * BLOCK_N) of W,
     K range [s * k_per_split, min((s + 1) * k_per_split, K)):
@@ -385,7 +398,8 @@ def _skinny_linear_kernel(
                and resets counter[t] = 0.
     round = nearest-even to out's dtype, once. Rows m >= M of the tile load x as zeros; columns
     n >= N read the clamped row N - 1 of W (every W load in bounds, no row mask); neither is
-    stored. W_CACHE / W_EVICT: the weight loads' cache modifier and eviction policy (hints)."""
+    stored. W_CACHE / W_EVICT: the weight loads' cache modifier and eviction policy (hints).
+    PDL: launched as a programmatic dependent (see the module's docstring)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -397,11 +411,12 @@ def _skinny_linear_kernel(
     w_rows = tl.minimum(rn, N - 1).to(tl.int64) * K
     w_ptrs = w_ptr + w_rows[:, None] + (k_start + rk)[None, :]
     if USE_DOT:
+        await_inputs(PDL)
         acc = _dot_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M, BLOCK_N, BLOCK_K,
                             EVEN_K, PRECISION, UPCAST, W_CACHE, W_EVICT)  # fmt: skip
     else:
         acc = _fma_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                            EVEN_K, W_CACHE, W_EVICT)  # fmt: skip
+                            EVEN_K, W_CACHE, W_EVICT, PDL)  # fmt: skip
     if SPLIT:
         num_splits = tl.num_programs(1)
         split_stride = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
@@ -454,6 +469,7 @@ def skinny_linear(
     *,
     split_k: int | None = None,
     config: SkinnyConfig | None = None,
+    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), as F.linear, for x [..., K] with at most SKINNY_MAX_M rows in all.
 
@@ -462,6 +478,7 @@ def skinny_linear(
     [..., N] tensor of x's dtype. config forces the launch config (None: SKINNY_TUNED, else the
     M bucket's SKINNY_TUNING entry); split_k forces the number of K splits over the config's
     (None: the config's, else enough programs for the SM count, see plan_skinny_linear).
+    dependent_launch: as a programmatic dependent of the kernel before it (CUDA sm_90).
     Raises ValueError on anything else."""
     _check(x.dtype in _FLOAT_DTYPES, f"dtype {x.dtype} unsupported")
     _check(weight.dim() == 2, "weight must be [N, K]")
@@ -502,8 +519,8 @@ def skinny_linear(
         USE_DOT=plan.use_dot, EVEN_K=k % plan.block_k == 0, SPLIT=plan.split_k > 1,
         HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-        W_CACHE=plan.w_cache, W_EVICT=plan.w_evict,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        W_CACHE=plan.w_cache, W_EVICT=plan.w_evict, PDL=dependent_launch,
+        launch_pdl=dependent_launch, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
 

@@ -8,6 +8,14 @@ is computed in float32 and rounded to the torch result dtype wherever the refere
 expression rounds (`_round`), so results match the reference up to fp32 rounding inside a step
 (reduction order, rsqrt/exp). Launch: one program per row (token) for the norms and rotary, a
 2-D grid (row, column block) for silu_and_mul.
+
+Programmatic dependent launch (`dependent_launch=True`, sm_90 only: the engine sets it from
+LayerConfig.dependent_launch): the kernel is launched so that it may start while the kernel
+before it on the stream still runs (CUDA graphs keep this). Every kernel here then calls
+`await_inputs` before it reads anything an earlier kernel may write, and writes nothing before
+it; what it reads earlier is constant (a norm's weight). `await_inputs` also lets the next such
+kernel start its own prologue. csrc/grid_dependency.h states the contract for the CUDA kernels,
+which keep the same one.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import triton.language as tl
 from pagedserve.kernels import ops as reference
 
 __all__ = [
+    "await_inputs",
     "apply_rotary",
     "apply_rotary_qk",
     "fused_add_rms_norm",
@@ -36,6 +45,18 @@ _MAX_HIDDEN = 65536
 
 
 # --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def await_inputs(PDL: tl.constexpr):
+    """With PDL (the kernel was launched as a programmatic dependent): wait until the kernel
+    before it has completed and its writes are visible (griddepcontrol.wait), then let the
+    kernel after it launch (griddepcontrol.launch_dependents). Every program must call it
+    before it reads what an earlier kernel writes, and before its first store. Nothing
+    without PDL (and nothing in the CPU interpreter, where PDL is never set)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -83,12 +104,16 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row i (N elements): with ADD_RESIDUAL, h = round_x(x + residual) is stored to
-    residual_out, else h = x; then out = round_out(w * round_x(h * rsqrt(mean(h^2) + eps)))."""
+    residual_out, else h = x; then out = round_out(w * round_x(h * rsqrt(mean(h^2) + eps))).
+    PDL: the weight is read before await_inputs, the rest after."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    await_inputs(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     h = x.to(tl.float32)
     if ADD_RESIDUAL:
@@ -97,7 +122,6 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_ro + cols, h.to(x.dtype), mask=mask)
     variance = tl.sum(h * h, axis=0) / N
     normed = _round(h * tl.rsqrt(variance + eps), x.dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out_dtype = out_ptr.dtype.element_ty
     out = _round(w * normed, out_dtype).to(out_dtype)
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
@@ -210,6 +234,7 @@ def _qk_norm_rotary_kernel(
     WRITE_KV: tl.constexpr,
     KV_HEADS_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Token t, in place on its NUM_HEADS heads x = [x1, x2] (halves of HALF), round = to DTYPE
     (qk's dtype), as ops.qk_norm_rotary:
@@ -219,8 +244,10 @@ def _qk_norm_rotary_kernel(
         x = [round(round(x1 c) - round(x2 s)), round(round(x2 c) + round(x1 s))].
     WRITE_KV (the paged cache's k/v write fused in, as triton_attention.write_kv_cache): with
     slot = slot_mapping[t] >= 0, the k heads (heads >= NUM_Q_HEADS, after the above) go to
-    k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] and the token's v heads to v_cache there."""
+    k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] and the token's v heads to v_cache there.
+    PDL: await_inputs first."""
     token = tl.program_id(0).to(tl.int64)
+    await_inputs(PDL)
     position = tl.load(positions_ptr + token * stride_p).to(tl.int64)
     heads = tl.arange(0, HEADS_P)[:, None]
     cols = tl.arange(0, HALF_P)[None, :]
@@ -269,9 +296,12 @@ def _silu_and_mul_kernel(
     stride_o,
     D: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[i, j] = round(round(silu(gate)) * up) with gate = x[i, j], up = x[i, D + j] and
-    silu(g) = g / (1 + exp(-g)) in fp32 (F.silu rounds to the dtype, then the multiply)."""
+    silu(g) = g / (1 + exp(-g)) in fp32 (F.silu rounds to the dtype, then the multiply).
+    PDL: await_inputs first."""
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -286,11 +316,14 @@ def _silu_and_mul_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = weight * (x / sqrt(mean(x^2, -1) + eps)) (see ops.rms_norm); x: [..., hidden]."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, dependent_launch: bool = False
+) -> torch.Tensor:
+    """y = weight * (x / sqrt(mean(x^2, -1) + eps)) (see ops.rms_norm); x: [..., hidden].
+    dependent_launch: as a programmatic dependent (CUDA sm_90; see the module's docstring)."""
     x2d = _rows(x, weight)
     out = torch.empty(x.shape, dtype=_result_dtype(x, weight), device=x.device)
-    _launch_rms_norm(x2d, None, weight, out.view(x2d.shape), None, eps)
+    _launch_rms_norm(x2d, None, weight, out.view(x2d.shape), None, eps, dependent_launch)
     return out
 
 
@@ -300,11 +333,14 @@ def fused_add_rms_norm(
     weight: torch.Tensor,
     eps: float,
     inplace: bool = False,
+    *,
+    dependent_launch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """new_residual = x + residual; returns (rms_norm(new_residual), new_residual).
 
     inplace=True writes the norm into x and the new residual into residual (vLLM style; needs
-    weight.dtype == x.dtype and row-contiguous x / residual) and returns them."""
+    weight.dtype == x.dtype and row-contiguous x / residual) and returns them.
+    dependent_launch: as rms_norm."""
     x2d = _rows(x, weight)
     _check(residual.shape == x.shape and residual.dtype == x.dtype,
            "residual must match x's shape and dtype")  # fmt: skip
@@ -315,11 +351,12 @@ def fused_add_rms_norm(
         _check(_result_dtype(x, weight) == x.dtype, "inplace needs weight.dtype == x.dtype")
         _check(x2d.data_ptr() == x.data_ptr() and res2d.data_ptr() == residual.data_ptr(),
                "inplace needs views of x and residual")  # fmt: skip
-        _launch_rms_norm(x2d, res2d, weight, x2d, res2d, eps)
+        _launch_rms_norm(x2d, res2d, weight, x2d, res2d, eps, dependent_launch)
         return x, residual
     out = torch.empty(x.shape, dtype=_result_dtype(x, weight), device=x.device)
     new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _launch_rms_norm(x2d, res2d, weight, out.view(x2d.shape), new_residual.view(x2d.shape), eps)
+    _launch_rms_norm(x2d, res2d, weight, out.view(x2d.shape), new_residual.view(x2d.shape), eps,
+                     dependent_launch)  # fmt: skip
     return out, new_residual
 
 
@@ -381,6 +418,7 @@ def qk_norm_rotary_(
     *,
     num_q_heads: int | None = None,
     kv_write: KVWrite | None = None,
+    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """ops.qk_norm_rotary in place on qk, one launch: optional per-head RMSNorm (q_weight on
     the first num_q_heads heads, k_weight on the rest; Qwen3), then rotary with cos/sin rows
@@ -392,7 +430,8 @@ def qk_norm_rotary_(
     1); positions: [num_tokens] int; caches: [max_pos, head_dim // 2]. Every dtype must promote
     to qk's (the results are stored in place). num_q_heads is needed with the weights or
     kv_write (KVWrite: v [num_tokens, num_kv_heads, head_dim], k/v caches [num_blocks,
-    block_size, num_kv_heads, head_dim] of qk's dtype, slot_mapping [num_tokens], < 0 skips)."""
+    block_size, num_kv_heads, head_dim] of qk's dtype, slot_mapping [num_tokens], < 0 skips).
+    dependent_launch: as rms_norm."""
     _check_qk_norm_rotary(qk, positions, cos_cache, sin_cache, q_weight, k_weight,
                           num_q_heads, kv_write)  # fmt: skip
     num_tokens, num_heads, head_dim = qk.shape
@@ -417,7 +456,8 @@ def qk_norm_rotary_(
         HALF=half, HEADS_P=heads_p, HALF_P=half_p, DTYPE=_TL_DTYPES[qk.dtype],
         HAS_NORM=has_norm, WRITE_KV=kv_write is not None,
         KV_HEADS_P=triton.next_power_of_2(max(1, num_heads - (num_q_heads or 0))),
-        BLOCK_SIZE=block_size, num_warps=min(8, max(1, heads_p * half_p // 512)),
+        BLOCK_SIZE=block_size, PDL=dependent_launch, launch_pdl=dependent_launch,
+        num_warps=min(8, max(1, heads_p * half_p // 512)),
     )  # fmt: skip
     return qk
 
@@ -493,8 +533,9 @@ def _check_kv_write(qk: torch.Tensor, write: KVWrite, num_kv_heads: int) -> None
     _check(slots.dtype in (torch.int32, torch.int64), "slot_mapping must be int32 or int64")
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate, up] along the last dim (2 * d); returns silu(gate) * up, [..., d]."""
+def silu_and_mul(x: torch.Tensor, *, dependent_launch: bool = False) -> torch.Tensor:
+    """x = [gate, up] along the last dim (2 * d); returns silu(gate) * up, [..., d].
+    dependent_launch: as rms_norm."""
     _check(x.dtype in _FLOAT_DTYPES, f"dtype {x.dtype} unsupported")
     _check(x.dim() >= 1 and x.shape[-1] % 2 == 0, "last dim must be even ([gate, up])")
     d = x.shape[-1] // 2
@@ -508,7 +549,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out2d = out.view(-1, d)
     _silu_and_mul_kernel[grid](
         x2d, out2d, x2d.stride(0), out2d.stride(0), D=d, BLOCK=block,
-        num_warps=4 if block >= 512 else 1,
+        PDL=dependent_launch, launch_pdl=dependent_launch, num_warps=4 if block >= 512 else 1,
     )  # fmt: skip
     return out
 
@@ -520,6 +561,7 @@ def _launch_rms_norm(
     out2d: torch.Tensor,
     res_out2d: torch.Tensor | None,
     eps: float,
+    dependent_launch: bool,
 ) -> None:
     rows, n = x2d.shape
     if rows == 0:
@@ -531,7 +573,8 @@ def _launch_rms_norm(
     _rms_norm_kernel[(rows,)](
         x2d, res, weight, out2d, res_out,
         x2d.stride(0), res.stride(0), out2d.stride(0), res_out.stride(0), eps,
-        N=n, BLOCK_N=block, ADD_RESIDUAL=add, num_warps=min(16, max(1, block // 256)),
+        N=n, BLOCK_N=block, ADD_RESIDUAL=add, PDL=dependent_launch, launch_pdl=dependent_launch,
+        num_warps=min(16, max(1, block // 256)),
     )  # fmt: skip
 
 

@@ -35,6 +35,10 @@
 
 Numerics: fp32 accumulation, one rounding of acc (+ bias) to the output dtype (nearest even;
 bf16 by integer ops, as triton_ops._round does, because the CPU interpreter truncates casts).
+
+Programmatic dependent launch (the GEMV's `dependent_launch`, sm_90; triton_ops' docstring):
+the fma loops load their first chunks' weights, then `await_inputs` before they read x; the dot
+loops await first.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import triton.language as tl
 
 from pagedserve.kernels.quant_ref import FP8_DTYPE, FP8_MAX, IntWeight
 from pagedserve.kernels.triton_gemv import _counters, _num_sms, _store_tile
-from pagedserve.kernels.triton_ops import _round, _round_fp8
+from pagedserve.kernels.triton_ops import _round, _round_fp8, await_inputs
 
 WQ_GEMV_MAX_ROWS = 16
 QUANT_KINDS = ("fp8", "int8", "int4")
@@ -387,12 +391,12 @@ def _dot(x, w, acc, UPCAST: tl.constexpr):
 def _fp8_fma_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
                       EVEN_K: tl.constexpr, CONVERT: tl.constexpr, FOLD: tl.constexpr,
-                      W_EVICT: tl.constexpr):  # fmt: skip
+                      W_EVICT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """sum over the K range of x[m, k] * Wq[n, k] in fp32 -> [BLOCK_M, BLOCK_N] (times 2^-8
     with "bits"), accumulated elementwise in a [BLOCK_M, BLOCK_N, BLOCK_K / FOLD] tile (FOLD
     adjacent products summed first) and reduced once after the loop; x [BLOCK_M, 1, BLOCK_K]
     and W [1, BLOCK_N, BLOCK_K] load straight into the accumulator's layout (triton_gemv's
-    fma loop)."""
+    fma loop). await_inputs(PDL) after the first iteration's weight loads."""
     rk = tl.arange(0, BLOCK_K)[None, None, :]
     x_ok = (tl.arange(0, BLOCK_M) < M)[:, None, None]
     x3 = x_ptrs[:, None, :]
@@ -405,6 +409,8 @@ def _fp8_fma_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M: tl.constexp
         if UNROLL >= 4:
             wc = _load_fp8(w3 + 2 * BLOCK_K, k + 2 * BLOCK_K + rk, K, EVEN_K, W_EVICT)
             wd = _load_fp8(w3 + 3 * BLOCK_K, k + 3 * BLOCK_K + rk, K, EVEN_K, W_EVICT)
+        if k == k_start:  # the first weights (constant) are in flight while it waits
+            await_inputs(PDL)
         acc += _fold(_load_x(x3, x_ok, k + rk, K, EVEN_K) * _fp8_to_float(wa, CONVERT), FOLD)
         if UNROLL >= 2:
             xb = _load_x(x3 + BLOCK_K, x_ok, k + BLOCK_K + rk, K, EVEN_K)
@@ -603,10 +609,12 @@ def _int_fma_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K, grou
                       stride_sg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, EVEN_K: tl.constexpr,
                       KIND: tl.constexpr, CONVERT: tl.constexpr, UNPACK: tl.constexpr,
-                      ACCUMULATE: tl.constexpr, W_EVICT: tl.constexpr):  # fmt: skip
+                      ACCUMULATE: tl.constexpr, W_EVICT: tl.constexpr,
+                      PDL: tl.constexpr):  # fmt: skip
     """sum over the K range of x[m, k] (q[n, k] - z[n, g]) s[n, g] -> [BLOCK_M, BLOCK_N]: the
     UNROLL chunks' weights are loaded first (in flight together), then applied chunk by chunk
-    (_int_chunk). w_ptrs: [BLOCK_N, BLOCK_K / codes a storage unit] at k_start."""
+    (_int_chunk). w_ptrs: [BLOCK_N, BLOCK_K / codes a storage unit] at k_start.
+    await_inputs(PDL) after the first iteration's weight loads."""
     PER_UNIT: tl.constexpr = 8 if KIND == "int4" else 1
     UNITS: tl.constexpr = BLOCK_K // PER_UNIT
     ru = tl.arange(0, UNITS)
@@ -629,6 +637,8 @@ def _int_fma_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K, grou
                              W_EVICT)  # fmt: skip
             qd = _load_codes(w_ptrs + 3 * UNITS, u + 3 * UNITS, k_units, KIND, UNPACK, EVEN_K,
                              W_EVICT)  # fmt: skip
+        if k == k_start:  # the first weights (constant) are in flight while it waits
+            await_inputs(PDL)
         acc = _int_chunk(acc, qa, x_ptrs, x_ok, k, s_ptrs, z_ptrs, group_size, stride_sg, K,
                          BLOCK_K, EVEN_K, CONVERT, UNPACK, ACCUMULATE)  # fmt: skip
         if UNROLL >= 2:
@@ -717,13 +727,14 @@ def _quant_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, par
                        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, CONVERT: tl.constexpr,
                        UNPACK: tl.constexpr, ACCUMULATE: tl.constexpr, FOLD: tl.constexpr,
                        DOT_OFFSET: tl.constexpr, UPCAST: tl.constexpr,
-                       W_EVICT: tl.constexpr):  # fmt: skip
+                       W_EVICT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program (t, s): rows n in [t BLOCK_N, (t + 1) BLOCK_N) (those >= N read the clamped row
     N - 1, never stored), K range [s k_per_split, min((s + 1) k_per_split, K)); P_s[m, n] the
     module doc's sum over that range (fp32). S == 1: out = round(P_0 + b); S > 1: P_s to
     partial[s, t], the tile's last program to arrive (counter[t], acq_rel) computes
     round(((P_0 + P_1) + ...) + b) and resets counter[t]. w_ptr: int32 words (int4) or bytes
-    (int8 codes, fp8 bits); fp8 scale_ptr [N] per channel, int scale / zero [N, groups]."""
+    (int8 codes, fp8 bits); fp8 scale_ptr [N] per channel, int scale / zero [N, groups].
+    PDL: launched as a programmatic dependent (see the module's docstring)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -741,17 +752,20 @@ def _quant_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, par
     w_ptrs = w_ptr + (rows * stride_wn)[:, None] + unit_cols[None, :]
     if KIND == "fp8":
         if USE_DOT:
+            await_inputs(PDL)
             acc = _fp8_dot_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M, BLOCK_N,
                                     BLOCK_K, EVEN_K, UPCAST, W_EVICT)  # fmt: skip
         else:
             acc = _fp8_fma_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M, BLOCK_N,
-                                    BLOCK_K, UNROLL, EVEN_K, CONVERT, FOLD, W_EVICT)  # fmt: skip
+                                    BLOCK_K, UNROLL, EVEN_K, CONVERT, FOLD, W_EVICT,
+                                    PDL)  # fmt: skip
             if CONVERT == "bits":
                 acc *= 256.0  # the fp16 bits held the values * 2^-8
         acc *= tl.load(scale_ptr + rows).to(tl.float32)[None, :]
     else:
         s_ptrs, z_ptrs = scale_ptr + rows * stride_sn, zero_ptr + rows * stride_sn
         if USE_DOT:
+            await_inputs(PDL)
             acc = _int_dot_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K,
                                     group_size, stride_sg, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                                     KIND, UNPACK, DOT_OFFSET, UPCAST, W_EVICT)  # fmt: skip
@@ -759,7 +773,7 @@ def _quant_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, par
             acc = _int_fma_mainloop(x_ptrs, w_ptrs, s_ptrs, z_ptrs, k_start, k_end, M, K,
                                     group_size, stride_sg, BLOCK_M, BLOCK_N, BLOCK_K, UNROLL,
                                     EVEN_K, KIND, CONVERT, UNPACK, ACCUMULATE,
-                                    W_EVICT)  # fmt: skip
+                                    W_EVICT, PDL)  # fmt: skip
     if SPLIT:
         _split_k_finish(acc, out_ptr, bias_ptr, partial_ptr, counter_ptr, rm, rn, M, N,
                         stride_om, BLOCK_M, BLOCK_N, HAS_BIAS)  # fmt: skip
@@ -888,16 +902,20 @@ def int_weight_gemv(
     bias: torch.Tensor | None = None,
     *,
     config: QuantGemvConfig | None = None,
+    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (at most WQ_GEMV_MAX_ROWS rows, contiguous along K) @ W^T (+ bias) for an
     IntWeight (perm applied to x first) -> [..., N] of x's dtype. config: forced launch
-    parameters (the sweep's way in), else the tuned / default ones."""
+    parameters (the sweep's way in), else the tuned / default ones. dependent_launch: as a
+    programmatic dependent of the kernel before it (CUDA sm_90; the act-order gather of x is a
+    torch kernel before it)."""
     n, k = _check_int_weight(weight)
     if weight.perm is not None:
         x = x.index_select(-1, weight.perm)
     x2d = _rows(x, k)
     return _launch_gemv(x, x2d, weight.qweight, weight.scales, weight.zeros, bias,
-                        weight.group_size, _KINDS[weight.bits], config)  # fmt: skip
+                        weight.group_size, _KINDS[weight.bits], config,
+                        dependent_launch)  # fmt: skip
 
 
 def fp8_weight_gemv(
@@ -907,15 +925,17 @@ def fp8_weight_gemv(
     bias: torch.Tensor | None = None,
     *,
     config: QuantGemvConfig | None = None,
+    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (at most WQ_GEMV_MAX_ROWS rows) @ (wq * w_scale[:, None])^T (+ bias): the
-    fp8 weight [N, K] dequantized in registers, x not quantized (W8A16) -> [..., N]."""
+    fp8 weight [N, K] dequantized in registers, x not quantized (W8A16) -> [..., N].
+    dependent_launch: as int_weight_gemv."""
     n, k = wq.shape
     _check(wq.dtype == FP8_DTYPE and w_scale.shape == (n,) and w_scale.stride(0) == 1,
            "wq fp8 [N, K], w_scale [N] contiguous")  # fmt: skip
     x2d = _rows(x, k)
     return _launch_gemv(x, x2d, wq.view(torch.uint8), w_scale.view(n, 1), w_scale.view(n, 1),
-                        bias, k, "fp8", config)  # fmt: skip
+                        bias, k, "fp8", config, dependent_launch)  # fmt: skip
 
 
 def _launch_gemv(
@@ -928,6 +948,7 @@ def _launch_gemv(
     group_size: int,
     kind: str,
     config: QuantGemvConfig | None,
+    dependent_launch: bool,
 ) -> torch.Tensor:
     m, k = x2d.shape
     n = w.shape[0]
@@ -957,7 +978,8 @@ def _launch_gemv(
         ACCUMULATE=c.accumulate, FOLD=min(c.fold, c.block_k),
         DOT_OFFSET=_dot_offset(kind, c, x.dtype),
         UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16, W_EVICT=c.w_evict,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        PDL=dependent_launch, launch_pdl=dependent_launch, num_warps=c.num_warps,
+        num_stages=c.num_stages,
     )  # fmt: skip
     return out
 

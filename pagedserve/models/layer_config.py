@@ -14,6 +14,9 @@ operands' shapes and strides.
     is built and loads), else through Triton's.
   * small_batch_gemm: single-row (batch-1 decode) low-precision products go through the Triton
     weight-streaming GEMM (kernels.triton_gemv) instead of cuBLAS.
+  * dependent_launch: the Triton and CUDA kernels of the decode path launch as programmatic
+    dependents (PDL, sm_90+: kernels.triton_ops' docstring, csrc/grid_dependency.h); the
+    loader sets it only for the Triton ops on a CUDA device of compute capability 9 or more.
   * attention: the attention backend's functions and cache layout (kernels.attention_backends).
   * tp: this rank's place in the tensor-parallel group and its collectives.
   * stage: the pipeline stage this model is (the layers it builds: models.stages).
@@ -85,6 +88,7 @@ class LayerConfig:
     fused_ops: FusedOps = "torch"
     small_batch_gemm: bool = False
     cuda_quant_gemv: bool = False
+    dependent_launch: bool = False
     tp: TensorParallel = field(default_factory=TensorParallel)
     stage: PipelineStage = field(default_factory=PipelineStage)
     quantization: QuantizationConfig | None = None

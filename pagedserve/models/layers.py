@@ -57,6 +57,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.fused_ops = config.fused_ops
+        self.dependent_launch = config.dependent_launch
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
@@ -75,12 +76,15 @@ class RMSNorm(nn.Module):
             residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)
         ):
             triton_ops = triton_ops_module()
+            pdl = self.dependent_launch
             if residual is None:
-                return triton_ops.rms_norm(x, self.weight, self.eps)
+                return triton_ops.rms_norm(x, self.weight, self.eps, dependent_launch=pdl)
             inplace = (
                 self.weight.dtype == x.dtype and x.is_contiguous() and residual.is_contiguous()
             )
-            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps, inplace)
+            return triton_ops.fused_add_rms_norm(
+                x, residual, self.weight, self.eps, inplace, dependent_launch=pdl
+            )
         if self.fused_ops == "cpu" and x.dim() == 2 and cpu_kernel_takes(x):
             if residual is None:
                 out = torch.empty_like(x)
@@ -143,6 +147,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.fused_ops: FusedOps = config.fused_ops
+        self.dependent_launch = config.dependent_launch
         inv_freq = rope_inverse_frequencies(head_dim, rope_theta, rope_scaling)
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
         dtype = torch.get_default_dtype()
@@ -207,7 +212,7 @@ class RotaryEmbedding(nn.Module):
                 weights, eps = (qk_norms[0].weight, qk_norms[1].weight), qk_norms[0].eps
             triton_ops_module().qk_norm_rotary_(
                 qk, positions, self.cos_cache, self.sin_cache, *weights, eps,
-                num_q_heads=num_q_heads, kv_write=kv_write,
+                num_q_heads=num_q_heads, kv_write=kv_write, dependent_launch=self.dependent_launch,
             )  # fmt: skip
             return qk[:, :num_q_heads], qk[:, num_q_heads:], kv_write is not None
         if qk_norms is None:
@@ -222,10 +227,11 @@ class SiluAndMul(nn.Module):
     def __init__(self, config: LayerConfig) -> None:
         super().__init__()
         self.fused_ops: FusedOps = config.fused_ops
+        self.dependent_launch = config.dependent_launch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_ops == "triton":
-            return triton_ops_module().silu_and_mul(x)
+            return triton_ops_module().silu_and_mul(x, dependent_launch=self.dependent_launch)
         if self.fused_ops == "cpu" and x.dim() == 2 and cpu_kernel_takes(x):
             out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
             torch.ops.pagedserve_cpu.silu_and_mul(out, x)

@@ -91,6 +91,7 @@ class DenseMatmul:
 
     def __init__(self, config: LayerConfig) -> None:
         self.skinny = triton_gemv_module() if config.small_batch_gemm else None
+        self.dependent_launch = config.dependent_launch
         self.onednn = (
             _MKLDNN_LINEAR and config.device.type == "cpu" and config.dtype == torch.float32
         )
@@ -102,7 +103,9 @@ class DenseMatmul:
     ) -> torch.Tensor:
         if self.skinny is not None and x.numel() <= SMALL_BATCH_GEMM_MAX_ROWS * x.shape[-1]:
             if self.skinny.skinny_linear_applies(x, weight, bias):
-                return self.skinny.skinny_linear(x, weight, bias)
+                return self.skinny.skinny_linear(
+                    x, weight, bias, dependent_launch=self.dependent_launch
+                )
         if self.onednn and not torch.is_grad_enabled():  # oneDNN's op has no autograd
             if x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]:
                 return self._onednn_linear(x, weight, bias)

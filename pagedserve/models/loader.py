@@ -82,6 +82,16 @@ def _triton_importable() -> bool:
     return True
 
 
+def _launches_dependents(device: torch.device) -> bool:
+    """Programmatic dependent launch exists here: a visible CUDA device of compute capability
+    9.0 (Hopper) or more."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
 def build_layer_config(
     config: EngineConfig,
     hf_config: ModelConfig,
@@ -93,7 +103,8 @@ def build_layer_config(
     triton imports), the C++ CPU kernels for float32 on the CPU (when config.cpu_kernels and
     they load here), else pure torch; the attention backend; the Triton small-batch GEMM for
     CUDA fp16/bf16 (config.small_batch_gemm); the CUDA quantized GEMV for quantized weights on
-    CUDA (config.cuda_quant_gemv, where built: kernels.cuda_quant.available); this rank's
+    CUDA (config.cuda_quant_gemv, where built: kernels.cuda_quant.available); programmatic
+    dependent launches for those kernels on sm_90+ (config.dependent_launch); this rank's
     tensor-parallel group (tp; None: the process's default group) and pipeline stage (None: the
     whole model); the quantization (models.quantization.config) and the KV cache's dtype."""
     dtype = resolve_dtype(config.dtype, hf_config, device)
@@ -105,11 +116,17 @@ def build_layer_config(
         fused_ops = "triton"
     elif cpu_kernels and dtype == torch.float32:
         fused_ops = "cpu"
+    dependent_launch = (
+        config.dependent_launch and fused_ops == "triton" and _launches_dependents(device)
+    )
     return LayerConfig(
         device=device,
         dtype=dtype,
-        attention=resolve_attention_backend(config.attention_backend, cpu_kernels),
+        attention=resolve_attention_backend(
+            config.attention_backend, cpu_kernels, dependent_launch
+        ),
         fused_ops=fused_ops,
+        dependent_launch=dependent_launch,
         small_batch_gemm=config.small_batch_gemm and fused_ops == "triton"
         and dtype != torch.float32,
         cuda_quant_gemv=config.cuda_quant_gemv and quantization is not None

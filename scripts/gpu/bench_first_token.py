@@ -43,10 +43,12 @@ CONFIGS = ROOT / "scripts" / "gpu" / "configs"
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
-def offline_ttft(model: str, repeats: int = 20) -> float:
-    """Median ms from submitting a 128-token prompt to its first delta, batch 1."""
+def offline_ttft(model: str, repeats: int = 20, **engine: object) -> float:
+    """Median ms from submitting a 128-token prompt to its first delta, batch 1; `engine`:
+    more engine settings."""
     prompts = [p for p, _ in bench.random_workload(repeats + 2, (128, 128), (1, 1), 1000, 3)]
-    with LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096) as llm:
+    with LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+             **engine) as llm:  # fmt: skip
         with Client(llm.supervisor.addresses.engine_address) as client:
             times = []
             for prompt in prompts:

@@ -40,6 +40,7 @@ class Fp8LinearMethod:
         self.scheme = scheme
         self.use_triton = config.fused_ops == "triton"
         self.use_cuda_gemv = config.cuda_quant_gemv and cuda_quant.engine_takes("fp8")
+        self.dependent_launch = config.dependent_launch
         self.static_input_scale: float | None = None
 
     def create_weights(self, layer: LinearBase, bias: bool) -> None:
@@ -89,12 +90,16 @@ class Fp8LinearMethod:
         if not self.use_triton:
             return quant_ref.fp8_linear(x, qweight, scale, bias, self.static_input_scale)
         if self.use_cuda_gemv and cuda_quant.fp8_weight_supported(x, qweight, scale, bias):
-            return cuda_quant.fp8_weight_gemv(x, qweight, scale, bias)
+            return cuda_quant.fp8_weight_gemv(
+                x, qweight, scale, bias, dependent_launch=self.dependent_launch
+            )
         from pagedserve.kernels import triton_quant
 
         rows = x.numel() // x.shape[-1]
         if rows <= triton_quant.WQ_GEMV_MAX_ROWS:
-            return triton_quant.fp8_weight_gemv(x, qweight, scale, bias)
+            return triton_quant.fp8_weight_gemv(
+                x, qweight, scale, bias, dependent_launch=self.dependent_launch
+            )
         xq, x_scale = triton_quant.quantize_fp8_rows(x, self.static_input_scale)
         out = torch._scaled_mm(
             xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype

@@ -46,6 +46,7 @@ class IntWeightLinearMethod:
         self.use_triton = config.fused_ops == "triton"
         self.use_cuda_gemv = config.cuda_quant_gemv and cuda_quant.engine_takes(f"int{scheme.bits}")
         self.dtype = config.dtype
+        self.dependent_launch = config.dependent_launch
         self.group_size = 0  # per layer, set by create_weights
 
     def create_weights(self, layer: LinearBase, bias: bool) -> None:
@@ -116,11 +117,15 @@ class IntWeightLinearMethod:
         if not self.use_triton:
             return quant_ref.int_linear(x, weight, bias)
         if self.use_cuda_gemv and cuda_quant.int_weight_supported(x, weight, bias):
-            return cuda_quant.int_weight_gemv(x, weight, bias)
+            return cuda_quant.int_weight_gemv(
+                x, weight, bias, dependent_launch=self.dependent_launch
+            )
         from pagedserve.kernels import triton_quant
 
         if x.numel() <= triton_quant.WQ_GEMV_MAX_ROWS * x.shape[-1]:
-            return triton_quant.int_weight_gemv(x, weight, bias)
+            return triton_quant.int_weight_gemv(
+                x, weight, bias, dependent_launch=self.dependent_launch
+            )
         if weight.perm is not None:
             x = x.index_select(-1, weight.perm)
         return F.linear(x, triton_quant.dequantize(weight, x.dtype), bias)
