@@ -206,6 +206,18 @@ def test_dry_run_leaves_the_runner_as_it_was(tmp_path: Path) -> None:
         assert got.sampled_token_ids == result.sampled_token_ids
 
 
+def test_start_up_steps_fit_an_engine_of_one_sequence(tmp_path: Path) -> None:
+    """With max_num_seqs=1 the start-up's synthetic steps (the CUDA warm-up's mixed steps, the
+    dry run) hold one request each, and the runner then serves as usual."""
+    save_hf_model("qwen3", tmp_path)
+    runner = make_runner(tmp_path, max_num_seqs=1)
+    plans = startup._warm_up_plans(runner, startup.num_kv_blocks(runner) * runner.block_size)
+    assert plans and all(len(plan.new_requests) == 1 for plan, _ in plans)
+    startup.warm_up_eager_kernels(runner, startup.num_kv_blocks(runner))
+    startup.dry_run(runner)
+    assert len(runner.input_batch) == 0
+
+
 def test_compile_only_turns_triton_launches_into_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside compile_only() a launch reaches Triton's JITFunction.run as a warmup (compile,
     no launch) with Triton's AsyncCompileMode active; outside, launches are untouched."""

@@ -70,7 +70,8 @@ def save_hf_model(arch: str, path: Path, **save_kwargs: object) -> transformers.
 
 
 def make_runner(path: Path, **overrides: object) -> ModelRunner:
-    config = EngineConfig(model=str(path), num_kv_blocks=NUM_BLOCKS, max_num_seqs=16, **overrides)
+    settings: dict[str, object] = {"num_kv_blocks": NUM_BLOCKS, "max_num_seqs": 16, **overrides}
+    config = EngineConfig(model=str(path), **settings)  # type: ignore[arg-type]
     runner = ModelRunner(config.resolve())
     runner.load_model()
     startup.init_kv_cache(runner, startup.num_kv_blocks(runner))

@@ -69,6 +69,7 @@ def _interpreted(name: str, kernel: str) -> ModuleType | None:
 ta = _interpreted("pagedserve.kernels.triton_attention", "_prefill_kernel")
 tops = _interpreted("pagedserve.kernels.triton_ops", "_rms_norm_kernel")
 ts = _interpreted("pagedserve.kernels.triton_sampling", "_sample_kernel")
+targ = _interpreted("pagedserve.kernels.triton_argmax", "_argmax_kernel")
 
 
 FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_interpreter_process"
@@ -710,3 +711,45 @@ def test_vocab_splits_give_the_same_draws() -> None:
         for splits in (1, 2, 3)
     ]
     assert torch.equal(ids[0], ids[1]) and torch.equal(ids[0], ids[2])
+
+
+# --------------------------------------------------------------------------- greedy argmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 20_000), (3, 5_000), (9, 3_000), (2, 700)])
+def test_greedy_argmax_matches_torch(dtype: torch.dtype, rows: int, vocab: int) -> None:
+    """Split over programs (one row of 20,000 columns: 7 splits) or not (9 rows), padded row
+    stride: torch.argmax's indices, also on a second launch (the counters were reset)."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    wide = torch.randn(rows, vocab + 64, generator=gen).to(dtype)
+    logits = wide[:, :vocab]
+    for _ in range(2):
+        out = targ.greedy_argmax(logits, torch.full((rows,), -1, dtype=torch.int64))
+        assert torch.equal(out, logits.argmax(dim=-1))
+
+
+def test_greedy_argmax_takes_the_first_of_equal_maxima() -> None:
+    """Ties inside a step, across steps and across splits keep the first index; a constant row,
+    a row of -inf and a row holding NaN give torch.argmax's index (NaN counts as the maximum)."""
+    vocab = 20_000
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(3))
+    logits[0, [17_000, 9_000, 9_001, 4_100]] = 50.0  # four splits apart, the first at 4,100
+    logits[1] = 1.0
+    logits[2] = -float("inf")
+    logits[3, [12_345, 15_000]] = float("nan")
+    logits[4, [3_000, 3_001]] = 7.0  # one step
+    rows = [logits[i : i + 1] for i in range(5)]  # one row: the split launch
+    got = [targ.greedy_argmax(r, torch.empty(1, dtype=torch.int64)).item() for r in rows]
+    assert got == [4_100, 0, 0, 12_345, 3_000]
+    assert got == logits.argmax(dim=-1).tolist() == targ.reference_argmax(logits).tolist()
+
+
+def test_greedy_argmax_rejects_bad_arguments() -> None:
+    logits = torch.zeros(2, 10)
+    with pytest.raises(ValueError, match="int64"):
+        targ.greedy_argmax(logits, torch.empty(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="unit column stride"):
+        targ.greedy_argmax(logits.t(), torch.empty(10, dtype=torch.int64))
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        targ.greedy_argmax(torch.zeros(2, 0), torch.empty(2, dtype=torch.int64))

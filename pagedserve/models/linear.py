@@ -73,6 +73,14 @@ def triton_gemv_module() -> ModuleType:
     return triton_gemv
 
 
+@functools.cache
+def triton_argmax_module() -> ModuleType:
+    """kernels.triton_argmax, imported on first use (by an LM head on the Triton path)."""
+    from pagedserve.kernels import triton_argmax
+
+    return triton_argmax
+
+
 # oneDNN keeps a reordered copy of the weight for every distinct row count it meets (in its
 # primitive cache: ~0.6x the weight's bytes each, measured), so a CPU worker fed prefill chunks
 # of every length grew without bound. Its products are taken only up to this many rows, and
@@ -340,7 +348,18 @@ class LMHead(VocabParallelBase):
         tied_weight = tied_to.weight if tied_to is not None else None
         super().__init__(vocab_size, hidden_size, config, tied_to=tied_weight)
         self.matmul = DenseMatmul(config)
+        self.fused_ops, self.dependent_launch = config.fused_ops, config.dependent_launch
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather_last_dim(self.matmul(hidden, self.weight, None))
         return logits[..., : self.vocab_size]
+
+    def greedy(self, logits: torch.Tensor, out: torch.Tensor) -> None:
+        """out[r] = logits[r].argmax() (greedy sampling; the first index of the maximum) for
+        logits [M, vocab]: the split Triton kernel on the Triton path, torch elsewhere."""
+        if self.fused_ops == "triton":
+            triton_argmax_module().greedy_argmax(
+                logits, out, dependent_launch=self.dependent_launch
+            )
+        else:
+            out.copy_(logits.argmax(dim=-1))

@@ -230,3 +230,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden)
+
+    def greedy(self, logits: torch.Tensor, out: torch.Tensor) -> None:
+        """out[r] = the argmax of logits[r] (compute_logits' [M, vocab]), on the device."""
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
+        self.lm_head.greedy(logits, out)

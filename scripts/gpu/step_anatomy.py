@@ -15,11 +15,13 @@ import argparse
 import datetime
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
@@ -128,7 +130,7 @@ def graph_vs_eager(runner: ModelRunner, session: DecodeSession) -> float | None:
     return (graph_logits.float() - eager_logits.float()).abs().max().item()
 
 
-def profile_table(runner: ModelRunner, session: DecodeSession, steps: int) -> str:
+def profile_table(runner: ModelRunner, session: DecodeSession, steps: int, rows: int) -> str:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if runner.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -137,7 +139,19 @@ def profile_table(runner: ModelRunner, session: DecodeSession, steps: int) -> st
             runner.execute(session.plan())
         sync(runner.device)
     key = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
+def launch_fp8_gemv_alone() -> None:
+    """Every Triton fp8 GEMV launch from here on without programmatic dependent launch."""
+    from pagedserve.kernels import triton_quant
+
+    gemv = triton_quant.fp8_weight_gemv
+
+    def alone(*args: object, **kwargs: object) -> torch.Tensor:
+        return gemv(*args, **{**kwargs, "dependent_launch": False})  # type: ignore[arg-type]
+
+    triton_quant.fp8_weight_gemv = alone  # type: ignore[assignment]
 
 
 def main() -> int:
@@ -151,15 +165,41 @@ def main() -> int:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--quantization", default=None, help="e.g. fp8 (EngineConfig's)")
+    parser.add_argument(
+        "--gptq",
+        action="store_true",
+        help="int4 weights: Llama-3.1-8B's config with a GPTQ quantization_config "
+        "(4 bits, groups of 128), dummy weights quantized while loading",
+    )
+    parser.add_argument(
+        "--no-dependent-launch",
+        action="store_true",
+        help="EngineConfig.dependent_launch=False: kernel times in the profile "
+        "then exclude the wait for the kernel before",
+    )
+    parser.add_argument(
+        "--fp8-gemv-alone",
+        action="store_true",
+        help="a probe: the Triton fp8 GEMV launched as no programmatic "
+        "dependent (the other kernels as --no-dependent-launch says)",
+    )
+    parser.add_argument("--profile-rows", type=int, default=18)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.fp8_gemv_alone:
+        launch_fp8_gemv_alone()
 
+    model = args.model
+    if args.gptq:
+        from bench_quant import gptq_config_dir
+
+        model = gptq_config_dir(Path(tempfile.mkdtemp()))
     blocks_needed = sum(b * cdiv(min(args.context + 512, 4096), 16) for b in args.batches)
     config = EngineConfig(
-        model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
+        model=model, load_format="dummy", device=args.device, dtype=args.dtype,
         max_model_len=4096, max_num_seqs=max(args.batches), num_kv_blocks=blocks_needed,
         attention_backend=args.backend, enforce_eager=args.eager, skip_tokenizer_init=True,
-        quantization=args.quantization,
+        quantization=args.quantization, dependent_launch=not args.no_dependent_launch,
     ).resolve()  # fmt: skip
     runner = ModelRunner(config)
     t0 = time.perf_counter()
@@ -170,7 +210,9 @@ def main() -> int:
     graphs = runner.decode_step.graphs if runner.decode_step else {}
     lines = [
         f"# Decode-step anatomy: {Path(args.model).name}, {args.dtype}, "
-        f"{args.quantization or 'unquantized'} weights, {config.device}, "
+        f"{'int4 (GPTQ g128)' if args.gptq else args.quantization or 'unquantized'} weights, "
+        f"{config.device}, dependent launch {config.dependent_launch}"
+        f"{' (not the fp8 GEMV)' if args.fp8_gemv_alone else ''}, "
         f"backend {runner.attention_backend} ({datetime.datetime.now():%Y-%m-%d %H:%M})\n",
         f"command: `python scripts/gpu/step_anatomy.py {' '.join(sys.argv[1:])}`\n",
         f"- load {t1 - t0:.1f} s; KV cache + graph capture {t2 - t1:.1f} s; "
@@ -194,7 +236,7 @@ def main() -> int:
         )
         print(lines[-1], flush=True)
         tables.append(f"\n### profile, batch {batch} ({5} steps)\n\n```\n"
-                      f"{profile_table(runner, session, 5)}\n```")  # fmt: skip
+                      f"{profile_table(runner, session, 5, args.profile_rows)}\n```")  # fmt: skip
         session.close()
     text = "\n".join(lines + tables) + "\n"
     print(text)

@@ -38,6 +38,8 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def greedy(self, logits: torch.Tensor, out: torch.Tensor) -> None: ...
+
 
 def capture_sizes(max_batch: int) -> list[int]:
     """Batch sizes with a graph (17 up to 256, 25 up to 1024: each one costs start-up time to
@@ -127,7 +129,7 @@ class DecodeStep:
         """Feed, forward, LM head and argmax over the first `size` rows; returns the logits."""
         hidden = self.model(self.input_ids(size), self.buffers.tensors.positions[:size], metadata)
         logits = self.model.compute_logits(hidden)
-        self.sampled[:size].copy_(logits.argmax(dim=-1))
+        self.model.greedy(logits, self.sampled[:size])
         return logits
 
     def run(

@@ -150,7 +150,7 @@ class StageDecodeStep(DecodeStep):
         if not self.stage.is_last:
             return torch.stack((output.hidden, output.residual))
         logits = self.model.compute_logits(output)
-        self.sampled[:size].copy_(logits.argmax(dim=-1))
+        self.model.greedy(logits, self.sampled[:size])
         return logits
 
     def run(

@@ -97,7 +97,7 @@ class PrefillStep:
         input_ids = torch.where(feed >= 0, fed, t.token_ids[:size])
         hidden = self.model(input_ids, t.positions[:size], chunk)
         logits = self.model.compute_logits(hidden)
-        self.sampled[:1].copy_(logits.argmax(dim=-1))
+        self.model.greedy(logits, self.sampled[:1])
         return logits
 
     def run(self, tokens: int, size: int, seq_len: int) -> torch.Tensor:

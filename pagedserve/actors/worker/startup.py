@@ -200,15 +200,18 @@ def _capture_prefill_graphs(runner: ModelRunner, step: DecodeStep) -> None:
 
 
 def _warm_up_plans(runner: ModelRunner, capacity: int) -> list[tuple[StepPlan, int]]:
-    """The warm-up steps for a KV cache of `capacity` tokens, each with the blocks it uses."""
+    """The warm-up steps for a KV cache of `capacity` tokens, each with the blocks it uses: a
+    prefill chunk and a decode in one step, or in two steps when max_num_seqs is 1."""
     assert runner.config.max_model_len is not None
     long_context = min(runner.config.max_model_len, 4096, capacity - 256)
+    greedy = SamplingParams(temperature=0.0)
     plans = []
     for chunk, context in itertools.product(_WARMUP_CHUNKS, (16, long_context)):
         if context < 2 or chunk + context > capacity:
             continue
-        greedy = SamplingParams(temperature=0.0)
-        plans.append(_synthetic_plan(runner, [(chunk, 0), (1, context - 1)], greedy))
+        mixed = [(chunk, 0), (1, context - 1)]
+        steps = [mixed] if runner.config.max_num_seqs >= 2 else [[part] for part in mixed]
+        plans += [_synthetic_plan(runner, requests, greedy) for requests in steps]
     return plans
 
 

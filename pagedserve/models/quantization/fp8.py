@@ -97,9 +97,10 @@ class Fp8LinearMethod:
 
         rows = x.numel() // x.shape[-1]
         if rows <= triton_quant.WQ_GEMV_MAX_ROWS:
-            return triton_quant.fp8_weight_gemv(
-                x, qweight, scale, bias, dependent_launch=self.dependent_launch
-            )
+            # never a programmatic dependent: measured on an H200 (Llama-3.1-8B fp8 decode
+            # step, scripts/results/session20_h200.md) 2.71-2.73 ms plain, 2.80 as a dependent,
+            # 2.85 letting its successor launch early (whose early CTAs slow its many waves)
+            return triton_quant.fp8_weight_gemv(x, qweight, scale, bias)
         xq, x_scale = triton_quant.quantize_fp8_rows(x, self.static_input_scale)
         out = torch._scaled_mm(
             xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype
