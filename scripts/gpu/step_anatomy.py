@@ -142,18 +142,6 @@ def profile_table(runner: ModelRunner, session: DecodeSession, steps: int, rows:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
-def launch_fp8_gemv_alone() -> None:
-    """Every Triton fp8 GEMV launch from here on without programmatic dependent launch."""
-    from pagedserve.kernels import triton_quant
-
-    gemv = triton_quant.fp8_weight_gemv
-
-    def alone(*args: object, **kwargs: object) -> torch.Tensor:
-        return gemv(*args, **{**kwargs, "dependent_launch": False})  # type: ignore[arg-type]
-
-    triton_quant.fp8_weight_gemv = alone  # type: ignore[assignment]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=str(ROOT / "scripts/gpu/configs/qwen3-0.6b"))
@@ -177,17 +165,9 @@ def main() -> int:
         help="EngineConfig.dependent_launch=False: kernel times in the profile "
         "then exclude the wait for the kernel before",
     )
-    parser.add_argument(
-        "--fp8-gemv-alone",
-        action="store_true",
-        help="a probe: the Triton fp8 GEMV launched as no programmatic "
-        "dependent (the other kernels as --no-dependent-launch says)",
-    )
     parser.add_argument("--profile-rows", type=int, default=18)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.fp8_gemv_alone:
-        launch_fp8_gemv_alone()
 
     model = args.model
     if args.gptq:
@@ -211,8 +191,7 @@ def main() -> int:
     lines = [
         f"# Decode-step anatomy: {Path(args.model).name}, {args.dtype}, "
         f"{'int4 (GPTQ g128)' if args.gptq else args.quantization or 'unquantized'} weights, "
-        f"{config.device}, dependent launch {config.dependent_launch}"
-        f"{' (not the fp8 GEMV)' if args.fp8_gemv_alone else ''}, "
+        f"{config.device}, dependent launch {config.dependent_launch}, "
         f"backend {runner.attention_backend} ({datetime.datetime.now():%Y-%m-%d %H:%M})\n",
         f"command: `python scripts/gpu/step_anatomy.py {' '.join(sys.argv[1:])}`\n",
         f"- load {t1 - t0:.1f} s; KV cache + graph capture {t2 - t1:.1f} s; "

@@ -97,9 +97,9 @@ class Fp8LinearMethod:
 
         rows = x.numel() // x.shape[-1]
         if rows <= triton_quant.WQ_GEMV_MAX_ROWS:
-            # never a programmatic dependent: measured on an H200 (Llama-3.1-8B fp8 decode
-            # step, scripts/results/session20_h200.md) 2.71-2.73 ms plain, 2.80 as a dependent,
-            # 2.85 letting its successor launch early (whose early CTAs slow its many waves)
+            # no programmatic dependent launch: a Llama-3.1-8B fp8 decode step on an H200
+            # (scripts/results/session20_h200.md) took 2.71-2.73 ms plain, 2.80-2.82 with the
+            # GEMV a dependent, 2.85 with only its successor launched early
             return triton_quant.fp8_weight_gemv(x, qweight, scale, bias)
         xq, x_scale = triton_quant.quantize_fp8_rows(x, self.static_input_scale)
         out = torch._scaled_mm(
