@@ -206,13 +206,30 @@ def test_dry_run_leaves_the_runner_as_it_was(tmp_path: Path) -> None:
         assert got.sampled_token_ids == result.sampled_token_ids
 
 
-def test_start_up_steps_fit_an_engine_of_one_sequence(tmp_path: Path) -> None:
-    """With max_num_seqs=1 the start-up's synthetic steps (the CUDA warm-up's mixed steps, the
-    dry run) hold one request each, and the runner then serves as usual."""
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"max_num_seqs": 1},
+        {"max_model_len": 40, "max_num_seqs": 4},
+        {"max_model_len": 64, "max_num_batched_tokens": 16},
+        {"max_model_len": 8, "max_num_seqs": 2},
+    ],
+    ids=["one-sequence", "short-model-len", "small-token-budget", "tiny-model-len"],
+)
+def test_start_up_steps_fit_the_engines_limits(tmp_path: Path, limits: dict[str, int]) -> None:
+    """The start-up's synthetic steps (the CUDA warm-up's mixed steps, the dry run) stay within
+    max_num_seqs, max_model_len and the token budget (a GPU engine with a smaller limit than
+    the warm-up's chunk of 128 tokens, or one sequence, failed to start), and leave the runner
+    empty."""
     save_hf_model("qwen3", tmp_path)
-    runner = make_runner(tmp_path, max_num_seqs=1)
+    runner = make_runner(tmp_path, **limits)
+    config = runner.config
     plans = startup._warm_up_plans(runner, startup.num_kv_blocks(runner) * runner.block_size)
-    assert plans and all(len(plan.new_requests) == 1 for plan, _ in plans)
+    assert plans
+    for plan, _ in plans:
+        assert len(plan.new_requests) <= config.max_num_seqs
+        assert sum(plan.num_scheduled_tokens) <= config.max_num_batched_tokens
+        assert all(len(r.token_ids) <= config.max_model_len for r in plan.new_requests)
     startup.warm_up_eager_kernels(runner, startup.num_kv_blocks(runner))
     startup.dry_run(runner)
     assert len(runner.input_batch) == 0

@@ -16,7 +16,6 @@ consecutive blocks from block 0) and leave nothing behind in its persistent batc
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 
@@ -201,16 +200,21 @@ def _capture_prefill_graphs(runner: ModelRunner, step: DecodeStep) -> None:
 
 def _warm_up_plans(runner: ModelRunner, capacity: int) -> list[tuple[StepPlan, int]]:
     """The warm-up steps for a KV cache of `capacity` tokens, each with the blocks it uses: a
-    prefill chunk and a decode in one step, or in two steps when max_num_seqs is 1."""
-    assert runner.config.max_model_len is not None
-    long_context = min(runner.config.max_model_len, 4096, capacity - 256)
+    prefill chunk and a decode in one step, or in two steps when max_num_seqs is 1; chunks cut
+    to what a step of this engine can hold (max_model_len, the token budget)."""
+    config = runner.config
+    assert config.max_model_len is not None
+    long_context = min(config.max_model_len, 4096, capacity - 256)
+    largest_chunk = min(config.max_model_len, config.max_num_batched_tokens - 1)
     greedy = SamplingParams(temperature=0.0)
     plans = []
-    for chunk, context in itertools.product(_WARMUP_CHUNKS, (16, long_context)):
-        if context < 2 or chunk + context > capacity:
+    contexts = (min(16, config.max_model_len), long_context)
+    shapes = {(min(chunk, largest_chunk), ctx) for chunk in _WARMUP_CHUNKS for ctx in contexts}
+    for chunk, context in sorted(shapes):
+        if chunk < 1 or context < 2 or chunk + context > capacity:
             continue
         mixed = [(chunk, 0), (1, context - 1)]
-        steps = [mixed] if runner.config.max_num_seqs >= 2 else [[part] for part in mixed]
+        steps = [mixed] if config.max_num_seqs >= 2 else [[part] for part in mixed]
         plans += [_synthetic_plan(runner, requests, greedy) for requests in steps]
     return plans
 
