@@ -140,6 +140,31 @@ def test_seeded_sampling_is_reproducible_and_n_gives_several(llama_engine: LLM) 
     assert [o.index for o in a.outputs] == [0, 1, 2]
 
 
+def test_logit_bias_steers_greedy_and_sampled_tokens(llama_engine: LLM) -> None:
+    """vLLM's logit_bias through the whole engine: +100 makes a token every greedy pick
+    (in the static decode path too), -100 keeps a token out of greedy and seeded n > 1 output,
+    and requests without a bias in the same batch are untouched."""
+    from pagedserve.api.client_core import EngineRequestError
+
+    prompt = random_prompts(400, [10], seed=6)[0]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = llama_engine.generate([prompt], plain)[0].outputs[0].token_ids
+    forced = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={7: 100})
+    both = llama_engine.generate([prompt, prompt], [forced, plain])
+    assert both[0].outputs[0].token_ids == [7] * 12 and both[1].outputs[0].token_ids == free
+    banned = set(free)
+    ban = {t: -100.0 for t in banned}
+    greedy_ban = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=ban)
+    seeded_ban = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=12, ignore_eos=True,
+                                logit_bias=ban)  # fmt: skip
+    outputs = llama_engine.generate([prompt, prompt], [greedy_ban, seeded_ban])
+    for output in outputs:
+        for completion in output.outputs:
+            assert len(completion.token_ids) == 12 and not banned & set(completion.token_ids)
+    with pytest.raises(EngineRequestError, match="logit_bias"):
+        llama_engine.generate([prompt], SamplingParams(logit_bias={10**6: 1.0}))
+
+
 def test_text_prompts_and_token_prompts_agree(llama_engine: LLM) -> None:
     text_out = llama_engine.generate("To be, or not", SamplingParams(temperature=0, max_tokens=8))
     ids = text_out[0].prompt_token_ids

@@ -539,7 +539,6 @@ def test_model_tokenize_detokenize_and_version_endpoints(server, api: openai.Ope
         ("/v1/chat/completions", {"tool_choice": "required"}),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}),
         ("/v1/completions", {"best_of": 3}),
-        ("/v1/completions", {"logit_bias": {"5": 10}}),
         ("/v1/completions", {"suffix": "The end."}),
         ("/v1/completions", {"guided_grammar": "start: 'a'"}),
     ],
@@ -562,6 +561,27 @@ def test_fields_that_are_not_implemented_are_a_400(server, path: str, fields: di
 )
 def test_fields_that_change_nothing_are_accepted(server, path: str, fields: dict) -> None:
     assert httpx.post(server[1] + path, json={**minimal_body(path), **fields}).status_code == 200
+
+
+def test_logit_bias_steers_the_tokens_and_bad_keys_are_a_400(server, api: openai.OpenAI) -> None:
+    """OpenAI's logit_bias (token id as text -> bias, clamped to [-100, 100]): a bias of 100
+    (here 500) makes one token every greedy pick, on both endpoints; a key that is no token
+    id, or an id outside the vocabulary, is a 400."""
+    base = server[1]
+    token = httpx.post(base + "/tokenize", json={"prompt": " the"}).json()["tokens"][-1]
+    expected = httpx.post(base + "/detokenize", json={"tokens": [token] * 5}).json()["prompt"]
+    settings = {"max_tokens": 5, "temperature": 0, "logit_bias": {str(token): 500}}
+    completion = api.completions.create(model=MODEL_NAME, prompt="To be", **settings)
+    assert completion.choices[0].text == expected
+    chat = api.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], **settings
+    )
+    assert chat.choices[0].message.content == expected
+    for bias in ({"the": 1}, {"-3": 1}, {"1000000": 1}):
+        body = {**minimal_body("/v1/completions"), "logit_bias": bias}
+        response = httpx.post(base + "/v1/completions", json=body)
+        assert response.status_code == 400
+        assert "logit_bias" in response.json()["error"]["message"]
 
 
 def minimal_body(path: str) -> dict:

@@ -221,3 +221,35 @@ def test_a_handle_already_in_the_batch_is_refused() -> None:
     batch = make_batch([SamplingParams()])
     with pytest.raises(ValueError, match="already in the persistent batch"):
         batch.add_request(NewRequestData(0, [1, 2], 2, SamplingParams(), 1, [3], 0))
+
+
+def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw() -> None:
+    """vLLM's logit_bias: each biased token's logit gets its bias before penalties and
+    sampling (greedy and seeded rows alike, only the rows that ask), while the returned
+    logprobs are those of the raw logits."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))
+    favourite, banned = int(logits[0].argmin()), int(logits[1].argmax())
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={favourite: 100.0}, logprobs=1),
+        SamplingParams(temperature=1.0, seed=9, logit_bias={banned: -100.0}),
+        SamplingParams(temperature=0.0),
+    ]
+    batch = make_batch(params)
+    assert not batch.all_plain_greedy(np.arange(3)) and batch.all_plain_greedy(np.array([2]))
+    draws = set()
+    for position in range(40):  # the seeded row draws anew at every position
+        metadata = metadata_at(batch, np.arange(3), VOCAB, position)
+        out = Sampler(use_triton=False)(logits, metadata)
+        tokens = out.token_ids.tolist()
+        assert tokens[0] == favourite and tokens[2] == int(logits[2].argmax())
+        draws.add(tokens[1])
+    assert banned not in draws and len(draws) > 5
+    raw = torch.log_softmax(logits[0], dim=-1)[favourite].item()
+    assert out.logprobs[0].logprob == pytest.approx(raw, abs=1e-5)  # type: ignore[index]
+
+
+def test_logit_bias_keys_must_be_token_ids() -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(logit_bias={3: math.inf})

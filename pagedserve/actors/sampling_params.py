@@ -46,6 +46,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
     prompt_logprobs: int | None = None  # top logprobs per prompt token (0: the token's own)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         import math
@@ -57,6 +58,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for name, value in [*((n, getattr(self, n)) for n in integers), *stop_ids]:
             if value is not None and not -(2**63) <= value < 2**63:
                 raise ValueError(f"{name} must be a 64-bit integer, got {value}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not 0 <= token < 2**63:
+                raise ValueError(f"logit_bias keys must be token ids, got {token}")
+            if not math.isfinite(bias):
+                raise ValueError("logit_bias values must be finite numbers")
         penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
         for name in ("temperature", "top_p", "min_p", *penalties):
             if not math.isfinite(getattr(self, name)):

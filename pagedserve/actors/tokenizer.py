@@ -85,7 +85,13 @@ class PromptEncoder:
             raise ValueError("a request needs a prompt, prompt token ids or chat messages")
         self.check_ids(ids, request.resume_token_ids)
         self.check_grammar(request)
+        self.check_logit_bias(request)
         return ids
+
+    def check_logit_bias(self, request: GenerateRequest) -> None:
+        biased = request.sampling.logit_bias or {}
+        if any(not 0 <= t < self.vocab_size for t in biased):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
 
     def check_grammar(self, request: GenerateRequest) -> None:
         structured = request.sampling.structured_outputs

@@ -65,14 +65,11 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Int64 | None = None  # vLLM's: top logprobs per prompt token
-    # Not implemented: a 400 when asked for (see `check_supported`)
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias, clamped to +-100
 
     def check_supported(self) -> None:
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise ValueError("best_of other than n is not supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stream and self.prompt_logprobs:  # as vLLM
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
 
@@ -125,7 +122,20 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_output_params(),
             prompt_logprobs=prompt_logprobs,
+            logit_bias=self.token_biases(),
         )
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias with int keys and each bias clamped to [-100, 100] (OpenAI's range, as
+        vLLM does); a key that is not a token id is a ValueError (a 400)."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            biases[int(key)] = min(100.0, max(-100.0, bias))
+        return biases
 
     @property
     def include_usage(self) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedserve.actors.messages import NewRequestData, SamplingParams
-from pagedserve.actors.worker.sampler import PenaltyState, SamplingMetadata
+from pagedserve.actors.worker.sampler import LogitBias, PenaltyState, SamplingMetadata
 from pagedserve.kernels.attention_metadata import cdiv
 
 GREEDY_TEMPERATURE = 1e-5
@@ -36,7 +36,7 @@ class _SamplingColumns:
     frequency: np.ndarray
     repetition: np.ndarray
     num_logprobs: np.ndarray  # -1: not asked
-    plain_greedy: np.ndarray  # bool: greedy, no penalties, no logprobs, no grammar
+    plain_greedy: np.ndarray  # bool: greedy, no penalties, no bias, no logprobs, no grammar
     num_prompt_logprobs: np.ndarray  # -1: not asked
 
     @classmethod
@@ -64,6 +64,7 @@ class _SamplingColumns:
             and params.frequency_penalty == 0.0
             and params.repetition_penalty == 1.0
             and params.structured_outputs is None
+            and not params.logit_bias
         )
         self.num_prompt_logprobs[row] = (
             -1 if params.prompt_logprobs is None else params.prompt_logprobs
@@ -91,6 +92,7 @@ class InputBatch:
         self.sampling = _SamplingColumns.allocate(max_num_reqs)
         self.seeds = np.zeros(max_num_reqs, np.int64)  # each request's RNG key
         self.penalty_rows: set[int] = set()  # rows whose sampling reads their past tokens
+        self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (tokens, biases)
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -116,6 +118,9 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_block_ids(row, data.block_ids)
         self.sampling.set_row(row, data.sampling)
+        if data.sampling.logit_bias:
+            bias = data.sampling.logit_bias
+            self.biases[row] = (np.fromiter(bias, np.int64), np.fromiter(bias.values(), np.float32))
         self.seeds[row] = data.seed
         if self.needs_token_history(np.array([row])):
             self.penalty_rows.add(row)
@@ -125,6 +130,7 @@ class InputBatch:
         row = self.row_of.pop(handle, None)
         if row is not None:
             self.penalty_rows.discard(row)
+            self.biases.pop(row, None)
             heapq.heappush(self._free_rows, row)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
@@ -174,6 +180,7 @@ class InputBatch:
             all_greedy=all_greedy,
             all_random=not bool(greedy.any()),
             penalties=self._penalties(rows, positions, vocab_size),
+            logit_bias=self._logit_bias(rows),
             num_logprobs=[None if n < 0 else n for n in num_logprobs],
         )
         if not metadata.all_greedy:
@@ -195,6 +202,18 @@ class InputBatch:
         min_p = np.where(greedy, 0.0, self.sampling.min_p[rows]).astype(np.float32)
         if (min_p > 0.0).any():
             metadata.min_p = self._to_device(min_p)
+
+    def _logit_bias(self, rows: np.ndarray) -> LogitBias | None:
+        """The biases of these rows (index i of the step: rows[i]'s), or None without any."""
+        if not self.biases:
+            return None
+        parts = [(i, self.biases[row]) for i, row in enumerate(rows.tolist()) if row in self.biases]
+        if not parts:
+            return None
+        index = np.concatenate([np.full(len(tokens), i, np.int64) for i, (tokens, _) in parts])
+        tokens = np.concatenate([tokens for _, (tokens, _) in parts])
+        biases = np.concatenate([biases for _, (_, biases) in parts])
+        return LogitBias(self._to_device(index), self._to_device(tokens), self._to_device(biases))
 
     def _penalties(
         self, rows: np.ndarray, lengths: np.ndarray, vocab_size: int

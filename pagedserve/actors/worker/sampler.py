@@ -1,9 +1,10 @@
 """Token sampling, vectorised over the batch (vLLM V1 semantics).
 
-Order: raw log-softmax (for the logprobs, before anything else) -> penalties (repetition over
-prompt + output, frequency/presence over the output) -> greedy argmax for rows with temperature
-< 1e-5 -> temperature -> top-k / top-p / min-p support -> Gumbel-max: argmax(z + g) over the
-support, g = -log(-log u) standard Gumbel noise, samples from softmax(z) on it.
+Order: raw log-softmax (for the logprobs, before anything else) -> logit_bias (added) ->
+penalties (repetition over prompt + output, frequency/presence over the output) -> greedy argmax
+for rows with temperature < 1e-5 -> temperature -> top-k / top-p / min-p support -> Gumbel-max:
+argmax(z + g) over the support, g = -log(-log u) standard Gumbel noise, samples from softmax(z)
+on it.
 
 The noise is counter-based: u for (row, token i) is a hash of the request's RNG key (its seed,
 or one the scheduler drew for it) and the position of the token being sampled
@@ -33,6 +34,15 @@ class PenaltyState:
 
 
 @dataclass
+class LogitBias:
+    """Every biased (row, token) of a step: logits[rows[i], tokens[i]] += biases[i]."""
+
+    rows: torch.Tensor  # [E] int64
+    tokens: torch.Tensor  # [E] int64
+    biases: torch.Tensor  # [E] float32
+
+
+@dataclass
 class SamplingMetadata:
     """Per-row sampling settings of one step; optional parts are None when no row uses them."""
 
@@ -44,6 +54,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None = None  # [B] float32; 1.0 on rows without top-p
     min_p: torch.Tensor | None = None  # [B] float32
     penalties: PenaltyState | None = None
+    logit_bias: LogitBias | None = None
     seeds: torch.Tensor | None = None  # [B] int64: each row's RNG key (None: all greedy)
     positions: torch.Tensor | None = None  # [B] int64: position of the token each row samples
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None: not asked
@@ -70,10 +81,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, vocab] (any float dtype; computed in float32)."""
-        if metadata.all_greedy and metadata.penalties is None and not metadata.wants_logprobs:
+        plain = metadata.penalties is None and metadata.logit_bias is None
+        if metadata.all_greedy and plain and not metadata.wants_logprobs:
             return SamplerOutput(token_ids=logits.argmax(dim=-1), logprob_tensors=None)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.wants_logprobs else None
+        if metadata.logit_bias is not None:
+            bias = metadata.logit_bias
+            logits = logits.index_put((bias.rows, bias.tokens), bias.biases, accumulate=True)
         if metadata.penalties is not None:
             logits = apply_penalties(logits, metadata.penalties)
         token_ids = self._sample(logits, metadata)
