@@ -132,7 +132,7 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
             return None
         biases = {}
         for key, bias in self.logit_bias.items():
-            if not key.strip().isdigit():
+            if not key.strip().isdecimal():  # what int() reads: "²" is a digit, not decimal
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             biases[int(key)] = min(100.0, max(-100.0, bias))
         return biases
