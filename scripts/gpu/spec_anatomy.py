@@ -320,6 +320,8 @@ def scheduled_steps(runner: ModelRunner, tokens: int) -> str:
         times.append(time.perf_counter() - start)
         emitted += sum(result.num_sampled or [1] * len(result.handles))
         scheduler.update_from_result(result)
+    for handle in list(runner.input_batch.row_of):  # the finish that no later plan tells
+        runner.input_batch.remove_request(handle)
     steady = times[3:] or times
     return (f"- scheduler-driven, batch 1, {tokens} tokens in this process: "
             f"{statistics.median(steady) * 1e3:.3f} ms per step (median), "
