@@ -29,15 +29,16 @@ class Case:
     figure: str  # a column that must be positive in every row
 
 
+BUS_PATHS = ("bus", "floor", "floor-paced")
 CASES = {
     "scheduler": Case(
         "scheduler", ("--running", "4", "16", "--steps", "20"), "running", ("4", "16"), "steps/s"
     ),
     "bus": Case(
         "bus",
-        ("--decodes", "4", "--iterations", "20", "--rounds", "1", "--variants", "bus", "floor"),
+        ("--decodes", "4", "--iterations", "20", "--rounds", "1", "--variants", *BUS_PATHS),
         "path",
-        ("bus", "floor"),
+        BUS_PATHS,
         "round trip µs p50",
     ),
     "detokenizer": Case(

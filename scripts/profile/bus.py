@@ -14,6 +14,13 @@ Variants, run in interleaved rounds so that a busy machine disturbs them alike:
   bus-worker-waits  the same, but the worker's inbox waits on the loop without polling first
   floor             the same bytes ping-ponged by plain synchronous ZeroMQ sockets, with no
                     Python work but send and receive: what the machine and ZeroMQ cost
+  floor-paced       the same, but between two round trips the driver does the scheduler's
+                    untimed work (its next plan, the result applied), as the bus rows do: an
+                    idle CPU that waited that long wakes more slowly (on a VM whose guest does
+                    not poll before it halts, `haltpoll.guest_halt_poll_ns=0`, the host's own
+                    halt polling ends after ~200 µs)
+  floor-paced-spin  floor-paced with both ends polling in a loop instead of sleeping in the
+                    kernel: what busy waiting (one CPU each) would buy
 Every socket speaks CURVE, as the engine's do; `--no-curve` adds rows without it.
 `--reply-delay-ms D` makes the echo sleep D ms before each answer (a step on the device): the
 row's round trip is then the time beyond D, and an inbox whose poll (`--poll-first-ms`, the
@@ -59,7 +66,7 @@ from pagedserve.config import EngineConfig
 WARM_UP = 200  # round trips not counted: connections, allocations
 PROMPT_LEN = 20
 BLOCK_SIZE = 16
-VARIANTS = ("bus", "bus-worker-waits", "floor")
+VARIANTS = ("bus", "bus-worker-waits", "floor", "floor-paced", "floor-paced-spin")
 SAMPLED = 7 + np.arange(4096, dtype=np.int64) % 50  # the tokens a step samples
 
 
@@ -156,8 +163,9 @@ def typical_frames(decodes: int, epoch: int) -> tuple[bytes, bytes]:
 
 
 def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: int,
-          epoch: int, delay_s: float) -> list[float]:  # fmt: skip
-    """The same frames by synchronous sockets: `role` "echo" answers, "drive" times."""
+          epoch: int, delay_s: float, variant: str = "floor") -> list[float]:  # fmt: skip
+    """The same frames by synchronous sockets: `role` "echo" answers, "drive" times; the
+    paced variants plan and apply each step untimed between round trips (module doc)."""
     addresses, ctx, drives = Addresses(run_dir), zmq.Context(), role == "drive"
     plans = floor_socket(
         ctx, zmq.PUSH if drives else zmq.PULL, addresses.worker_inbox(0), drives, keys
@@ -166,20 +174,35 @@ def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: in
         ctx, zmq.PULL if drives else zmq.PUSH, addresses.scheduler_inbox, drives, keys
     )
     plan, result = typical_frames(decodes, epoch)
+    spin = variant == "floor-paced-spin"
+    paced = drives and variant != "floor"
+    scheduler = decoding_scheduler(decodes, n + WARM_UP, epoch) if paced else None
     samples = []
-    while not drives and len(plans.recv()) > 1:
+    while not drives and len(receive(plans, spin)) > 1:
         if delay_s:
             time.sleep(delay_s)
         results.send(result)
     for i in range(n + WARM_UP if drives else 0):
+        step = scheduler.schedule() if scheduler is not None else None
+        if step is not None:  # the scheduler's work between two round trips, untimed
+            plan = bus.encode(step)
         start = time.perf_counter()
         plans.send(plan)
-        results.recv()
+        receive(results, spin)
         if i >= WARM_UP:
             samples.append(time.perf_counter() - start - delay_s)
+        if scheduler is not None and step is not None:  # the echo's bytes are a typical result
+            scheduler.update_from_result(worker_result(step))
     plans.send(b"x") if drives else None
     ctx.destroy(linger=0)
     return samples
+
+
+def receive(sock: zmq.Socket, spin: bool) -> bytes:
+    """The next frame: a blocking receive, or (spin) polling without sleeping until one is in."""
+    while spin and not zmq.zmq_poll([(sock, zmq.POLLIN)], 0):
+        pass
+    return sock.recv()
 
 
 def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int,
@@ -196,8 +219,9 @@ def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int,
     child.stdin.write(keys)  # type: ignore[union-attr]
     child.stdin.close()  # type: ignore[union-attr]
     try:
-        if variant == "floor":
-            return floor(run_dir, credentials, "drive", decodes, n, epoch, delay_ms / 1e3)
+        if variant.startswith("floor"):
+            return floor(run_dir, credentials, "drive", decodes, n, epoch, delay_ms / 1e3,
+                         variant)  # fmt: skip
         return anyio.run(drive, run_dir, credentials, decodes, n, epoch, poll_ms / 1e3,
                          delay_ms / 1e3)  # fmt: skip
     finally:
@@ -208,8 +232,8 @@ def run_echo(args: argparse.Namespace) -> None:
     keys = sys.stdin.read()
     credentials = msgspec.json.decode(keys, type=Credentials) if keys else None
     variant, delay_s = args.variants[0], args.reply_delay_ms / 1e3
-    if variant == "floor":
-        floor(args.echo, credentials, "echo", args.decodes[0], 0, args.epoch, delay_s)
+    if variant.startswith("floor"):
+        floor(args.echo, credentials, "echo", args.decodes[0], 0, args.epoch, delay_s, variant)
     else:
         poll_first_s = 0.0 if variant == "bus-worker-waits" else args.poll_first_ms[0] / 1e3
         anyio.run(echo, args.echo, credentials, poll_first_s, delay_s)
@@ -245,7 +269,7 @@ def main() -> None:
           "| round trip µs p50 | p90 | p99 |")  # fmt: skip
     print("|---:|:---:|---|---:|---:|---:|---|---:|---:|---:|")
     for decodes in args.decodes:
-        polls = {v: args.poll_first_ms if v != "floor" else [0.0] for v in args.variants}
+        polls = {v: [0.0] if v.startswith("floor") else args.poll_first_ms for v in args.variants}
         cases = [(v, True, p) for v in args.variants for p in polls[v]]
         cases += [(v, False, p) for v in args.variants for p in polls[v]] if args.no_curve else []
         samples: dict[tuple[str, bool, float], list[list[float]]] = {c: [] for c in cases}
