@@ -7,11 +7,12 @@ import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers.processors import TemplateProcessing
 from transformers import PreTrainedTokenizerFast
 
 from pagedserve.actors.chat import apply_chat_template, eos_token_ids, load_tokenizer
 from pagedserve.actors.incremental_detokenizer import IncrementalDetokenizer, TokenDecoder
-from pagedserve.actors.messages import ChatMessage, SamplingParams
+from pagedserve.actors.messages import ChatMessage, PromptOptions, SamplingParams
 
 FFFD = "\ufffd"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -426,24 +427,63 @@ def test_apply_chat_template(bl):
     bl.chat_template = CHATML
     try:
         msgs = [ChatMessage("system", "be nice"), ChatMessage("user", "héllo 🙂")]
-        ids = apply_chat_template(bl, msgs, add_generation_prompt=True)
+        ids = apply_chat_template(bl, msgs, PromptOptions())
         assert all(isinstance(i, int) for i in ids)
         expected = "<|im_start|>system\nbe nice<|im_end|>\n<|im_start|>user\nhéllo 🙂<|im_end|>\n"
         assert bl.decode(ids) == expected + "<|im_start|>assistant\n"
         assert ids.count(bl.convert_tokens_to_ids("<|im_start|>")) == 3
-        ids = apply_chat_template(bl, msgs, add_generation_prompt=False)
+        ids = apply_chat_template(bl, msgs, PromptOptions(add_generation_prompt=False))
         assert bl.decode(ids) == expected
+    finally:
+        bl.chat_template = None
+
+
+def test_chat_template_options(bl):
+    """vLLM's chat fields: the final message left open (continue_final_message), variables
+    for the template (chat_template_kwargs), the tokenizer's special tokens on request."""
+    bl.chat_template = (
+        CHATML[: CHATML.index("{% if add_generation_prompt")]
+        + "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        + "{% if not enable_thinking | default(true) %}<think></think>{% endif %}{% endif %}"
+    )
+    try:
+        msgs = [ChatMessage("user", "hi"), ChatMessage("assistant", "Once upon")]
+        options = PromptOptions(add_generation_prompt=False, continue_final_message=True)
+        text = bl.decode(apply_chat_template(bl, msgs, options))
+        assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon"
+        one = [ChatMessage("user", "hi")]
+        thinking = bl.decode(apply_chat_template(bl, one, PromptOptions()))
+        off = PromptOptions(chat_template_kwargs={"enable_thinking": False})
+        assert bl.decode(apply_chat_template(bl, one, off)) == thinking + "<think></think>"
+        plain = apply_chat_template(bl, one, PromptOptions())
+        eot = bl.convert_tokens_to_ids("<|endoftext|>")
+        backend, saved = bl.backend_tokenizer, bl.backend_tokenizer.post_processor
+        backend.post_processor = TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", eot)]
+        )  # a tokenizer that adds a BOS of its own
+        try:
+            assert apply_chat_template(bl, one, PromptOptions()) == plain
+            special = apply_chat_template(bl, one, PromptOptions(add_special_tokens=True))
+            assert special == [eot, *plain]
+        finally:
+            backend.post_processor = saved
     finally:
         bl.chat_template = None
 
 
 def test_apply_chat_template_errors(bl):
     with pytest.raises(ValueError, match="no chat template"):
-        apply_chat_template(bl, [ChatMessage("user", "hi")], add_generation_prompt=True)
+        apply_chat_template(bl, [ChatMessage("user", "hi")], PromptOptions())
     bl.chat_template = "{{ raise_exception('roles must alternate') }}"
     try:
         with pytest.raises(ValueError, match="roles must alternate"):
-            apply_chat_template(bl, [ChatMessage("user", "hi")], add_generation_prompt=True)
+            apply_chat_template(bl, [ChatMessage("user", "hi")], PromptOptions())
+        both = PromptOptions(continue_final_message=True)  # add_generation_prompt too
+        with pytest.raises(ValueError, match="Cannot set both"):
+            apply_chat_template(bl, [ChatMessage("user", "hi")], both)
+        reserved = PromptOptions(chat_template_kwargs={"tokenize": True, "x": 1})
+        with pytest.raises(ValueError, match="may not set tokenize"):
+            apply_chat_template(bl, [ChatMessage("user", "hi")], reserved)
     finally:
         bl.chat_template = None
 

@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import msgspec
 import psutil
 import pytest
 
@@ -163,6 +164,32 @@ def test_logit_bias_steers_greedy_and_sampled_tokens(llama_engine: LLM) -> None:
             assert len(completion.token_ids) == 12 and not banned & set(completion.token_ids)
     with pytest.raises(EngineRequestError, match="logit_bias"):
         llama_engine.generate([prompt], SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_allowed_token_ids_and_truncated_prompts_through_the_engine(llama_engine: LLM) -> None:
+    """vLLM's allowed_token_ids (greedy and seeded n > 1 sample only them, beside a free
+    request in the same batch) and truncate_prompt_tokens (the prompt's last k tokens: the
+    same output as a request of those tokens alone)."""
+    from pagedserve.api.client_core import EngineRequestError
+
+    prompt = random_prompts(400, [30], seed=8)[0]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = llama_engine.generate([prompt], plain)[0].outputs[0].token_ids
+    allowed = [7, 9, 11]
+    greedy = msgspec.structs.replace(plain, allowed_token_ids=allowed)
+    seeded = msgspec.structs.replace(greedy, temperature=1.0, seed=4, n=3)
+    outputs = llama_engine.generate([prompt] * 3, [greedy, seeded, plain])
+    assert outputs[2].outputs[0].token_ids == free
+    drawn = [t for o in outputs[:2] for c in o.outputs for t in c.token_ids]
+    assert len(drawn) == 48 and set(drawn) <= set(allowed) and len(set(drawn)) > 1
+    with pytest.raises(EngineRequestError, match="allowed_token_ids"):
+        llama_engine.generate([prompt], SamplingParams(allowed_token_ids=[10**6]))
+    cut = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, truncate_prompt_tokens=5)
+    truncated, tail = llama_engine.generate([prompt, prompt[-5:]], [cut, plain])
+    assert truncated.prompt_token_ids == prompt[-5:]
+    assert truncated.outputs[0].token_ids == tail.outputs[0].token_ids
+    with pytest.raises(ValueError, match="Cannot set both"):
+        llama_engine.chat([{"role": "user", "content": "x"}], continue_final_message=True)
 
 
 def test_text_prompts_and_token_prompts_agree(llama_engine: LLM) -> None:

@@ -12,7 +12,7 @@ import httpx2 as httpx
 import pytest
 
 from pagedserve.actors.chat import load_tokenizer
-from pagedserve.actors.messages import RequestDelta, SamplingParams
+from pagedserve.actors.messages import PromptOptions, RequestDelta, SamplingParams
 from pagedserve.api.client_core import EngineRequestError, Prompt
 from pagedserve.api.errors import RETRY_AFTER_S
 from pagedserve.api.openai_server import OpenAIServer, build_app
@@ -27,7 +27,11 @@ class RefusingEngine:
         self.status_code = status_code
 
     async def generate(
-        self, prompt: Prompt, sampling: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        options: PromptOptions | None = None,
     ) -> AsyncIterator[RequestDelta]:
         raise EngineRequestError("the engine's waiting queue is full", self.status_code)
         yield  # an async generator, like the real client's

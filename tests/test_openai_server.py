@@ -84,6 +84,11 @@ def metric(text: str, name: str, default: float | None = None) -> float:
 def test_models_health_and_metrics(server, api: openai.OpenAI) -> None:
     assert [m.id for m in api.models.list().data] == [MODEL_NAME]
     assert httpx.get(server[1] + "/health").status_code == 200
+    assert (
+        httpx.get(server[1] + "/ping").status_code
+        == httpx.post(server[1] + "/ping").status_code
+        == 200
+    )
     text = httpx.get(server[1] + "/metrics").text
     assert metric(text, "pagedserve:kv_cache_total_blocks") == 512
     assert "pagedserve:time_to_first_token_seconds_bucket" in text
@@ -378,7 +383,7 @@ def test_api_key_and_restart_of_dead_stateless_actors(model_path: Path) -> None:
 
 
 def check_api_key_guards(port: int, key: str) -> None:
-    """Every route but /health, /metrics and /version needs the key, which is checked before
+    """Every route but /health, /ping, /metrics and /version needs the key, which is checked before
     the body is read (a 401 comes back while the declared body has not been sent)."""
     base = f"http://127.0.0.1:{port}"
     for path in ("/v1/models", f"/v1/models/{MODEL_NAME}", "/tokenize", "/v1/completions"):
@@ -388,7 +393,7 @@ def check_api_key_guards(port: int, key: str) -> None:
             )
             assert response.status_code == 401, path
             assert response.json()["error"]["code"] == "invalid_api_key"
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/ping", "/metrics", "/version"):
         assert httpx.get(base + path).status_code == 200
     assert httpx.get(base + "/v1/models", headers={"authorization": f"Bearer {key}"}).is_success
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -541,6 +546,16 @@ def test_model_tokenize_detokenize_and_version_endpoints(server, api: openai.Ope
         ("/v1/completions", {"best_of": 3}),
         ("/v1/completions", {"suffix": "The end."}),
         ("/v1/completions", {"guided_grammar": "start: 'a'"}),
+        # vLLM's extra fields that would change the output
+        ("/v1/completions", {"bad_words": ["the"]}),
+        ("/v1/chat/completions", {"use_beam_search": True}),
+        ("/v1/completions", {"length_penalty": 0.5}),
+        ("/v1/completions", {"priority": 1}),
+        ("/v1/chat/completions", {"logits_processors": ["a.b"]}),
+        ("/v1/completions", {"guided_whitespace_pattern": " "}),
+        ("/v1/completions", {"prompt_embeds": "AAAA"}),
+        ("/v1/chat/completions", {"echo": True}),
+        ("/v1/chat/completions", {"documents": [{"text": "x"}]}),
     ],
 )
 def test_fields_that_are_not_implemented_are_a_400(server, path: str, fields: dict) -> None:
@@ -582,6 +597,113 @@ def test_logit_bias_steers_the_tokens_and_bad_keys_are_a_400(server, api: openai
         response = httpx.post(base + "/v1/completions", json=body)
         assert response.status_code == 400
         assert "logit_bias" in response.json()["error"]["message"]
+
+
+def test_chat_template_fields_reach_the_template(server, api: openai.OpenAI) -> None:
+    """vLLM's add_generation_prompt (it was ignored), continue_final_message and
+    chat_template_kwargs: the engine's prompt is what /tokenize renders with the same fields;
+    both flags at once, or a kwarg that is apply_chat_template's own, is a 400."""
+    base = server[1]
+    user = [{"role": "user", "content": "Who art thou?"}]
+    opening = [*user, {"role": "assistant", "content": "I am the"}]
+    cases = [
+        (user, {}),
+        (user, {"add_generation_prompt": False}),
+        (opening, {"add_generation_prompt": False, "continue_final_message": True}),
+        (user, {"chat_template_kwargs": {"enable_thinking": False}}),  # a variable it ignores
+    ]
+    prompts = []
+    for messages, fields in cases:
+        expected = httpx.post(base + "/tokenize", json={"messages": messages, **fields}).json()
+        chat = api.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=2,
+            extra_body={**fields, "return_token_ids": True},
+        )  # fmt: skip
+        assert chat.model_extra["prompt_token_ids"] == expected["tokens"]
+        prompts.append(expected["tokens"])
+    assert prompts[0][: len(prompts[1])] == prompts[1] and len(prompts[0]) > len(prompts[1])
+    text = httpx.post(base + "/detokenize", json={"tokens": prompts[2]}).json()["prompt"]
+    assert text.endswith("I am the") and prompts[3] == prompts[0]
+    for fields in ({"continue_final_message": True}, {"chat_template_kwargs": {"tokenize": 1}}):
+        body = {**minimal_body("/v1/chat/completions"), **fields}
+        for path in ("/v1/chat/completions", "/tokenize"):
+            response = httpx.post(base + path, json=body)
+            assert response.status_code == 400, (path, fields)
+
+
+def test_vllm_token_fields_on_both_endpoints(server, api: openai.OpenAI) -> None:
+    """allowed_token_ids (only those sampled), truncate_prompt_tokens (the prompt's last k
+    tokens; -1: what leaves room for one output token), return_token_ids (the prompt's and
+    each choice's ids, streamed too) and return_tokens_as_token_ids ("token_id:{id}" in the
+    logprobs)."""
+    base = server[1]
+    ids = httpx.post(base + "/tokenize", json={"prompt": "To be, or not to be"}).json()["tokens"]
+    greedy = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0}
+    with_ids = {"return_token_ids": True}
+    allowed = ids[-3:]
+    out = api.completions.create(
+        prompt="To be", **{**greedy, "temperature": 1.0}, n=3, seed=2,
+        extra_body={"allowed_token_ids": allowed, **with_ids},
+    )  # fmt: skip
+    assert all(set(c.model_extra["token_ids"]) <= set(allowed) for c in out.choices)
+    cut = api.completions.create(
+        prompt="To be, or not to be", **greedy,
+        extra_body={"truncate_prompt_tokens": 3, **with_ids},
+    )  # fmt: skip
+    tail = api.completions.create(prompt=ids[-3:], **greedy)
+    assert cut.choices[0].model_extra["prompt_token_ids"] == ids[-3:]
+    assert cut.choices[0].text == tail.choices[0].text and cut.usage.prompt_tokens == 3
+    long = api.completions.create(
+        prompt="to be " * MAX_MODEL_LEN, **greedy, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert long.usage.prompt_tokens == MAX_MODEL_LEN - 1 and long.usage.completion_tokens == 1
+    for bad in (0, -2):
+        body = {**minimal_body("/v1/completions"), "truncate_prompt_tokens": bad}
+        assert httpx.post(base + "/v1/completions", json=body).status_code == 400
+    as_ids = {"return_tokens_as_token_ids": True, **with_ids}
+    scored = api.completions.create(prompt="To be", logprobs=1, **greedy, extra_body=as_ids)
+    choice = scored.choices[0]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+    messages = [{"role": "user", "content": "Who art thou?"}]
+    chat = api.chat.completions.create(
+        messages=messages, logprobs=True, **greedy, extra_body=as_ids
+    )
+    token_ids = chat.choices[0].model_extra["token_ids"]
+    named = [entry.token for entry in chat.choices[0].logprobs.content]
+    assert named == [f"token_id:{t}" for t in token_ids]
+    chunks = list(
+        api.chat.completions.create(messages=messages, stream=True, **greedy, extra_body=with_ids)
+    )
+    streamed = [
+        t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids", [])
+    ]
+    prompts = [
+        c.model_extra["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c.model_extra
+    ]
+    assert streamed == token_ids and prompts == [chat.model_extra["prompt_token_ids"]]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_only(api: openai.OpenAI) -> None:
+    """vLLM's (and the legacy OpenAI API's) way to score a text: echo, max_tokens 0 and
+    logprobs give the prompt and its logprobs, no completion tokens; streamed the same."""
+    settings = {"model": MODEL_NAME, "prompt": "To be, or not", "max_tokens": 0, "echo": True}
+    whole = api.completions.create(logprobs=1, **settings)
+    choice = whole.choices[0]
+    assert choice.text == "To be, or not" and whole.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == whole.usage.prompt_tokens
+    scores = choice.logprobs.token_logprobs
+    assert scores[0] is None and None not in scores[1:]
+    chunks = list(
+        api.completions.create(
+            logprobs=1, stream=True, stream_options={"include_usage": True}, **settings
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "To be, or not"
+    logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for entry in logprobs for t in entry.tokens] == choice.logprobs.tokens
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        api.completions.create(model=MODEL_NAME, prompt="To be", max_tokens=0)
 
 
 def minimal_body(path: str) -> dict:

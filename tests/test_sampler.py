@@ -248,6 +248,35 @@ def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw() -> None:
     assert out.logprobs[0].logprob == pytest.approx(raw, abs=1e-5)  # type: ignore[index]
 
 
+def test_allowed_token_ids_restrict_greedy_and_seeded_rows_and_logprobs_stay_raw() -> None:
+    """vLLM's allowed_token_ids: a row samples only among its tokens (greedy picks the best of
+    them, a seeded row draws only them), other rows are untouched, logprobs stay raw."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5))
+    worst = logits[0].argsort()[:2].tolist()  # the two least likely tokens of row 0
+    allowed = [3, 11, 17, 29]
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=worst, logprobs=0),
+        SamplingParams(temperature=1.0, seed=2, allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0),
+    ]
+    batch = make_batch(params)
+    assert not batch.all_plain_greedy(np.arange(2)) and batch.all_plain_greedy(np.array([2]))
+    draws = set()
+    for position in range(60):
+        out = Sampler(use_triton=False)(logits, metadata_at(batch, np.arange(3), VOCAB, position))
+        tokens = out.token_ids.tolist()
+        assert tokens[0] == max(worst, key=lambda t: logits[0, t].item())
+        assert tokens[2] == int(logits[2].argmax())
+        draws.add(tokens[1])
+    assert draws == set(allowed)
+    raw = torch.log_softmax(logits[0], dim=-1)[tokens[0]].item()
+    assert out.logprobs[0].logprob == pytest.approx(raw, abs=1e-5)  # type: ignore[index]
+    with pytest.raises(ValueError, match="must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="token ids"):
+        SamplingParams(allowed_token_ids=[-1])
+
+
 def test_logit_bias_keys_must_be_token_ids() -> None:
     with pytest.raises(ValueError, match="token ids"):
         SamplingParams(logit_bias={-1: 1.0})

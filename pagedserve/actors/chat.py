@@ -8,12 +8,19 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from pagedserve.actors.messages import ChatMessage
+from pagedserve.actors.messages import ChatMessage, PromptOptions
 
 if TYPE_CHECKING:  # transformers (and torch with it) is imported only to load a tokenizer
     from transformers import PreTrainedTokenizerBase
 
 GENERATION_CONFIG = "generation_config.json"
+# apply_chat_template's own arguments (and the template's `messages`): not template variables
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "add_special_tokens",
+})  # fmt: skip
 
 
 TOKENIZER_CLASS_FILE = "tokenizer-class.json"  # in the run directory
@@ -86,35 +93,41 @@ def resolve_chat_template(value: str) -> str:
     return value
 
 
+def check_prompt_options(options: PromptOptions) -> None:
+    """ValueError (a 400) for options that contradict each other, as vLLM answers them."""
+    if options.continue_final_message and options.add_generation_prompt:
+        raise ValueError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(options.chat_template_kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+
+
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], add_generation_prompt: bool
+    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], options: PromptOptions
 ) -> list[int]:
-    """Render `messages` with the tokenizer's chat template and tokenize the result."""
+    """Render `messages` with the tokenizer's chat template as `options` say, and tokenize the
+    result (with the tokenizer's special tokens only if options.add_special_tokens)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the model's tokenizer has no chat template; use the completions API with a prompt"
         )
     if not messages:
         raise ValueError("messages must not be empty")
+    check_prompt_options(options)
     conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
-        ids = tokenizer.apply_chat_template(
+        rendered = tokenizer.apply_chat_template(
             conversation,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            tokenize=False,
+            **options.chat_template_kwargs,
         )
-    except TemplateError as exc:
+    except (TemplateError, ValueError) as exc:  # ValueError: e.g. nothing to continue
         raise ValueError(f"chat template error: {exc}") from exc
-    return _as_id_list(ids)
-
-
-def _as_id_list(ids: Any) -> list[int]:
-    if hasattr(ids, "keys"):  # a BatchEncoding from older/newer transformers
-        ids = ids["input_ids"]
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    return [int(i) for i in ids]
+    return list(tokenizer.encode(rendered, add_special_tokens=bool(options.add_special_tokens)))
 
 
 def eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:

@@ -25,6 +25,7 @@ Channels (see bus.py for addresses):
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -62,16 +63,30 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
 # ---------------------------------------------------------------- client -> tokenizer
 
 
+class PromptOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How the tokenizer makes a prompt's token ids; vLLM's request fields of these names.
+    add_special_tokens: the tokenizer's own (BOS...) around the text; None: yes for a text
+    prompt, no for chat messages (their template writes them). Chat only: add_generation_prompt
+    opens the assistant's turn; continue_final_message instead leaves the last message open,
+    to be continued (not both); chat_template_kwargs: more variables for the template (e.g.
+    Qwen3's enable_thinking); checked by chat.check_prompt_options."""
+
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = {}
+
+
 class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     seq: int  # the client's number for this request (unique per client)
     sampling: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None  # chat: the tokenizer applies the chat template
-    add_generation_prompt: bool = True
     # A client resubmitting after an engine restart: the output tokens it already holds. The
     # engine continues after them (or, if the request is still live, re-sends what it has).
     resume_token_ids: list[int] = []
+    options: PromptOptions = msgspec.field(default_factory=PromptOptions)
 
 
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):

@@ -47,6 +47,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
     prompt_logprobs: int | None = None  # top logprobs per prompt token (0: the token's own)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # the prompt's last k tokens only (left truncation); -1: as many as leave room for one
+    # output token within the model's length
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None  # sample only among these tokens
 
     def __post_init__(self) -> None:
         import math
@@ -85,6 +89,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and not (truncate == -1 or 1 <= truncate < 2**63):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if any(not 0 <= t < 2**63 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be token ids")
         for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if value is not None and not 0 <= value <= 20:
                 raise ValueError(f"{name} must be between 0 and 20, got {value}")

@@ -63,8 +63,9 @@ class PromptEncoder:
         return not structured and self.size(request) <= INLINE_ENCODE_CHARS
 
     def check_size(self, request: GenerateRequest) -> None:
-        """Refuse text that cannot fit max_model_len tokens, before encoding it."""
-        if self.size(request) > self.max_chars:
+        """Refuse text that cannot fit max_model_len tokens, before encoding it (unless the
+        request truncates its prompt)."""
+        if request.sampling.truncate_prompt_tokens is None and self.size(request) > self.max_chars:
             raise ValueError(
                 f"the prompt is too long: {self.size(request)} characters cannot fit this "
                 f"model's maximum context length of {self.max_model_len} tokens"
@@ -73,25 +74,36 @@ class PromptEncoder:
     def encode(self, request: GenerateRequest) -> list[int]:
         if self.tokenizer is None and request.prompt_token_ids is None:
             raise ValueError("this engine has no tokenizer (skip_tokenizer_init): send token ids")
+        options = request.options
         if request.messages is not None:
-            ids = apply_chat_template(
-                self.tokenizer, request.messages, request.add_generation_prompt
-            )
+            ids = apply_chat_template(self.tokenizer, request.messages, options)
         elif request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.prompt is not None:
-            ids = encode_text(self.tokenizer, request.prompt)
+            ids = encode_text(
+                self.tokenizer, request.prompt, options.add_special_tokens is not False
+            )
         else:
             raise ValueError("a request needs a prompt, prompt token ids or chat messages")
+        ids = self.truncated(ids, request.sampling.truncate_prompt_tokens)
         self.check_ids(ids, request.resume_token_ids)
         self.check_grammar(request)
-        self.check_logit_bias(request)
+        self.check_sampling_token_ids(request)
         return ids
 
-    def check_logit_bias(self, request: GenerateRequest) -> None:
-        biased = request.sampling.logit_bias or {}
-        if any(not 0 <= t < self.vocab_size for t in biased):
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (-1: max_model_len - 1, room for one output token)."""
+        if keep is None:
+            return ids
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        return ids[-keep:] if keep > 0 else []
+
+    def check_sampling_token_ids(self, request: GenerateRequest) -> None:
+        sampling = request.sampling
+        if any(not 0 <= t < self.vocab_size for t in sampling.logit_bias or {}):
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in sampling.allowed_token_ids or []):
+            raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size})")
 
     def check_grammar(self, request: GenerateRequest) -> None:
         structured = request.sampling.structured_outputs
@@ -113,13 +125,14 @@ class PromptEncoder:
             )
 
 
-def encode_text(tokenizer: object, text: str) -> list[int]:
-    """Token ids of `text` with the tokenizer's special tokens (BOS...); the Rust tokenizer's
-    batch encode when there is one: unlike its single encode, it releases the GIL."""
+def encode_text(tokenizer: object, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, with the tokenizer's special tokens (BOS...) unless told not to;
+    the Rust tokenizer's batch encode when there is one: unlike its single encode, it
+    releases the GIL."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None:
-        return backend.encode_batch([text], add_special_tokens=True)[0].ids
-    return tokenizer.encode(text)  # type: ignore[attr-defined]
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)  # type: ignore[attr-defined]
 
 
 def longest_token_chars(tokenizer: object | None) -> int:
@@ -143,7 +156,7 @@ class TokenizerActor(Actor):
             tokenizer = load_tokenizer(
                 self.config.tokenizer_path, self.config.chat_template, self.addresses.run_dir
             )
-            vocab_size = len(tokenizer)
+            vocab_size = min(len(tokenizer), model_vocab_size)  # ids the model can take
         self.eos_token_ids = eos_token_ids(self.config.model_path, tokenizer)
         if tokenizer is not None:
             grammars = GrammarChecker(

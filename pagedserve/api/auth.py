@@ -9,7 +9,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.api.errors import error_response
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # as vLLM: probes and scrapers
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})  # as vLLM: probes and scrapers
 
 
 class APIKeyGuard:

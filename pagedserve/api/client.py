@@ -45,6 +45,7 @@ from pagedserve.actors.messages import (
     Hello,
     Ping,
     Pong,
+    PromptOptions,
     RequestDelta,
     RequestError,
     SamplingParams,
@@ -127,9 +128,16 @@ class Client:
                 raise _unreachable(self.address, timeout_s)
             self._accept(self._codec.decode(self._outputs.recv()))
 
-    def submit(self, prompt: Prompt, sampling: SamplingParams, label: str | None = None) -> int:
-        """Send a request; returns its seq (deltas and errors name it)."""
-        request = self.core.track(prompt, sampling, label)
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        label: str | None = None,
+        options: PromptOptions | None = None,
+    ) -> int:
+        """Send a request; returns its seq (deltas and errors name it). `options`: how the
+        engine's tokenizer makes the prompt's ids (special tokens, chat template settings)."""
+        request = self.core.track(prompt, sampling, label, options)
         refusal = self.core.refusal(request.seq)
         if refusal is not None:
             self._pending.append(refusal)
@@ -161,9 +169,14 @@ class Client:
                 self._accept(self._codec.decode(self._outputs.recv()))
         return self._pending.popleft()
 
-    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[Any]:
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        options: PromptOptions | None = None,
+    ) -> Iterator[Any]:
         """Stream one request's deltas (n must be 1; use `submit` for many at once)."""
-        seq = self.submit(prompt, sampling or SamplingParams())
+        seq = self.submit(prompt, sampling or SamplingParams(), options=options)
         finished = False
         try:
             while not finished:
@@ -354,11 +367,16 @@ class AsyncClient:
         self._collectors.pop(seq, None)
 
     async def generate(
-        self, prompt: Prompt, sampling: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        options: PromptOptions | None = None,
     ) -> AsyncIterator[Any]:
         """Stream one request's deltas (`request_id`: a label for them; deltas that wait for
-        the consumer arrive merged); leaving the loop early aborts the request."""
-        request = self.core.track(prompt, sampling or SamplingParams(), request_id)
+        the consumer arrive merged; `options` as Client.submit's); leaving the loop early
+        aborts the request."""
+        request = self.core.track(prompt, sampling or SamplingParams(), request_id, options)
         raise_if_error(self.core.refusal(request.seq))
         collector = self._open(request.seq)
         finished = False

@@ -26,6 +26,7 @@ from pagedserve.actors.messages import (
     DeltaBatch,
     GenerateRequest,
     Pong,
+    PromptOptions,
     RequestDelta,
     RequestError,
     SamplingParams,
@@ -57,12 +58,18 @@ class EngineUnavailableError(ConnectionError):
     """No engine answers at the address (never started, stopped or dead)."""
 
 
-def make_request(seq: int, prompt: Prompt, sampling: SamplingParams) -> GenerateRequest:
+def make_request(
+    seq: int, prompt: Prompt, sampling: SamplingParams, options: PromptOptions | None = None
+) -> GenerateRequest:
+    """The request for a prompt; `options`: how the tokenizer makes its ids (None: defaults)."""
+    request = GenerateRequest(seq=seq, sampling=sampling, options=options or PromptOptions())
     if isinstance(prompt, str):
-        return GenerateRequest(seq=seq, sampling=sampling, prompt=prompt)
-    if prompt and isinstance(prompt[0], ChatMessage):
-        return GenerateRequest(seq=seq, sampling=sampling, messages=prompt)  # type: ignore[arg-type]
-    return GenerateRequest(seq=seq, sampling=sampling, prompt_token_ids=prompt)  # type: ignore[arg-type]
+        request.prompt = prompt
+    elif prompt and isinstance(prompt[0], ChatMessage):
+        request.messages = prompt  # type: ignore[assignment]
+    else:
+        request.prompt_token_ids = prompt  # type: ignore[assignment]
+    return request
 
 
 def fan_out(sampling: SamplingParams) -> list[SamplingParams]:
@@ -100,10 +107,14 @@ class ClientCore:
         return next(self._seqs)
 
     def track(
-        self, prompt: Prompt, sampling: SamplingParams, label: str | None = None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        label: str | None = None,
+        options: PromptOptions | None = None,
     ) -> GenerateRequest:
         """A new request (labelled `label`, or identity-seq) to send."""
-        request = make_request(self.next_seq(), prompt, sampling)
+        request = make_request(self.next_seq(), prompt, sampling, options)
         label = label if label is not None else f"{self.identity.decode()}-{request.seq}"
         self.requests[request.seq] = TrackedRequest(request, label)
         return request

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.abc
 
-from pagedserve.actors.messages import RequestDelta, SamplingParams, TokenLogprobs
+from pagedserve.actors.messages import PromptOptions, RequestDelta, SamplingParams, TokenLogprobs
 from pagedserve.api.client import AsyncClient
 from pagedserve.api.client_core import Prompt, fan_out
 
@@ -51,14 +51,15 @@ class Job:
     index: int
     prompt: Prompt
     sampling: SamplingParams
+    options: PromptOptions
 
 
-def plan_jobs(prompts: list[Prompt], sampling: SamplingParams) -> list[Job]:
+def plan_jobs(prompts: list[Prompt], sampling: SamplingParams, options: PromptOptions) -> list[Job]:
     """Choice index = prompt index * n + child index."""
     jobs = []
     for p_index, prompt in enumerate(prompts):
         for c_index, child in enumerate(fan_out(sampling)):
-            jobs.append(Job(p_index * sampling.n + c_index, prompt, child))
+            jobs.append(Job(p_index * sampling.n + c_index, prompt, child, options))
     return jobs
 
 
@@ -70,7 +71,7 @@ async def open_choices(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[As
     leaving the block early (an error, a cancelled request) aborts every unfinished job."""
     if len(jobs) == 1:
         job = jobs[0]
-        deltas = client.generate(job.prompt, job.sampling)
+        deltas = client.generate(job.prompt, job.sampling, options=job.options)
         try:
             yield _tagged(job.index, deltas)
         finally:
@@ -100,7 +101,7 @@ async def _pump(
     client: AsyncClient, job: Job, send: anyio.abc.ObjectSendStream[Event | Exception]
 ) -> None:
     try:
-        async for delta in client.generate(job.prompt, job.sampling):
+        async for delta in client.generate(job.prompt, job.sampling, options=job.options):
             await send.send((job.index, delta))
     except Exception as exc:  # raised in the consumer, which leaves and so cancels the rest
         await send.send(exc)

@@ -14,7 +14,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedserve.actors.messages import ChatMessage, RequestDelta, RequestError, SamplingParams
+from pagedserve.actors.chat import check_prompt_options
+from pagedserve.actors.messages import (
+    ChatMessage,
+    PromptOptions,
+    RequestDelta,
+    RequestError,
+    SamplingParams,
+)
 from pagedserve.actors.supervisor import EngineDeadError, Supervisor
 from pagedserve.api.client import Client
 from pagedserve.api.client_core import EngineRequestError, Prompt, fan_out
@@ -53,20 +60,31 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         items = [_to_prompt(p) for p in _as_list(prompts)]
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, PromptOptions())
 
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation through the chat template (PromptOptions says
+        what the template options do)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         items: list[tuple[str | None, Prompt]] = [
             (None, [ChatMessage(m["role"], m["content"]) for m in conv])  # type: ignore[index]
             for conv in conversations
         ]
-        return self._run(items, sampling_params, use_tqdm)
+        options = PromptOptions(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs or {},
+        )
+        check_prompt_options(options)
+        return self._run(items, sampling_params, use_tqdm, options)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults,
@@ -81,6 +99,7 @@ class LLM:
         items: list[tuple[str | None, Prompt]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        options: PromptOptions,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.default_sampling_params
@@ -92,7 +111,8 @@ class LLM:
             while jobs or owners:
                 while jobs and len(owners) < self._window:  # within the engine's queue limit
                     prompt, sampling, label, place = jobs.pop()
-                    owners[self.client.submit(prompt, sampling, label=label)] = place
+                    seq = self.client.submit(prompt, sampling, label=label, options=options)
+                    owners[seq] = place
                 self._apply(self._next_message(), results, owners, bar)
         except BaseException:
             self.client.abort_seqs(list(owners))

@@ -2,9 +2,10 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
 ending in `data: [DONE]`, or not), GET /v1/models and /v1/models/{id}, POST /tokenize and
-/detokenize (vLLM's shapes), GET /health (200 only while the engine answers), /metrics and
-/version. It reaches the engine only through the async ZeroMQ client, like any other client.
-Every request is checked against `ServerConfig`'s limits before anything is decoded or queued.
+/detokenize (vLLM's shapes), GET /health and GET or POST /ping (200 only while the engine
+answers), /metrics and /version. It reaches the engine only through the async ZeroMQ client,
+like any other client. Every request is checked against `ServerConfig`'s limits before
+anything is decoded or queued.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from starlette.routing import Route
 
 import pagedserve
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.chat import apply_chat_template, load_tokenizer
+from pagedserve.actors.chat import apply_chat_template, check_prompt_options, load_tokenizer
 from pagedserve.actors.heap_trim import trim_heap_forever
 from pagedserve.actors.messages import ChatMessage, SamplingParams
 from pagedserve.api.actor_status import AsyncStatusClient, render_prometheus
@@ -34,7 +35,7 @@ from pagedserve.api.body import read_json
 from pagedserve.api.client import AsyncClient
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.errors import APIError, on_api_error, on_http_exception
-from pagedserve.api.generation import plan_jobs
+from pagedserve.api.generation import Job, plan_jobs
 from pagedserve.api.metrics import Metrics
 from pagedserve.api.protocol import (
     ChatCompletionRequest,
@@ -84,6 +85,7 @@ class OpenAIServer:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) name
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
         ]
@@ -164,7 +166,8 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
         render = CompletionRender(self, body, prompts)
-        return self.generate(render, prompts, sampling, body.stream, body.include_usage, arrival)
+        jobs = plan_jobs(prompts, sampling, body.prompt_options())
+        return self.generate(render, jobs, sampling, body.stream, body.include_usage, arrival)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -178,18 +181,18 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
         render = ChatRender(self, body)
-        return self.generate(render, [messages], sampling, body.stream, body.include_usage, arrival)
+        jobs = plan_jobs([messages], sampling, body.prompt_options())
+        return self.generate(render, jobs, sampling, body.stream, body.include_usage, arrival)
 
     def generate(
         self,
         render: Render,
-        prompts: list[Prompt],
+        jobs: list[Job],
         sampling: SamplingParams,
         stream: bool,
         include_usage: bool,
         arrival: float,
     ) -> GenerationResponse:
-        jobs = plan_jobs(prompts, sampling)
         if not self.limits.disable_log_requests:
             logger.info("%s: %d engine request(s), %s", render.id, len(jobs), sampling)
         return GenerationResponse(
@@ -215,8 +218,8 @@ class OpenAIServer:
                 raise ValueError("give either a prompt or messages")
             if sum(len(text or "") for text in texts) > self.limits.max_prompt_chars:
                 raise ValueError(f"the input is at most {self.limits.max_prompt_chars} characters")
-            if body.messages is not None and body.add_special_tokens:
-                raise ValueError("add_special_tokens with messages is not supported")
+            if body.messages is not None:
+                check_prompt_options(body.prompt_options())
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
         async with self.tokenizer_lock:
@@ -234,7 +237,7 @@ class OpenAIServer:
             return list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
         messages = [ChatMessage(m.role, m.text()) for m in body.messages]
         try:
-            return apply_chat_template(tokenizer, messages, body.add_generation_prompt)
+            return apply_chat_template(tokenizer, messages, body.prompt_options())
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
 

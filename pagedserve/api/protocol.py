@@ -9,7 +9,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from pagedserve.actors.messages import SamplingParams
+from pagedserve.actors.chat import check_prompt_options
+from pagedserve.actors.messages import PromptOptions, SamplingParams
 from pagedserve.api.structured import StructuredOutputFields
 from pagedserve.config import ServerConfig
 
@@ -66,12 +67,35 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Int64 | None = None  # vLLM's: top logprobs per prompt token
     logit_bias: dict[str, float] | None = None  # token id (as text) -> bias, clamped to +-100
+    # vLLM's extra fields
+    truncate_prompt_tokens: Int64 | None = None  # the prompt's last k tokens (-1: what fits)
+    allowed_token_ids: list[Int64] | None = None  # sample only among these
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}"
+    return_token_ids: bool = False  # each choice's token ids (and the prompt's) in the answer
+    # vLLM's, not implemented: a 400 when they would change the output
+    bad_words: list[str] | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    priority: Int64 = 0
+    logits_processors: list[Any] | None = None
+    guided_whitespace_pattern: str | None = None
 
     def check_supported(self) -> None:
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise ValueError("best_of other than n is not supported")
         if self.stream and self.prompt_logprobs:  # as vLLM
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        unsupported = {
+            "bad_words": bool(self.bad_words),
+            "use_beam_search (beam search)": self.use_beam_search,
+            "length_penalty (beam search)": self.length_penalty != 1.0,
+            "priority (priority scheduling)": self.priority != 0,
+            "logits_processors": bool(self.logits_processors),
+            "guided_whitespace_pattern": self.guided_whitespace_pattern is not None,
+        }
+        for name, asked in unsupported.items():
+            if asked:
+                raise ValueError(f"{name} is not supported")
 
     def check_limits(self, limits: ServerConfig) -> None:
         for name, value in (("n", self.n), ("best_of", self.best_of)):
@@ -123,6 +147,8 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
             structured_outputs=self.structured_output_params(),
             prompt_logprobs=prompt_logprobs,
             logit_bias=self.token_biases(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            allowed_token_ids=self.allowed_token_ids,
         )
 
     def token_biases(self) -> dict[int, float] | None:
@@ -147,11 +173,24 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own (BOS...) around the text
+    prompt_embeds: Any = None  # vLLM's, not supported
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.prompt_embeds is not None:
+            raise ValueError("prompt_embeds are not supported")
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) only, as vLLM answers; the
+        engine samples one token, which the answer leaves out."""
+        return self.echo and self.max_tokens == 0
+
+    def prompt_options(self) -> PromptOptions:
+        return PromptOptions(add_special_tokens=self.add_special_tokens)
 
     def prompts(self, limits: ServerConfig) -> list[str | TokenPrompt]:
         p = self.prompt
@@ -179,6 +218,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         if prompt_logprobs is None and self.echo:  # the echoed prompt's logprobs, as vLLM
             prompt_logprobs = self.logprobs
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if self.echo_only:
+            max_tokens = 1
         return self.sampling(max_tokens, self.logprobs, defaults, prompt_logprobs)
 
 
@@ -188,13 +229,18 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
+    # vLLM's chat fields (PromptOptions)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # the template writes the special tokens it wants
     # Not implemented: a 400 when asked for
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    continue_final_message: bool = False
     chat_template: str | None = None
+    echo: bool = False  # vLLM's: the last message's content before the reply
+    documents: list[Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -202,10 +248,21 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             raise ValueError("tools / tool_choice (tool calling) are not supported")
         if self.functions or self.function_call not in (None, "none"):
             raise ValueError("functions / function_call (tool calling) are not supported")
-        if self.continue_final_message:
-            raise ValueError("continue_final_message is not supported")
         if self.chat_template is not None:
             raise ValueError("a per-request chat_template is not supported (see --chat-template)")
+        if self.echo:
+            raise ValueError("echo is not supported on the chat endpoint")
+        if self.documents:
+            raise ValueError("documents are not supported")
+        check_prompt_options(self.prompt_options())
+
+    def prompt_options(self) -> PromptOptions:
+        return PromptOptions(
+            add_special_tokens=self.add_special_tokens,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs or {},
+        )
 
     def texts(self, limits: ServerConfig) -> list[tuple[str, str]]:
         """(role, text) of each message."""
@@ -238,7 +295,18 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    def prompt_options(self) -> PromptOptions:
+        """As the engine's tokenizer makes the ids of the same prompt or messages."""
+        return PromptOptions(
+            add_special_tokens=self.add_special_tokens,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs or {},
+        )
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -20,17 +20,6 @@ Scored = tuple[int, TokenLogprobs | None]  # a token id and its logprobs (None: 
 MIN_LOGPROB = -9999.0  # what JSON gets for -inf (a token a grammar masks), as in vLLM
 
 
-def usage(choices: list[Choice], num_prompts: int) -> dict:
-    n = max(1, len(choices) // max(num_prompts, 1))
-    prompt = sum(len(c.prompt_token_ids) for c in choices[::n])
-    completion = sum(len(c.token_ids) for c in choices)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
 class Render:
     """Turns choices into OpenAI JSON: whole responses and stream chunks."""
 
@@ -38,11 +27,37 @@ class Render:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, server: OpenAIServer, num_prompts: int) -> None:
+    def __init__(
+        self,
+        server: OpenAIServer,
+        body: CompletionRequest | ChatCompletionRequest,
+        num_prompts: int,
+    ) -> None:
         self.server = server
+        self.body = body
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.num_prompts = num_prompts
+
+    def output_ids(self, choice: Choice) -> list[int]:
+        """The tokens the answer gives of a choice's output (and counts in its usage)."""
+        return choice.token_ids
+
+    def usage(self, choices: list[Choice]) -> dict:
+        n = max(1, len(choices) // max(self.num_prompts, 1))
+        prompt = sum(len(c.prompt_token_ids) for c in choices[::n])
+        completion = sum(len(self.output_ids(c)) for c in choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or vLLM's "token_id:{id}" when asked."""
+        if self.body.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self.server.token_text(token_id)
 
     def envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {
@@ -55,7 +70,7 @@ class Render:
 
     def full(self, choices: list[Choice]) -> dict:
         body = self.envelope(self.object_name, [self.full_choice(c) for c in choices])
-        body["usage"] = usage(choices, self.num_prompts)
+        body["usage"] = self.usage(choices)
         return body
 
     async def stream(
@@ -69,15 +84,20 @@ class Render:
             if choice is None:
                 choice = states[index] = Choice(index)
             choice.add(delta)
-            yield self.envelope(self.chunk_object_name, [self.delta_choice(choice, delta)])
+            chunk = self.envelope(self.chunk_object_name, [self.delta_choice(choice, delta)])
+            yield chunk | self.chunk_fields(delta)
         if include_usage:
             choices = [states[i] for i in sorted(states)]
             chunk = self.envelope(self.chunk_object_name, [])
-            chunk["usage"] = usage(choices, self.num_prompts)
+            chunk["usage"] = self.usage(choices)
             yield chunk
 
     def opening(self) -> list[dict]:
         return []
+
+    def chunk_fields(self, delta: RequestDelta) -> dict:
+        """Fields of a stream chunk beside its choices."""
+        return {}
 
     def full_choice(self, choice: Choice) -> dict:
         raise NotImplementedError
@@ -90,12 +110,16 @@ class CompletionRender(Render):
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
 
+    body: CompletionRequest
+
     def __init__(
         self, server: OpenAIServer, body: CompletionRequest, prompts: list[Prompt]
     ) -> None:
-        super().__init__(server, len(prompts))
-        self.body = body
+        super().__init__(server, body, len(prompts))
         self.prompts = prompts
+
+    def output_ids(self, choice: Choice) -> list[int]:
+        return [] if self.body.echo_only else choice.token_ids
 
     def echo_text(self, choice: Choice) -> str:
         if not self.body.echo:
@@ -108,7 +132,7 @@ class CompletionRender(Render):
         echoed prompt's first token, which has none."""
         if self.body.logprobs is None:
             return None
-        text = self.server.token_text
+        text = self.token_text
         tokens = [text(token_id) for token_id, _ in items]
         offsets, position = [], offset
         for token in tokens:
@@ -128,8 +152,8 @@ class CompletionRender(Render):
         entries: list[TokenLogprobs],
     ) -> list[Scored]:
         """The tokens to score: the echoed prompt's (echo with prompt logprobs), then the
-        output's."""
-        output: list[Scored] = [(e.token_id, e) for e in entries]
+        output's (none for echo_only)."""
+        output: list[Scored] = [] if self.body.echo_only else [(e.token_id, e) for e in entries]
         if self.body.echo and prompt_ids is not None and prompt_logprobs is not None:
             return [*zip(prompt_ids, prompt_logprobs), *output]
         return output
@@ -140,13 +164,16 @@ class CompletionRender(Render):
         offset = 0 if len(items) > len(choice.logprobs) else len(echo)  # scored prompt first?
         body = {
             "index": choice.index,
-            "text": echo + choice.text,
+            "text": echo + ("" if self.body.echo_only else choice.text),
             "logprobs": self.logprobs(items, offset),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
         if self.body.prompt_logprobs is not None:
             body["prompt_logprobs"] = vllm_prompt_logprobs(choice.prompt_logprobs, self.server)
+        if self.body.return_token_ids:
+            body["prompt_token_ids"] = choice.prompt_token_ids
+            body["token_ids"] = self.output_ids(choice)
         return body
 
     def delta_choice(self, choice: Choice, delta: RequestDelta) -> dict:
@@ -154,16 +181,22 @@ class CompletionRender(Render):
         scoring = self.body.logprobs is not None  # its offsets count the echoed prompt
         echo = self.echo_text(choice) if first or scoring else ""
         items = self.scored(delta.prompt_token_ids, delta.prompt_logprobs, delta.logprobs or [])
+        text = "" if self.body.echo_only else delta.text
         offset = len(echo) + len(choice.text) - len(delta.text)
         if len(items) > len(delta.logprobs or []):  # the scored prompt first
             offset = 0
-        return {
+        body = {
             "index": choice.index,
-            "text": (echo if first else "") + delta.text,
+            "text": (echo if first else "") + text,
             "logprobs": self.logprobs(items, offset),
             "finish_reason": choice.finish_reason if delta.finish_reason is not None else None,
             "stop_reason": choice.stop_reason if delta.finish_reason is not None else None,
         }
+        if self.body.return_token_ids:
+            if first:
+                body["prompt_token_ids"] = delta.prompt_token_ids
+            body["token_ids"] = [] if self.body.echo_only else delta.token_ids
+        return body
 
 
 class ChatRender(Render):
@@ -171,9 +204,10 @@ class ChatRender(Render):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    body: ChatCompletionRequest
+
     def __init__(self, server: OpenAIServer, body: ChatCompletionRequest) -> None:
-        super().__init__(server, 1)
-        self.body = body
+        super().__init__(server, body, 1)
 
     def logprobs(self, entries: list[TokenLogprobs]) -> dict | None:
         if not self.body.logprobs:
@@ -182,7 +216,7 @@ class ChatRender(Render):
 
     def token_logprob(self, entry: TokenLogprobs) -> dict:
         def item(token_id: int, logprob: float) -> dict:
-            token = self.server.token_text(token_id)
+            token = self.token_text(token_id)
             return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode())}
 
         top = [item(t, lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)]
@@ -192,7 +226,14 @@ class ChatRender(Render):
         body = super().full(choices)
         if self.body.prompt_logprobs is not None and choices:  # vLLM's, for the one prompt
             body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs, self.server)
+        if self.body.return_token_ids and choices:
+            body["prompt_token_ids"] = choices[0].prompt_token_ids
         return body
+
+    def chunk_fields(self, delta: RequestDelta) -> dict:
+        if self.body.return_token_ids and delta.prompt_token_ids is not None:
+            return {"prompt_token_ids": delta.prompt_token_ids}
+        return {}
 
     def opening(self) -> list[dict]:
         return [
@@ -211,23 +252,29 @@ class ChatRender(Render):
         ]
 
     def full_choice(self, choice: Choice) -> dict:
-        return {
+        body = {
             "index": choice.index,
             "message": {"role": "assistant", "content": choice.text},
             "logprobs": self.logprobs(choice.logprobs),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
+        if self.body.return_token_ids:
+            body["token_ids"] = choice.token_ids
+        return body
 
     def delta_choice(self, choice: Choice, delta: RequestDelta) -> dict:
         done = delta.finish_reason is not None
-        return {
+        body = {
             "index": choice.index,
             "delta": {"content": delta.text},
             "logprobs": self.logprobs(delta.logprobs or []),
             "finish_reason": choice.finish_reason if done else None,
             "stop_reason": choice.stop_reason if done else None,
         }
+        if self.body.return_token_ids:
+            body["token_ids"] = delta.token_ids
+        return body
 
 
 def top_with_sampled(entry: TokenLogprobs, text: Callable[[int], str]) -> dict[str, float]:

@@ -18,7 +18,12 @@ import numpy as np
 import torch
 
 from pagedserve.actors.messages import NewRequestData, SamplingParams
-from pagedserve.actors.worker.sampler import LogitBias, PenaltyState, SamplingMetadata
+from pagedserve.actors.worker.sampler import (
+    AllowedTokens,
+    LogitBias,
+    PenaltyState,
+    SamplingMetadata,
+)
 from pagedserve.kernels.attention_metadata import cdiv
 
 GREEDY_TEMPERATURE = 1e-5
@@ -65,6 +70,7 @@ class _SamplingColumns:
             and params.repetition_penalty == 1.0
             and params.structured_outputs is None
             and not params.logit_bias
+            and params.allowed_token_ids is None
         )
         self.num_prompt_logprobs[row] = (
             -1 if params.prompt_logprobs is None else params.prompt_logprobs
@@ -93,6 +99,7 @@ class InputBatch:
         self.seeds = np.zeros(max_num_reqs, np.int64)  # each request's RNG key
         self.penalty_rows: set[int] = set()  # rows whose sampling reads their past tokens
         self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (tokens, biases)
+        self.allowed: dict[int, np.ndarray] = {}  # row -> the only tokens it may sample
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -121,6 +128,8 @@ class InputBatch:
         if data.sampling.logit_bias:
             bias = data.sampling.logit_bias
             self.biases[row] = (np.fromiter(bias, np.int64), np.fromiter(bias.values(), np.float32))
+        if data.sampling.allowed_token_ids is not None:
+            self.allowed[row] = np.asarray(data.sampling.allowed_token_ids, np.int64)
         self.seeds[row] = data.seed
         if self.needs_token_history(np.array([row])):
             self.penalty_rows.add(row)
@@ -131,6 +140,7 @@ class InputBatch:
         if row is not None:
             self.penalty_rows.discard(row)
             self.biases.pop(row, None)
+            self.allowed.pop(row, None)
             heapq.heappush(self._free_rows, row)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
@@ -181,6 +191,7 @@ class InputBatch:
             all_random=not bool(greedy.any()),
             penalties=self._penalties(rows, positions, vocab_size),
             logit_bias=self._logit_bias(rows),
+            allowed=self._allowed_tokens(rows, vocab_size),
             num_logprobs=[None if n < 0 else n for n in num_logprobs],
         )
         if not metadata.all_greedy:
@@ -214,6 +225,24 @@ class InputBatch:
         tokens = np.concatenate([tokens for _, (tokens, _) in parts])
         biases = np.concatenate([biases for _, (_, biases) in parts])
         return LogitBias(self._to_device(index), self._to_device(tokens), self._to_device(biases))
+
+    def _allowed_tokens(self, rows: np.ndarray, vocab_size: int) -> AllowedTokens | None:
+        """The masks of these rows' allowed_token_ids (index i of the step: rows[i]'s)."""
+        if not self.allowed:
+            return None
+        parts = [
+            (i, self.allowed[row]) for i, row in enumerate(rows.tolist()) if row in self.allowed
+        ]
+        if not parts:
+            return None
+        local = np.concatenate(
+            [np.full(len(tokens), j, np.int64) for j, (_, tokens) in enumerate(parts)]
+        )
+        tokens = np.concatenate([tokens for _, tokens in parts])
+        keep = torch.zeros(len(parts), vocab_size, dtype=torch.bool, device=self.device)
+        keep[self._to_device(local), self._to_device(tokens)] = True
+        index = np.fromiter((i for i, _ in parts), np.int64, len(parts))
+        return AllowedTokens(self._to_device(index), keep)
 
     def _penalties(
         self, rows: np.ndarray, lengths: np.ndarray, vocab_size: int

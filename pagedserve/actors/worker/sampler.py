@@ -1,8 +1,9 @@
 """Token sampling, vectorised over the batch (vLLM V1 semantics).
 
-Order: raw log-softmax (for the logprobs, before anything else) -> logit_bias (added) ->
-penalties (repetition over prompt + output, frequency/presence over the output) -> greedy argmax
-for rows with temperature < 1e-5 -> temperature -> top-k / top-p / min-p support -> Gumbel-max:
+Order: raw log-softmax (for the logprobs, before anything else) -> allowed_token_ids (the other
+tokens masked) -> logit_bias (added) -> penalties (repetition over prompt + output,
+frequency/presence over the output) -> greedy argmax for rows with temperature < 1e-5 ->
+temperature -> top-k / top-p / min-p support -> Gumbel-max:
 argmax(z + g) over the support, g = -log(-log u) standard Gumbel noise, samples from softmax(z)
 on it.
 
@@ -43,6 +44,15 @@ class LogitBias:
 
 
 @dataclass
+class AllowedTokens:
+    """Rows that sample only among some tokens (allowed_token_ids): logits[rows[i], t] stays
+    where keep[i, t], the rest become -inf."""
+
+    rows: torch.Tensor  # [R] int64
+    keep: torch.Tensor  # [R, vocab] bool
+
+
+@dataclass
 class SamplingMetadata:
     """Per-row sampling settings of one step; optional parts are None when no row uses them."""
 
@@ -55,6 +65,7 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # [B] float32
     penalties: PenaltyState | None = None
     logit_bias: LogitBias | None = None
+    allowed: AllowedTokens | None = None
     seeds: torch.Tensor | None = None  # [B] int64: each row's RNG key (None: all greedy)
     positions: torch.Tensor | None = None  # [B] int64: position of the token each row samples
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None: not asked
@@ -81,11 +92,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, vocab] (any float dtype; computed in float32)."""
-        plain = metadata.penalties is None and metadata.logit_bias is None
+        plain = (
+            metadata.penalties is None and metadata.logit_bias is None and metadata.allowed is None
+        )
         if metadata.all_greedy and plain and not metadata.wants_logprobs:
             return SamplerOutput(token_ids=logits.argmax(dim=-1), logprob_tensors=None)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.wants_logprobs else None
+        if metadata.allowed is not None:
+            allowed = metadata.allowed
+            kept = logits[allowed.rows].masked_fill(~allowed.keep, float("-inf"))
+            logits = logits.index_put((allowed.rows,), kept)
         if metadata.logit_bias is not None:
             bias = metadata.logit_bias
             logits = logits.index_put((bias.rows, bias.tokens), bias.biases, accumulate=True)
