@@ -471,6 +471,28 @@ def test_chat_template_options(bl):
         bl.chat_template = None
 
 
+def test_tools_and_earlier_calls_reach_the_template(bl):
+    """A request's tools and the messages' calls and call ids are template variables; a call's
+    JSON arguments come as an object (templates write them with tojson), as vLLM gives them."""
+    bl.chat_template = (
+        "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+        "{% for c in m.get('tool_calls') or [] %}<{{ c['function']['name'] }}"
+        "{{ c['function']['arguments'] | tojson }}>{% endfor %}"
+        "{% if m.get('tool_call_id') %}#{{ m['tool_call_id'] }}{% endif %};{% endfor %}"
+    )
+    try:
+        call = {"id": "c1", "type": "function",
+                "function": {"name": "f", "arguments": '{"x": 1}'}}  # fmt: skip
+        msgs = [ChatMessage("user", "hi"), ChatMessage("assistant", "", [call]),
+                ChatMessage("tool", "42", tool_call_id="c1")]  # fmt: skip
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        ids = apply_chat_template(bl, msgs, PromptOptions(tools=tools))
+        assert bl.decode(ids) == '[f]user:hi;assistant:<f{"x": 1}>;tool:42#c1;'
+    finally:
+        bl.chat_template = None
+
+
 def test_apply_chat_template_errors(bl):
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(bl, [ChatMessage("user", "hi")], PromptOptions())

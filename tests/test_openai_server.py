@@ -39,6 +39,21 @@ LIMITS = dict(
 )
 
 
+def tool(name: str, key: str, values: list[str]) -> dict:
+    """A function tool of one argument, `key`, one of `values`."""
+    parameters = {
+        "type": "object",
+        "properties": {key: {"enum": values}},
+        "required": [key],
+        "additionalProperties": False,
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+TOOLS = [tool("weather", "city", ["Paris", "Rome"]), tool("clock", "zone", ["UTC", "CET"])]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -568,7 +583,7 @@ def test_fields_that_are_not_implemented_are_a_400(server, path: str, fields: di
 @pytest.mark.parametrize(
     "path, fields",
     [
-        ("/v1/chat/completions", {"tools": [{"type": "function"}], "tool_choice": "none"}),
+        ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "none"}),
         ("/v1/chat/completions", {"response_format": {"type": "text"}}),
         ("/v1/completions", {"best_of": 2, "n": 2}),
         ("/v1/completions", {"logit_bias": {}, "suffix": ""}),
@@ -681,6 +696,89 @@ def test_vllm_token_fields_on_both_endpoints(server, api: openai.OpenAI) -> None
         c.model_extra["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c.model_extra
     ]
     assert streamed == token_ids and prompts == [chat.model_extra["prompt_token_ids"]]
+
+
+def streamed_calls(chunks: list) -> tuple[list[dict], str | None]:
+    """The tool calls a stream spelled out (by index: id, name, arguments joined), and its
+    finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = delta.id or call["id"]
+                call["name"] = delta.function.name or call["name"]
+                call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_named_and_required_tool_choice_give_tool_calls(server, api: openai.OpenAI) -> None:
+    """Tool calling as vLLM answers it without a parser: a named tool_choice constrains the
+    reply to that function's arguments, "required" to a JSON array of calls; both come back
+    as tool_calls (content None), whole or streamed (a named call's arguments as they come, its
+    id and name first). "required" finishes with "tool_calls", a named call with "stop"."""
+    named = {"type": "function", "function": {"name": "weather"}}
+    settings = {"model": MODEL_NAME, "messages": ASK, "tools": TOOLS, "temperature": 0}
+    whole = api.chat.completions.create(tool_choice=named, max_tokens=40, **settings)
+    choice = whole.choices[0]
+    assert choice.message.content is None and choice.finish_reason == "stop"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "weather" and call.id.startswith("chatcmpl-tool-")
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    chunks = list(
+        api.chat.completions.create(tool_choice=named, max_tokens=40, stream=True, **settings)
+    )
+    calls, finish = streamed_calls(chunks)
+    assert finish == "stop" and len(calls) == 1 and calls[0]["id"]
+    assert (calls[0]["name"], calls[0]["arguments"]) == ("weather", call.function.arguments)
+    # the greedy array would go on; the bias on "]" ends it after the first call
+    close = httpx.post(server[1] + "/tokenize", json={"prompt": "]", "add_special_tokens": False})
+    bias = {str(close.json()["tokens"][-1]): 50}
+    required = {**settings, "tool_choice": "required", "max_tokens": 60, "logit_bias": bias}
+    whole = api.chat.completions.create(**required)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    names = {tool["function"]["name"]: tool for tool in TOOLS}
+    for call in choice.message.tool_calls:
+        (key,) = names[call.function.name]["function"]["parameters"]["required"]
+        assert set(json.loads(call.function.arguments)) == {key}
+    calls, finish = streamed_calls(list(api.chat.completions.create(stream=True, **required)))
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+
+
+def test_tool_choices_that_cannot_be_answered_are_a_400(server, api: openai.OpenAI) -> None:
+    """ "auto" (also the default with tools) needs a tool-call parser; a named function must be
+    among the tools; a choice needs tools and excludes other constraints. "none" answers in
+    content, and earlier calls and their results are accepted in the messages."""
+    base = server[1] + "/v1/chat/completions"
+    body = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 3}
+    for fields in (
+        {"tools": TOOLS},
+        {"tools": TOOLS, "tool_choice": "auto"},
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tools": TOOLS, "tool_choice": "any"},
+        {"tool_choice": "required"},
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        {"tools": [{"type": "retrieval", "function": {"name": "r"}}], "tool_choice": "required"},
+    ):
+        response = httpx.post(base, json={**body, **fields})
+        assert response.status_code == 400, fields
+        assert "tool" in response.json()["error"]["message"]
+    called = {"name": "weather", "arguments": '{"city": "Paris"}'}
+    turns = [
+        *ASK,
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": called}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]  # fmt: skip
+    reply = api.chat.completions.create(model=MODEL_NAME, messages=turns, tools=TOOLS,
+                                        tool_choice="none", max_tokens=3)  # fmt: skip
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt_only(api: openai.OpenAI) -> None:

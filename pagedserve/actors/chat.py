@@ -116,10 +116,11 @@ def apply_chat_template(
     if not messages:
         raise ValueError("messages must not be empty")
     check_prompt_options(options)
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    conversation = [template_message(m) for m in messages]
     try:
         rendered = tokenizer.apply_chat_template(
             conversation,
+            tools=options.tools,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
             tokenize=False,
@@ -128,6 +129,28 @@ def apply_chat_template(
     except (TemplateError, ValueError) as exc:  # ValueError: e.g. nothing to continue
         raise ValueError(f"chat template error: {exc}") from exc
     return list(tokenizer.encode(rendered, add_special_tokens=bool(options.add_special_tokens)))
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it; a call's JSON arguments as an object, as vLLM
+    gives them (templates write them with `tojson`)."""
+    entry: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        entry["tool_calls"] = [_parsed_arguments(call) for call in message.tool_calls]
+    return entry
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:

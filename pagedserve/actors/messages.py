@@ -58,6 +58,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 # ---------------------------------------------------------------- client -> tokenizer
@@ -69,12 +71,14 @@ class PromptOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt, no for chat messages (their template writes them). Chat only: add_generation_prompt
     opens the assistant's turn; continue_final_message instead leaves the last message open,
     to be continued (not both); chat_template_kwargs: more variables for the template (e.g.
-    Qwen3's enable_thinking); checked by chat.check_prompt_options."""
+    Qwen3's enable_thinking); tools: the request's tool definitions, which the template may
+    describe to the model; checked by chat.check_prompt_options."""
 
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = {}
+    tools: list[dict[str, Any]] | None = None  # chat: the request's tools, for the template
 
 
 class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):

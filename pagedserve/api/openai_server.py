@@ -176,7 +176,7 @@ class OpenAIServer:
         try:
             body.check_supported()
             body.check_limits(self.limits)
-            messages = [ChatMessage(role, text) for role, text in body.texts(self.limits)]
+            messages = body.chat_messages(self.limits)
             sampling = body.to_sampling(self.defaults)
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
@@ -235,7 +235,9 @@ class OpenAIServer:
         if body.messages is None:
             add_special = body.add_special_tokens is not False
             return list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
-        messages = [ChatMessage(m.role, m.text()) for m in body.messages]
+        messages = [
+            ChatMessage(m.role, m.text(), m.tool_calls, m.tool_call_id) for m in body.messages
+        ]
         try:
             return apply_chat_template(tokenizer, messages, body.prompt_options())
         except ValueError as exc:

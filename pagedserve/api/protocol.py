@@ -10,8 +10,14 @@ from typing import Annotated, Any
 import msgspec
 
 from pagedserve.actors.chat import check_prompt_options
-from pagedserve.actors.messages import PromptOptions, SamplingParams
+from pagedserve.actors.messages import (
+    ChatMessage,
+    PromptOptions,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedserve.api.structured import StructuredOutputFields
+from pagedserve.api.tools import Tool, ToolPlan, plan_tools
 from pagedserve.config import ServerConfig
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # what the engine can hold
@@ -28,9 +34,11 @@ class ContentPart(msgspec.Struct):
     text: str = ""
 
 
-class ChatMessageIn(msgspec.Struct):
+class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -233,9 +241,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the template writes the special tokens it wants
-    # Not implemented: a 400 when asked for
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None  # with tool_choice: see api/tools.py
     tool_choice: Any = None
+    # Not implemented: a 400 when asked for
     functions: list[Any] | None = None
     function_call: Any = None
     chat_template: str | None = None
@@ -244,8 +252,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tool_choice not in (None, "none") or (self.tools and self.tool_choice is None):
-            raise ValueError("tools / tool_choice (tool calling) are not supported")
+        self.tool_plan()
         if self.functions or self.function_call not in (None, "none"):
             raise ValueError("functions / function_call (tool calling) are not supported")
         if self.chat_template is not None:
@@ -262,16 +269,30 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             chat_template_kwargs=self.chat_template_kwargs or {},
+            tools=[msgspec.to_builtins(t) for t in self.tools] if self.tools else None,
         )
 
-    def texts(self, limits: ServerConfig) -> list[tuple[str, str]]:
-        """(role, text) of each message."""
+    def tool_plan(self) -> ToolPlan | None:
+        return plan_tools(self.tools, self.tool_choice)
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        """A tool choice's constraint, or the structured output asked for (not both)."""
+        asked, plan = super().structured_output_params(), self.tool_plan()
+        if plan is None:
+            return asked
+        if asked is not None:
+            raise ValueError("tool_choice excludes response_format and the other constraints")
+        return plan.constraint
+
+    def chat_messages(self, limits: ServerConfig) -> list[ChatMessage]:
         if not self.messages:
             raise ValueError("messages must not be empty")
-        texts = [(m.role, m.text()) for m in self.messages]
-        if sum(len(text) for _, text in texts) > limits.max_prompt_chars:
+        messages = [
+            ChatMessage(m.role, m.text(), m.tool_calls, m.tool_call_id) for m in self.messages
+        ]
+        if sum(len(m.content) for m in messages) > limits.max_prompt_chars:
             raise ValueError(f"the messages are at most {limits.max_prompt_chars} characters")
-        return texts
+        return messages
 
     def to_sampling(self, defaults: dict[str, Any]) -> SamplingParams:
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

@@ -11,6 +11,7 @@ from pagedserve.actors.messages import RequestDelta, TokenLogprobs
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.generation import Choice, Event
 from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.api.tools import tool_call
 from pagedserve.outputs import logprob_dict
 
 if TYPE_CHECKING:
@@ -208,6 +209,8 @@ class ChatRender(Render):
 
     def __init__(self, server: OpenAIServer, body: ChatCompletionRequest) -> None:
         super().__init__(server, body, 1)
+        self.tools = body.tool_plan()  # None: the reply is content
+        self.call_ids: dict[int, str] = {}  # a named call's id, per choice (stream)
 
     def logprobs(self, entries: list[TokenLogprobs]) -> dict | None:
         if not self.body.logprobs:
@@ -252,11 +255,18 @@ class ChatRender(Render):
         ]
 
     def full_choice(self, choice: Choice) -> dict:
+        message: dict = {"role": "assistant", "content": choice.text}
+        finish_reason = choice.finish_reason
+        calls = None if self.tools is None else self.tools.calls(choice.text)
+        if calls is not None:
+            assert self.tools is not None
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish_reason = self.tools.finish_reason or finish_reason
         body = {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": self.logprobs(choice.logprobs),
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
         }
         if self.body.return_token_ids:
@@ -265,16 +275,36 @@ class ChatRender(Render):
 
     def delta_choice(self, choice: Choice, delta: RequestDelta) -> dict:
         done = delta.finish_reason is not None
+        content, finish_reason = self.streamed_content(choice, delta)
         body = {
             "index": choice.index,
-            "delta": {"content": delta.text},
+            "delta": content,
             "logprobs": self.logprobs(delta.logprobs or []),
-            "finish_reason": choice.finish_reason if done else None,
+            "finish_reason": finish_reason if done else None,
             "stop_reason": choice.stop_reason if done else None,
         }
         if self.body.return_token_ids:
             body["token_ids"] = delta.token_ids
         return body
+
+    def streamed_content(self, choice: Choice, delta: RequestDelta) -> tuple[dict, str | None]:
+        """A chunk's delta and the choice's finish: content; a named call's arguments as they
+        come (its id and name first); "required" calls once the reply is whole."""
+        if self.tools is None:
+            return {"content": delta.text}, choice.finish_reason
+        if self.tools.named is not None:
+            call: dict = {"index": 0, "function": {"arguments": delta.text}}
+            if choice.index not in self.call_ids:
+                self.call_ids[choice.index] = tool_call(self.tools.named, "")["id"]
+                call |= {"id": self.call_ids[choice.index], "type": "function"}
+                call["function"] = {"name": self.tools.named, **call["function"]}
+            return {"tool_calls": [call]}, choice.finish_reason
+        if delta.finish_reason is None:
+            return {}, None
+        calls = self.tools.calls(choice.text)
+        if calls is None:  # cut short: what it wrote, as content
+            return {"content": choice.text}, choice.finish_reason
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, "tool_calls"
 
 
 def top_with_sampled(entry: TokenLogprobs, text: Callable[[int], str]) -> dict[str, float]:
