@@ -23,6 +23,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ASSETS_DIR = Path(__file__).parent / "assets"
 
 
+TOOL_CALL_PARSERS = ("hermes",)  # api/tool_parsers.py
+
+
 class ServerConfig(msgspec.Struct, kw_only=True):
     """The HTTP server's settings (`pagedserve serve`)."""
 
@@ -45,6 +48,17 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 1024
+    # "auto" tool choice: calls found in the reply's text by this parser (api/tool_parsers.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser {self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
 
 
 class ProfileConfig(msgspec.Struct, kw_only=True):

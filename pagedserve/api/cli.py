@@ -11,7 +11,7 @@ from pagedserve.actors.messages import SamplingParams
 from pagedserve.api.bench_cli import add_bench_parser
 from pagedserve.api.engine_args import add_engine_args, engine_kwargs
 from pagedserve.api.top import add_top_parser
-from pagedserve.config import ServerConfig
+from pagedserve.config import TOOL_CALL_PARSERS, ServerConfig
 
 DEAD_LINGER_S = 10.0  # a dead engine's server answers 503s this long before it exits
 
@@ -38,6 +38,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disable-log-requests", action="store_true", help="do not log each request (INFO)"
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='tool_choice "auto": calls found in the reply by --tool-call-parser',
+    )  # fmt: skip
+    parser.add_argument(
+        "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+        help="the model's tool-call format (hermes: Hermes, Qwen2.5, Qwen3)",
+    )  # fmt: skip
     group = parser.add_argument_group("server settings and request limits")
     defaults = ServerConfig()
     for name in SERVER_FLAGS:
@@ -57,6 +65,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         disable_log_requests=args.disable_log_requests,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         **{name: getattr(args, name) for name in SERVER_FLAGS},
     )
 

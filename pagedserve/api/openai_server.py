@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import anyio
+import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -178,9 +179,18 @@ class OpenAIServer:
             body.check_limits(self.limits)
             messages = body.chat_messages(self.limits)
             sampling = body.to_sampling(self.defaults)
+            auto_tools = body.wants_auto_tools
+            if auto_tools and not self.limits.enable_auto_tool_choice:
+                raise ValueError(
+                    '"auto" tool choice (the default with tools) needs a tool-call parser: '
+                    "serve with --enable-auto-tool-choice --tool-call-parser, or use "
+                    'tool_choice "required", a named function or "none"'
+                )
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
-        render = ChatRender(self, body)
+        if auto_tools:  # the parser reads the calls' tags, which may be special tokens
+            sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
+        render = ChatRender(self, body, parse_tools=auto_tools)
         jobs = plan_jobs([messages], sampling, body.prompt_options())
         return self.generate(render, jobs, sampling, body.stream, body.include_usage, arrival)
 

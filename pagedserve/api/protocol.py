@@ -275,6 +275,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     def tool_plan(self) -> ToolPlan | None:
         return plan_tools(self.tools, self.tool_choice)
 
+    @property
+    def wants_auto_tools(self) -> bool:
+        """tool_choice "auto", asked for or the default with tools (a parser's work)."""
+        return self.tool_choice == "auto" or bool(self.tools and self.tool_choice is None)
+
     def structured_output_params(self) -> StructuredOutputsParams | None:
         """A tool choice's constraint, or the structured output asked for (not both)."""
         asked, plan = super().structured_output_params(), self.tool_plan()

@@ -11,6 +11,7 @@ from pagedserve.actors.messages import RequestDelta, TokenLogprobs
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.generation import Choice, Event
 from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.api.tool_parsers import ToolCallStream, parse_tool_calls
 from pagedserve.api.tools import tool_call
 from pagedserve.outputs import logprob_dict
 
@@ -207,10 +208,14 @@ class ChatRender(Render):
 
     body: ChatCompletionRequest
 
-    def __init__(self, server: OpenAIServer, body: ChatCompletionRequest) -> None:
+    def __init__(
+        self, server: OpenAIServer, body: ChatCompletionRequest, parse_tools: bool = False
+    ) -> None:
         super().__init__(server, body, 1)
-        self.tools = body.tool_plan()  # None: the reply is content
+        self.tools = body.tool_plan()  # a constrained reply's calls (None: none)
         self.call_ids: dict[int, str] = {}  # a named call's id, per choice (stream)
+        self.parse_tools = parse_tools  # "auto": calls a tool-call parser finds in the text
+        self.parsers: dict[int, ToolCallStream] = {}  # per choice (stream)
 
     def logprobs(self, entries: list[TokenLogprobs]) -> dict | None:
         if not self.body.logprobs:
@@ -262,6 +267,12 @@ class ChatRender(Render):
             assert self.tools is not None
             message = {"role": "assistant", "content": None, "tool_calls": calls}
             finish_reason = self.tools.finish_reason or finish_reason
+        elif self.parse_tools:
+            content, found = parse_tool_calls(choice.text)
+            if found:
+                unindexed = [{k: v for k, v in c.items() if k != "index"} for c in found]
+                message = {"role": "assistant", "content": content, "tool_calls": unindexed}
+                finish_reason = "tool_calls"
         body = {
             "index": choice.index,
             "message": message,
@@ -290,6 +301,8 @@ class ChatRender(Render):
     def streamed_content(self, choice: Choice, delta: RequestDelta) -> tuple[dict, str | None]:
         """A chunk's delta and the choice's finish: content; a named call's arguments as they
         come (its id and name first); "required" calls once the reply is whole."""
+        if self.parse_tools:
+            return self.parsed_content(choice, delta)
         if self.tools is None:
             return {"content": delta.text}, choice.finish_reason
         if self.tools.named is not None:
@@ -305,6 +318,15 @@ class ChatRender(Render):
         if calls is None:  # cut short: what it wrote, as content
             return {"content": choice.text}, choice.finish_reason
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, "tool_calls"
+
+    def parsed_content(self, choice: Choice, delta: RequestDelta) -> tuple[dict, str | None]:
+        """ "auto": the content that cannot be a call's tag, and each call once it is whole."""
+        stream = self.parsers.setdefault(choice.index, ToolCallStream())
+        content, calls = stream.feed(delta.text, final=delta.finish_reason is not None)
+        out: dict = {"content": content} if content or not calls else {}
+        if calls:
+            out["tool_calls"] = calls
+        return out, "tool_calls" if stream.calls else choice.finish_reason
 
 
 def top_with_sampled(entry: TokenLogprobs, text: Callable[[int], str]) -> dict[str, float]:

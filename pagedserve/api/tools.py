@@ -1,10 +1,10 @@
-"""Tool calling without a tool-call parser, as vLLM answers it without one: a named
-`tool_choice` ({"type": "function", "function": {"name": ...}}) constrains the reply to that
-function's arguments (its `parameters` JSON schema), "required" to a JSON array of one or more
-calls [{"name": ..., "parameters": {...}}]; the answer carries them as `tool_calls`. "auto"
-(the default when tools are given) needs a parser for the model's own call syntax in free
-text, which pagedserve has not: a 400. With any choice, "none" included, the tools reach the
-chat template (PromptOptions.tools)."""
+"""Tool calling, as vLLM answers it. A named `tool_choice` ({"type": "function", "function":
+{"name": ...}}) constrains the reply to that function's arguments (its `parameters` JSON
+schema), "required" to a JSON array of one or more calls [{"name": ..., "parameters": {...}}];
+the answer carries them as `tool_calls`. "auto" (the default when tools are given) leaves the
+reply free and needs a parser for the model's own call syntax (tool_parsers.py, `serve
+--enable-auto-tool-choice --tool-call-parser`; without them it is a 400). With any choice,
+"none" included, the tools reach the chat template (PromptOptions.tools)."""
 
 from __future__ import annotations
 
@@ -67,17 +67,13 @@ def tool_call(name: str, arguments: str) -> dict:
 
 
 def plan_tools(tools: list[Tool] | None, tool_choice: Any) -> ToolPlan | None:
-    """The plan of a request's tools and tool_choice (None: no constraint, plain content);
-    ValueError (a 400) for what cannot be answered."""
+    """The plan of a request's tools and tool_choice (None: no constraint: content, or with
+    "auto" calls a tool-call parser finds in it); ValueError (a 400) for what cannot be
+    answered."""
     if tool_choice is None and tools:
         tool_choice = "auto"  # OpenAI's default when tools are given
-    if tool_choice in (None, "none"):
+    if tool_choice in (None, "none", "auto"):  # "auto": free text, for a tool-call parser
         return None
-    if tool_choice == "auto":
-        raise ValueError(
-            '"auto" tool choice (the default with tools) needs a tool-call parser, which '
-            'pagedserve does not have: use tool_choice "required", a named function or "none"'
-        )
     if not tools:
         raise ValueError("tool_choice needs tools")
     for tool in tools:
