@@ -23,7 +23,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ASSETS_DIR = Path(__file__).parent / "assets"
 
 
-TOOL_CALL_PARSERS = ("hermes",)  # api/tool_parsers.py
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tool_parsers.py
 
 
 class ServerConfig(msgspec.Struct, kw_only=True):

@@ -44,7 +44,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-        help="the model's tool-call format (hermes: Hermes, Qwen2.5, Qwen3)",
+        help="the model's tool-call format (hermes: Hermes, Qwen2.5, Qwen3; llama3_json: "
+        "Llama 3.1-3.3)",
     )  # fmt: skip
     group = parser.add_argument_group("server settings and request limits")
     defaults = ServerConfig()

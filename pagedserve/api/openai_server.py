@@ -190,7 +190,7 @@ class OpenAIServer:
             raise APIError(str(exc), 400) from None
         if auto_tools:  # the parser reads the calls' tags, which may be special tokens
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
-        render = ChatRender(self, body, parse_tools=auto_tools)
+        render = ChatRender(self, body, self.limits.tool_call_parser if auto_tools else None)
         jobs = plan_jobs([messages], sampling, body.prompt_options())
         return self.generate(render, jobs, sampling, body.stream, body.include_usage, arrival)
 

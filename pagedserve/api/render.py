@@ -11,7 +11,7 @@ from pagedserve.actors.messages import RequestDelta, TokenLogprobs
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.generation import Choice, Event
 from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from pagedserve.api.tool_parsers import ToolCallStream, parse_tool_calls
+from pagedserve.api.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls
 from pagedserve.api.tools import tool_call
 from pagedserve.outputs import logprob_dict
 
@@ -209,12 +209,12 @@ class ChatRender(Render):
     body: ChatCompletionRequest
 
     def __init__(
-        self, server: OpenAIServer, body: ChatCompletionRequest, parse_tools: bool = False
+        self, server: OpenAIServer, body: ChatCompletionRequest, tool_parser: str | None = None
     ) -> None:
         super().__init__(server, body, 1)
         self.tools = body.tool_plan()  # a constrained reply's calls (None: none)
         self.call_ids: dict[int, str] = {}  # a named call's id, per choice (stream)
-        self.parse_tools = parse_tools  # "auto": calls a tool-call parser finds in the text
+        self.tool_parser = tool_parser  # "auto": the parser that finds calls in the text
         self.parsers: dict[int, ToolCallStream] = {}  # per choice (stream)
 
     def logprobs(self, entries: list[TokenLogprobs]) -> dict | None:
@@ -267,8 +267,8 @@ class ChatRender(Render):
             assert self.tools is not None
             message = {"role": "assistant", "content": None, "tool_calls": calls}
             finish_reason = self.tools.finish_reason or finish_reason
-        elif self.parse_tools:
-            content, found = parse_tool_calls(choice.text)
+        elif self.tool_parser is not None:
+            content, found = parse_tool_calls(choice.text, self.tool_parser)
             if found:
                 unindexed = [{k: v for k, v in c.items() if k != "index"} for c in found]
                 message = {"role": "assistant", "content": content, "tool_calls": unindexed}
@@ -301,8 +301,8 @@ class ChatRender(Render):
     def streamed_content(self, choice: Choice, delta: RequestDelta) -> tuple[dict, str | None]:
         """A chunk's delta and the choice's finish: content; a named call's arguments as they
         come (its id and name first); "required" calls once the reply is whole."""
-        if self.parse_tools:
-            return self.parsed_content(choice, delta)
+        if self.tool_parser is not None:
+            return self.parsed_content(choice, delta, self.tool_parser)
         if self.tools is None:
             return {"content": delta.text}, choice.finish_reason
         if self.tools.named is not None:
@@ -319,9 +319,13 @@ class ChatRender(Render):
             return {"content": choice.text}, choice.finish_reason
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, "tool_calls"
 
-    def parsed_content(self, choice: Choice, delta: RequestDelta) -> tuple[dict, str | None]:
-        """ "auto": the content that cannot be a call's tag, and each call once it is whole."""
-        stream = self.parsers.setdefault(choice.index, ToolCallStream())
+    def parsed_content(
+        self, choice: Choice, delta: RequestDelta, parser: str
+    ) -> tuple[dict, str | None]:
+        """With "auto" tool choice: the content the parser gives out, each call once whole."""
+        stream = self.parsers.get(choice.index)
+        if stream is None:
+            stream = self.parsers[choice.index] = PARSERS[parser]()
         content, calls = stream.feed(delta.text, final=delta.finish_reason is not None)
         out: dict = {"content": content} if content or not calls else {}
         if calls:

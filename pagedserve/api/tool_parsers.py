@@ -1,15 +1,22 @@
 """Tool calls in a model's free text, for "auto" tool choice (`--enable-auto-tool-choice
---tool-call-parser NAME`, vLLM's flags). The one parser here is vLLM's `hermes`: the format of
-NousResearch's Hermes models and of Qwen2.5 / Qwen3, one call a block
+--tool-call-parser NAME`, vLLM's flags and parser names). Each parser reads a choice's text as
+it grows (`feed`: the content and the calls to give the client next).
+
+hermes (NousResearch's Hermes models, Qwen2.5, Qwen3): one call a block
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
 with the text before the first block as the reply's content (text between and after blocks is
-dropped, as vLLM's parser does). `ToolCallStream` reads a choice's text as it grows: content is
-given out as soon as it cannot be the start of a tag, each call whole once its block closes (a
-block the reply leaves open is read at its end if it is JSON, else it is given as content)."""
+dropped, as vLLM's parser does). Content is given out as soon as it cannot be the start of a
+tag, each call whole once its block closes (a block the reply leaves open is read at its end
+if it is JSON, else it is given as content).
+
+llama3_json (Llama 3.1-3.3): a reply that starts (after white space) with `<|python_tag|>` or
+`{` is calls, JSON objects {"name": ..., "parameters": {...}} separated by ";", given when the
+reply ends (all of it as content if it is not calls after all); any other reply is content,
+streamed as it comes."""
 
 from __future__ import annotations
 
@@ -20,11 +27,12 @@ from pagedserve.api.tools import tool_call
 from pagedserve.config import TOOL_CALL_PARSERS as TOOL_CALL_PARSERS
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass
-class ToolCallStream:
-    """One choice's text, fed as it comes; what `feed` returns is what the client gets next."""
+class HermesStream:
+    """One choice's text in the hermes format, fed as it comes."""
 
     text: str = ""
     done: int = 0  # characters of text already given out (as content or in calls) or dropped
@@ -85,6 +93,58 @@ class ToolCallStream:
         return "" if found else rest
 
 
+@dataclass
+class Llama3JsonStream:
+    """One choice's text in the llama3_json format, fed as it comes."""
+
+    text: str = ""
+    mode: str | None = None  # "calls" or "content"; None: white space or a tag's start so far
+    calls: list[dict] = field(default_factory=list)
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
+        self.text += delta
+        if self.mode is None:
+            head = self.text.lstrip()
+            if head.startswith((PYTHON_TAG, "{")):
+                self.mode = "calls"
+            elif final or (head and not PYTHON_TAG.startswith(head)):
+                self.mode = "content"
+                return self.text, []
+            else:
+                return "", []
+        if self.mode == "content":
+            return delta, []
+        if not final:
+            return "", []
+        self.calls = _json_calls(self.text.lstrip().removeprefix(PYTHON_TAG))
+        return ("" if self.calls else self.text), self.calls
+
+
+def _json_calls(text: str) -> list[dict]:
+    """The calls of `{...}; {...}`; none unless every part is one."""
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while position < len(text):
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except ValueError:
+            return []
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return []
+        arguments = value.get("parameters", value.get("arguments", {}))
+        call = tool_call(value["name"], json.dumps(arguments, ensure_ascii=False))
+        calls.append({"index": len(calls), **call})
+        while position < len(text) and text[position] in " \t\r\n;":
+            position += 1
+    return calls
+
+
+ToolCallStream = HermesStream | Llama3JsonStream
+PARSERS: dict[str, type[HermesStream] | type[Llama3JsonStream]] = {
+    "hermes": HermesStream,
+    "llama3_json": Llama3JsonStream,
+}
+
+
 def _partial_tag(text: str, start: int) -> int:
     """How many of text's last characters (after `start`) could begin OPEN_TAG."""
     for size in range(min(len(OPEN_TAG) - 1, len(text) - start), 0, -1):
@@ -93,8 +153,7 @@ def _partial_tag(text: str, start: int) -> int:
     return 0
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[dict]]:
     """A whole reply's content (None if empty) and calls."""
-    stream = ToolCallStream()
-    content, calls = stream.feed(text, final=True)
+    content, calls = PARSERS[parser]().feed(text, final=True)
     return content or None, calls
