@@ -506,6 +506,10 @@ def test_apply_chat_template_errors(bl):
         reserved = PromptOptions(chat_template_kwargs={"tokenize": True, "x": 1})
         with pytest.raises(ValueError, match="may not set tokenize"):
             apply_chat_template(bl, [ChatMessage("user", "hi")], reserved)
+        bl.chat_template = "{{ limit + 1 }}"  # a kwarg of the wrong type: a TypeError inside
+        wrong = PromptOptions(chat_template_kwargs={"limit": "ten"})
+        with pytest.raises(ValueError, match="chat template error"):
+            apply_chat_template(bl, [ChatMessage("user", "hi")], wrong)
     finally:
         bl.chat_template = None
 

@@ -6,8 +6,6 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError
-
 from pagedserve.actors.messages import ChatMessage, PromptOptions
 
 if TYPE_CHECKING:  # transformers (and torch with it) is imported only to load a tokenizer
@@ -126,7 +124,7 @@ def apply_chat_template(
             tokenize=False,
             **options.chat_template_kwargs,
         )
-    except (TemplateError, ValueError) as exc:  # ValueError: e.g. nothing to continue
+    except Exception as exc:  # it ran on the request's values: its failure is the request's
         raise ValueError(f"chat template error: {exc}") from exc
     return list(tokenizer.encode(rendered, add_special_tokens=bool(options.add_special_tokens)))
 

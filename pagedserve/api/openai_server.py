@@ -29,7 +29,7 @@ import pagedserve
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.chat import apply_chat_template, check_prompt_options, load_tokenizer
 from pagedserve.actors.heap_trim import trim_heap_forever
-from pagedserve.actors.messages import ChatMessage, SamplingParams
+from pagedserve.actors.messages import SamplingParams
 from pagedserve.api.actor_status import AsyncStatusClient, render_prometheus
 from pagedserve.api.auth import APIKeyGuard
 from pagedserve.api.body import read_json
@@ -245,9 +245,7 @@ class OpenAIServer:
         if body.messages is None:
             add_special = body.add_special_tokens is not False
             return list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
-        messages = [
-            ChatMessage(m.role, m.text(), m.tool_calls, m.tool_call_id) for m in body.messages
-        ]
+        messages = [m.to_wire() for m in body.messages]
         try:
             return apply_chat_template(tokenizer, messages, body.prompt_options())
         except ValueError as exc:

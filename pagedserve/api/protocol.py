@@ -40,6 +40,9 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: the call it answers
 
+    def to_wire(self) -> ChatMessage:
+        return ChatMessage(self.role, self.text(), self.tool_calls, self.tool_call_id)
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -264,13 +267,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         check_prompt_options(self.prompt_options())
 
     def prompt_options(self) -> PromptOptions:
-        return PromptOptions(
-            add_special_tokens=self.add_special_tokens,
-            add_generation_prompt=self.add_generation_prompt,
-            continue_final_message=self.continue_final_message,
-            chat_template_kwargs=self.chat_template_kwargs or {},
-            tools=[msgspec.to_builtins(t) for t in self.tools] if self.tools else None,
-        )
+        tools = [msgspec.to_builtins(t) for t in self.tools] if self.tools else None
+        return template_options(self, tools)
 
     def tool_plan(self) -> ToolPlan | None:
         return plan_tools(self.tools, self.tool_choice)
@@ -292,9 +290,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     def chat_messages(self, limits: ServerConfig) -> list[ChatMessage]:
         if not self.messages:
             raise ValueError("messages must not be empty")
-        messages = [
-            ChatMessage(m.role, m.text(), m.tool_calls, m.tool_call_id) for m in self.messages
-        ]
+        messages = [m.to_wire() for m in self.messages]
         if sum(len(m.content) for m in messages) > limits.max_prompt_chars:
             raise ValueError(f"the messages are at most {limits.max_prompt_chars} characters")
         return messages
@@ -327,12 +323,20 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
     def prompt_options(self) -> PromptOptions:
         """As the engine's tokenizer makes the ids of the same prompt or messages."""
-        return PromptOptions(
-            add_special_tokens=self.add_special_tokens,
-            add_generation_prompt=self.add_generation_prompt,
-            continue_final_message=self.continue_final_message,
-            chat_template_kwargs=self.chat_template_kwargs or {},
-        )
+        return template_options(self)
+
+
+def template_options(
+    body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None = None
+) -> PromptOptions:
+    """The chat template fields both bodies share, as the tokenizer takes them."""
+    return PromptOptions(
+        add_special_tokens=body.add_special_tokens,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template_kwargs=body.chat_template_kwargs or {},
+        tools=tools,
+    )
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -12,7 +12,7 @@ from pagedserve.api.client_core import Prompt
 from pagedserve.api.generation import Choice, Event
 from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.api.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls
-from pagedserve.api.tools import tool_call
+from pagedserve.api.tools import new_call_id
 from pagedserve.outputs import logprob_dict
 
 if TYPE_CHECKING:
@@ -308,7 +308,7 @@ class ChatRender(Render):
         if self.tools.named is not None:
             call: dict = {"index": 0, "function": {"arguments": delta.text}}
             if choice.index not in self.call_ids:
-                self.call_ids[choice.index] = tool_call(self.tools.named, "")["id"]
+                self.call_ids[choice.index] = new_call_id()
                 call |= {"id": self.call_ids[choice.index], "type": "function"}
                 call["function"] = {"name": self.tools.named, **call["function"]}
             return {"tool_calls": [call]}, choice.finish_reason

@@ -38,7 +38,6 @@ class HermesStream:
     done: int = 0  # characters of text already given out (as content or in calls) or dropped
     in_block: bool = False
     started: bool = False  # a block has begun: text between blocks is dropped (vLLM's rule)
-    num_calls: int = 0
     calls: list[dict] = field(default_factory=list)  # every call so far (OpenAI's shape)
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
@@ -79,8 +78,7 @@ class HermesStream:
             return []
         arguments = value.get("arguments", {})
         call = tool_call(value["name"], json.dumps(arguments, ensure_ascii=False))
-        call = {"index": self.num_calls, **call}
-        self.num_calls += 1
+        call = {"index": len(self.calls), **call}
         self.calls.append(call)
         return [call]
 

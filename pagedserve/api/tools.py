@@ -58,9 +58,13 @@ class ToolPlan:
         return None if self.named is not None else "tool_calls"
 
 
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 def tool_call(name: str, arguments: str) -> dict:
     return {
-        "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+        "id": new_call_id(),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
