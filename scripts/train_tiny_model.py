@@ -295,6 +295,9 @@ PRESETS = {
 }  # fmt: skip
 
 
+COPY_LEN, COPY_PASSAGES = 128, 32  # the copy-accuracy probe: held-out passages, repeated
+
+
 def build_config(vocab_size: int, preset: str = "tiny"):
     from transformers import LlamaConfig
 
@@ -383,6 +386,23 @@ def cmd_train(args) -> None:
     tw = train_ids[tstarts[:, None] + ar]
     tx, ty = tw[:, :-1], tw[:, 1:]
 
+    # In-context copying: held-out passages of COPY_LEN tokens, each followed by itself.
+    cw = val_ids[: (val_ids.numel() // COPY_LEN) * COPY_LEN].view(-1, COPY_LEN)[:COPY_PASSAGES]
+    copy_windows = torch.cat([cw, cw], dim=1)
+
+    @torch.no_grad()
+    def copy_accuracy() -> tuple[float, float]:
+        """Share of the passages' tokens (after their first) that greedy decoding predicts,
+        teacher-forced, on their first and on their repeated pass: a model that copies in
+        context gets the repeat right (what n-gram speculation needs accepted)."""
+        model.eval()
+        with amp:
+            guess = model(input_ids=copy_windows).logits.argmax(-1)
+        model.train()
+        hits = guess[:, :-1] == copy_windows[:, 1:]
+        first, repeat = hits[:, : COPY_LEN - 1], hits[:, COPY_LEN:]
+        return first.float().mean().item(), repeat.float().mean().item()
+
     @torch.no_grad()
     def evaluate(xs, ys) -> float:
         model.eval()
@@ -410,17 +430,21 @@ def cmd_train(args) -> None:
     for step in range(args.steps + 1):
         if step % args.eval_every == 0 or step == args.steps:
             vl, tl = evaluate(vx, vy), evaluate(tx, ty)
+            first_acc, copy_acc = copy_accuracy()
             rec = {
                 "step": step,
                 "val_loss": round(vl, 4),
                 "train_loss": round(tl, 4),
+                "first_pass_acc": round(first_acc, 4),
+                "copy_acc": round(copy_acc, 4),
                 "lr": lr_at(min(step, args.steps - 1)),
                 "elapsed_s": round(time.time() - t0, 1),
             }
             history.append(rec)
             print(json.dumps(rec), flush=True)
             if vl < best["val_loss"]:
-                best = {"val_loss": vl, "step": step, "train_loss": tl}
+                best = {"val_loss": vl, "step": step, "train_loss": tl,
+                        "first_pass_acc": first_acc, "copy_acc": copy_acc}  # fmt: skip
                 best_state = {
                     k: v.detach().to("cpu", torch.bfloat16).clone()
                     for k, v in model.state_dict().items()
@@ -483,6 +507,8 @@ def cmd_train(args) -> None:
         "best_step": best["step"],
         "best_val_loss": round(best["val_loss"], 4),
         "train_loss_at_best": round(best["train_loss"], 4),
+        "first_pass_acc_at_best": round(best["first_pass_acc"], 4),
+        "copy_acc_at_best": round(best["copy_acc"], 4),
         "final_val_loss": history[-1]["val_loss"],
         "final_train_loss": history[-1]["train_loss"],
         "wall_s": round(wall, 1),

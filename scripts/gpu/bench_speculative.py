@@ -244,7 +244,9 @@ def main() -> None:
         f"## Speculative decoding, {datetime.datetime.now():%Y-%m-%d %H:%M} (issue 12)",
         "",
         f"Target: the `--preset target` Llama ({training.get('params', 0) / 1e6:.1f}M "
-        f"parameters, best val loss {training.get('best_val_loss')}, "
+        f"parameters, best val loss {training.get('best_val_loss')}, greedy accuracy "
+        f"on held-out passages {training.get('first_pass_acc_at_best')} and on their repeat "
+        f"{training.get('copy_acc_at_best')}, "
         f"{training.get('steps_run')} steps in {training.get('wall_s')} s), bf16; draft: the "
         "embedded 4M model. Batch 1: greedy, 256 tokens, median over the prompts; batch 64: "
         "64 x 256 tokens, median of 7 runs; each row the mean of its engines (run in turn), "
