@@ -14,6 +14,7 @@ import zmq.asyncio
 from pagedserve.actors import bus
 from pagedserve.actors import messages as m
 from pagedserve.actors import supervision_messages as sm
+from pagedserve.config import BUS_SPIN_US, SPIN_MIN_CPUS, EngineConfig, default_bus_spin_us
 
 SAMPLING = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["\n"], logprobs=2)
 LOGPROBS = m.TokenLogprobs(7, -0.5, 1, [7, 8], [-0.5, -1.5])
@@ -230,12 +231,15 @@ async def test_frames_sent_before_a_peer_connects_arrive_in_order(tmp_path) -> N
         ctx.term()
 
 
-async def test_a_receiver_that_polls_first_still_lets_the_loop_run(tmp_path) -> None:
-    """poll_first_s: frames that come during the poll or long after it arrive in order, and
-    while it waits beyond the poll the loop runs other tasks."""
+@pytest.mark.parametrize("spin_s", [0.0, 0.005])
+async def test_a_receiver_that_polls_first_still_lets_the_loop_run(tmp_path, spin_s) -> None:
+    """poll_first_s (after spinning for spin_s): frames that come during the poll or long
+    after it arrive in order, and while it waits beyond the poll the loop runs other tasks."""
     address = f"ipc://{tmp_path}/inbox.sock"
     ctx = zmq.asyncio.Context()
-    receiver: bus.Receiver = bus.Receiver(ctx, address, m.SchedulerInbound, poll_first_s=0.01)
+    receiver: bus.Receiver = bus.Receiver(
+        ctx, address, m.SchedulerInbound, poll_first_s=0.01, spin_s=spin_s
+    )
     sender: bus.Sender = bus.Sender(ctx, address)
     ticks = 0
 
@@ -339,3 +343,17 @@ async def test_a_router_told_not_to_poll_leaves_the_loop_free(tmp_path) -> None:
         dealer.close(linger=0)
         router.close()
         ctx.term()
+
+
+def test_inboxes_spin_on_gpu_machines_with_cores_to_spare_or_as_configured() -> None:
+    """EngineConfig.bus_spin_us: unset, BUS_SPIN_US for a GPU engine on a machine of at least
+    SPIN_MIN_CPUS CPUs, else none (a CPU worker needs the cores; on 2 CPUs spinning starves
+    ZeroMQ's I/O threads); resolve() keeps a value that was set and fills in the default."""
+    assert default_bus_spin_us("cuda", SPIN_MIN_CPUS) == BUS_SPIN_US
+    assert default_bus_spin_us("cuda", SPIN_MIN_CPUS - 1) == 0
+    assert default_bus_spin_us("cpu", 64) == 0
+    assert EngineConfig(device="cpu").resolve().bus_spin_us == 0
+    resolved = EngineConfig(device="cpu", bus_spin_us=250).resolve()
+    assert resolved.spin_seconds == pytest.approx(250e-6)
+    with pytest.raises(ValueError, match="bus_spin_us"):
+        EngineConfig(bus_spin_us=-1)

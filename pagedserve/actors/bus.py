@@ -198,7 +198,9 @@ class Receiver(Generic[T]):
     (in the kernel, the GIL released) before it waits on the loop, for an actor whose loop has
     little else to do (scheduler, workers). `meanwhile`: another socket of the loop and what
     serves its queued frames, called as they come during the poll (the detokenizer's client
-    handshakes): the poll takes that socket's wake-up too, so its task would not see them."""
+    handshakes): the poll takes that socket's wake-up too, so its task would not see them.
+    `spin_s`: before that poll, check for a frame in a loop for up to this long (an actor whose
+    thread would otherwise sleep and wait for the CPU to wake it: EngineConfig.bus_spin_us)."""
 
     def __init__(
         self,
@@ -208,6 +210,7 @@ class Receiver(Generic[T]):
         bind: bool = True,
         poll_first_s: float = 0.0,
         meanwhile: tuple[zmq.Socket, Callable[[], Awaitable[None]]] | None = None,
+        spin_s: float = 0.0,
     ) -> None:
         self.socket = _socket(ctx, zmq.PULL, address, bind)
         self._now = zmq.Socket.shadow(self.socket.underlying)  # the same socket, called directly
@@ -215,6 +218,7 @@ class Receiver(Generic[T]):
         self._poll_all = self._poll_in + ([(meanwhile[0], zmq.POLLIN)] if meanwhile else [])
         self._serve_meanwhile = meanwhile[1] if meanwhile else None
         self._poll_first_s = poll_first_s
+        self._spin_s = spin_s
         self.codec: Codec[T] = Codec(message_type, address, traffic_of(ctx))
 
     async def recv(self) -> T:
@@ -233,6 +237,8 @@ class Receiver(Generic[T]):
 
     async def _ready_within_poll(self) -> bool:
         """Whether a frame of ours is queued or comes within the poll."""
+        if self._spin_s and self._spin_for_frame():
+            return True
         if not self._poll_first_s:
             return bool(zmq.zmq_poll(self._poll_in, 0))
         deadline = time.monotonic() + self._poll_first_s
@@ -244,6 +250,14 @@ class Receiver(Generic[T]):
             if not ready or self._serve_meanwhile is None:
                 return False
             await self._serve_meanwhile()
+
+    def _spin_for_frame(self) -> bool:
+        """Whether a frame of ours comes while checking in a loop for up to spin_s."""
+        deadline = time.perf_counter() + self._spin_s
+        while not zmq.zmq_poll(self._poll_in, 0):
+            if time.perf_counter() > deadline:
+                return False
+        return True
 
     def has_ready(self) -> bool:
         """Whether a frame is queued (recv would not wait)."""

@@ -12,6 +12,9 @@ not timed: the scheduler making the plan and applying the result (scheduler.py p
 Variants, run in interleaved rounds so that a busy machine disturbs them alike:
   bus               the engine's channels (bus.py), as the actors set them up
   bus-worker-waits  the same, but the worker's inbox waits on the loop without polling first
+  bus-spin          the engine's channels with both inboxes checked in a loop for up to
+                    BUS_SPIN_US before they poll (the engine's default on a GPU machine of
+                    8 CPUs or more: EngineConfig.bus_spin_us)
   floor             the same bytes ping-ponged by plain synchronous ZeroMQ sockets, with no
                     Python work but send and receive: what the machine and ZeroMQ cost
   floor-paced       the same, but between two round trips the driver does the scheduler's
@@ -61,12 +64,12 @@ from pagedserve.actors.messages import (
 )
 from pagedserve.actors.scheduler.scheduler import Scheduler
 from pagedserve.actors.security import Credentials
-from pagedserve.config import EngineConfig
+from pagedserve.config import BUS_SPIN_US, EngineConfig
 
 WARM_UP = 200  # round trips not counted: connections, allocations
 PROMPT_LEN = 20
 BLOCK_SIZE = 16
-VARIANTS = ("bus", "bus-worker-waits", "floor", "floor-paced", "floor-paced-spin")
+VARIANTS = ("bus", "bus-worker-waits", "bus-spin", "floor", "floor-paced", "floor-paced-spin")
 SAMPLED = 7 + np.arange(4096, dtype=np.int64) % 50  # the tokens a step samples
 
 
@@ -98,12 +101,11 @@ def worker_result(plan: StepPlan) -> StepResult:
 
 
 async def echo(run_dir: str, credentials: Credentials | None, poll_first_s: float,
-               delay_s: float) -> None:  # fmt: skip
+               delay_s: float, spin_s: float) -> None:  # fmt: skip
     addresses = Addresses(run_dir)
     ctx = bus.async_context(credentials)
-    inbox: bus.Receiver = bus.Receiver(
-        ctx, addresses.worker_inbox(0), WorkerInbound, bind=False, poll_first_s=poll_first_s
-    )
+    inbox: bus.Receiver = bus.Receiver(ctx, addresses.worker_inbox(0), WorkerInbound, bind=False,
+                                       poll_first_s=poll_first_s, spin_s=spin_s)  # fmt: skip
     out: bus.Sender = bus.Sender(ctx, addresses.scheduler_inbox)
     while not isinstance(plan := await inbox.recv(), Shutdown):
         if delay_s:  # the step on the device: the worker's loop waits with it
@@ -113,13 +115,13 @@ async def echo(run_dir: str, credentials: Credentials | None, poll_first_s: floa
 
 
 async def drive(run_dir: str, credentials: Credentials | None, decodes: int, n: int,
-                epoch: int, poll_first_s: float, delay_s: float) -> list[float]:  # fmt: skip
+                epoch: int, poll_first_s: float, delay_s: float, spin_s: float
+                ) -> list[float]:  # fmt: skip
     scheduler = decoding_scheduler(decodes, n + WARM_UP, epoch)
     addresses = Addresses(run_dir)
     ctx = bus.async_context(credentials)
-    inbox: bus.Receiver = bus.Receiver(
-        ctx, addresses.scheduler_inbox, SchedulerInbound, poll_first_s=poll_first_s
-    )
+    inbox: bus.Receiver = bus.Receiver(ctx, addresses.scheduler_inbox, SchedulerInbound,
+                                       poll_first_s=poll_first_s, spin_s=spin_s)  # fmt: skip
     out: bus.Sender = bus.Sender(ctx, addresses.worker_inbox(0), bind=True)
     samples = []
     for i in range(n + WARM_UP):
@@ -223,9 +225,14 @@ def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int,
             return floor(run_dir, credentials, "drive", decodes, n, epoch, delay_ms / 1e3,
                          variant)  # fmt: skip
         return anyio.run(drive, run_dir, credentials, decodes, n, epoch, poll_ms / 1e3,
-                         delay_ms / 1e3)  # fmt: skip
+                         delay_ms / 1e3, spin_of(variant))  # fmt: skip
     finally:
         child.wait(30)
+
+
+def spin_of(variant: str) -> float:
+    """The inboxes' spin of a bus variant (none but bus-spin's)."""
+    return BUS_SPIN_US / 1e6 if variant == "bus-spin" else 0.0
 
 
 def run_echo(args: argparse.Namespace) -> None:
@@ -236,7 +243,7 @@ def run_echo(args: argparse.Namespace) -> None:
         floor(args.echo, credentials, "echo", args.decodes[0], 0, args.epoch, delay_s, variant)
     else:
         poll_first_s = 0.0 if variant == "bus-worker-waits" else args.poll_first_ms[0] / 1e3
-        anyio.run(echo, args.echo, credentials, poll_first_s, delay_s)
+        anyio.run(echo, args.echo, credentials, poll_first_s, delay_s, spin_of(variant))
     os.rmdir(args.echo) if not os.listdir(args.echo) else None
 
 

@@ -57,6 +57,7 @@ class SchedulerActor(Actor):
             self.addresses.scheduler_inbox,
             SchedulerInbound,
             poll_first_s=bus.POLL_FIRST_S,
+            spin_s=self.config.spin_seconds,
         )
         self.to_detokenizer: bus.Sender[DetokenizerInbound] = bus.Sender(
             self.ctx, self.addresses.detokenizer_inbox

@@ -80,7 +80,7 @@ class WorkerActor(Actor):
             self.timeline = Timeline()
         self.inbox: bus.Receiver[WorkerInbound] = bus.Receiver(
             self.ctx, self.addresses.worker_inbox(self.rank), WorkerInbound, bind=False,
-            poll_first_s=bus.POLL_FIRST_S,
+            poll_first_s=bus.POLL_FIRST_S, spin_s=self.config.spin_seconds,
         )  # fmt: skip
         self.scheduler_epoch: int | None = None  # of the plans accepted: since the last reset
         self.to_scheduler: bus.Sender[SchedulerInbound] | None = None
