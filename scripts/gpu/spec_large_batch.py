@@ -53,36 +53,38 @@ RUNS = 5  # measured runs per engine (wall: their median)
 PROMPT = " ".join(["the king is dead, long live the king; the queen is here."] * 10)
 
 
-def configs(limit: int) -> list[tuple[str, dict, bool]]:
+def configs(limit: int, k: int) -> list[tuple[str, dict, bool]]:
     """(name, LLM kwargs, whether a batch-1 request runs first): plain, plain with the static
-    rows of a k=4 engine, and the speculative engines of bench_speculative.py switched off
-    above batch `limit`."""
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    rows of an n-gram k engine, and the speculative engines of bench_speculative.py switched
+    off above batch `limit`."""
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
              "prompt_lookup_min": 2, "disable_by_batch_size": limit}  # fmt: skip
     draft = {"model": str(DRAFT), "num_speculative_tokens": 3, "disable_by_batch_size": limit}
+    sized = 256 * (1 + k)  # the static decode rows of the n-gram engines
     return [
         ("no speculation", {}, True),
-        ("no speculation, max_num_seqs 1280", {"max_num_seqs": 1280}, True),
-        (f"n-gram k=4, 1 round, off above {limit}", {"speculative_config": ngram}, True),
-        (f"n-gram k=4, 4 rounds, off above {limit}",
+        (f"no speculation, max_num_seqs {sized}", {"max_num_seqs": sized}, True),
+        (f"n-gram k={k}, 1 round, off above {limit}", {"speculative_config": ngram}, True),
+        (f"n-gram k={k}, 4 rounds, off above {limit}",
          {"speculative_config": ngram | {"num_rounds": 4}}, True),
         (f"draft k=3, 4 rounds, off above {limit}",
          {"speculative_config": draft | {"num_rounds": 4}}, True),
         # which part costs: speculation never on, or no speculative step before the batch
-        ("n-gram k=4, never on (disable_by_batch_size 0)",
+        (f"n-gram k={k}, never on (disable_by_batch_size 0)",
          {"speculative_config": ngram | {"disable_by_batch_size": 0}}, True),
-        (f"n-gram k=4, off above {limit}, no batch-1 warm-up",
+        (f"n-gram k={k}, off above {limit}, no batch-1 warm-up",
          {"speculative_config": ngram}, False),
         ("no speculation (again, last)", {}, True),
     ]  # fmt: skip
 
 
-def runner_configs() -> list[tuple[str, dict]]:
-    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=16)
+def runner_configs(k: int) -> list[tuple[str, dict]]:
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=k, disable_by_batch_size=16)
+    sized = 256 * (1 + k)
     return [
         ("max_num_seqs 256", {"max_num_seqs": 256}),
-        ("max_num_seqs 1280", {"max_num_seqs": 1280}),
-        ("max_num_seqs 256, n-gram k=4", {"max_num_seqs": 256, "speculative_config": ngram}),
+        (f"max_num_seqs {sized}", {"max_num_seqs": sized}),
+        (f"max_num_seqs 256, n-gram k={k}", {"max_num_seqs": 256, "speculative_config": ngram}),
         ("max_num_seqs 256 (again)", {"max_num_seqs": 256}),
     ]
 
@@ -172,6 +174,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--disable-above", type=int, default=16)
+    parser.add_argument("--ngram-k", type=int, default=4, help="the n-gram engines' k")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--runner-only", action="store_true")
     parser.add_argument("--engine-only", action="store_true")
@@ -199,7 +202,7 @@ def main() -> int:
         "|---|---:|---:|---:|",
     ]
     runner_tops = []
-    for name, kwargs in [] if args.engine_only else runner_configs():
+    for name, kwargs in [] if args.engine_only else runner_configs(args.ngram_k):
         try:
             row, top = runner_row(target, name, kwargs, args.batch, args.device)
         except Exception as error:  # one failing config leaves the others' rows
@@ -211,7 +214,7 @@ def main() -> int:
             torch.cuda.empty_cache()
         print(row, top, sep="\n", flush=True)
     histograms = ["\nSteps per (kind, batch size), whole run, most frequent first:\n"]
-    chosen = [c for c in configs(args.disable_above) if not args.only or any(
+    chosen = [c for c in configs(args.disable_above, args.ngram_k) if not args.only or any(
         word in c[0] for word in args.only)]  # fmt: skip
     for name, kwargs, batch1_warm_up in [] if args.runner_only else chosen:
         try:
