@@ -199,8 +199,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     bus_spin_us: int | None = None
     enforce_eager: bool = False
     # CUDA: a lone request's prompt chunk of up to max(these) tokens replays a graph of the
-    # next size here (actors/worker/prefill_graphs.py; sizes above max_num_seqs are dropped);
-    # empty: such chunks run as decode-graph rows
+    # next size here, whatever max_num_seqs is (actors/worker/prefill_graphs.py; sizes above
+    # the longest chunk are dropped); empty: such chunks run as decode-graph rows
     prefill_graph_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     # CUDA bf16/fp16: x W^T for batches of <= 16 rows (decode) by the Triton weight-streaming
     # GEMM (kernels/triton_gemv.py) instead of cuBLAS

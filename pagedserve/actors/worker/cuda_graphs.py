@@ -59,14 +59,18 @@ class DecodeStep:
         max_batch: int,
         max_model_len: int,
         block_size: int,
+        buffer_rows: int = 0,
     ) -> None:
         """sampled: [>= max_batch] int64 on the device, the runner's buffer of the last step's
-        sampled ids (read by this step's feed, written by its argmax)."""
+        sampled ids (read by this step's feed, written by its argmax). buffer_rows: rows of
+        the input buffers beyond max_batch, for the prefill graphs that share them."""
         self.model, self.sampled = model, sampled
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.block_size = block_size
         self.device = sampled.device
-        self.buffers = DecodeBuffers(max_batch, cdiv(max_model_len + 1, block_size), self.device)
+        self.buffer_rows = max(max_batch, buffer_rows)
+        max_blocks = cdiv(max_model_len + 1, block_size)
+        self.buffers = DecodeBuffers(self.buffer_rows, max_blocks, self.device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
         self.query_lens_cpu = torch.ones(max_batch, dtype=torch.int64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

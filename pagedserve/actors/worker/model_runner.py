@@ -31,7 +31,7 @@ from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.parallel_groups import WorkerGroups, stage_layer_config
 from pagedserve.actors.worker.pipeline import StageDecodeStep, StageLink, run_stage
-from pagedserve.actors.worker.prefill_graphs import PrefillStep
+from pagedserve.actors.worker.prefill_graphs import PrefillStep, prefill_rows
 from pagedserve.actors.worker.prompt_logprobs import PromptLogprobTensors
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
 from pagedserve.actors.worker.speculative import Proposer, decode_rows, make_proposer
@@ -182,7 +182,9 @@ class ModelRunner(StaticPaths):
         sizes = (decode_rows(config), config.max_model_len, self.block_size)
         if self.link is not None:
             return StageDecodeStep(self.model, self.sampled, *sizes, self.link)  # type: ignore[arg-type]
-        return DecodeStep(self.model, self.sampled, *sizes)  # type: ignore[arg-type]
+        longest_chunk = min(config.max_num_batched_tokens, config.max_model_len)
+        rows = prefill_rows(config.prefill_graph_sizes, longest_chunk)
+        return DecodeStep(self.model, self.sampled, *sizes, buffer_rows=rows)  # type: ignore[arg-type]
 
     def new_prefill_step(self) -> PrefillStep:
         """The lone-prompt path over the decode step's buffers (call after it is built)."""

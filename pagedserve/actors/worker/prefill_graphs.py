@@ -13,10 +13,11 @@ q_len - 1. Padded rows' attention outputs are left unwritten; every later op is 
 they are dropped before the last layer. The argmax of the last row goes to sampled[0], where
 the next step's feed reads it.
 
-Graphs are captured per bucket size (EngineConfig.prefill_graph_sizes, at most the decode
-buffers' rows) with max_query_len = the bucket and max_seq_len = max_model_len, in the decode
-graphs' memory pool. Without graphs (the CPU in tests) the same function runs eagerly at the
-same padded size, with the host halves of the metadata for the CPU backend.
+Graphs are captured per bucket size (EngineConfig.prefill_graph_sizes up to the longest chunk,
+prefill_rows: the decode buffers hold that many rows whatever max_num_seqs is) with
+max_query_len = the bucket and max_seq_len = max_model_len, in the decode graphs' memory pool.
+Without graphs (the CPU in tests) the same function runs eagerly at the same padded size, with
+the host halves of the metadata for the CPU backend.
 """
 
 from __future__ import annotations
@@ -34,11 +35,17 @@ from pagedserve.kernels.attention_metadata import AttentionMetadata, OutputRows,
 logger = logging.getLogger(__name__)
 
 
+def prefill_rows(sizes: Sequence[int], longest_chunk: int) -> int:
+    """The decode buffers' rows that the prefill graphs need: their largest size that a chunk
+    can use (a chunk holds at most the step's token budget and the model's length)."""
+    return max((s for s in sizes if s <= longest_chunk), default=0)
+
+
 class PrefillStep:
     def __init__(self, decode: DecodeStep, sizes: Sequence[int]) -> None:
         self.model, self.sampled, self.buffers = decode.model, decode.sampled, decode.buffers
         self.max_model_len, self.block_size = decode.max_model_len, decode.block_size
-        self.sizes = sorted({s for s in sizes if 1 < s <= decode.max_batch})
+        self.sizes = sorted({s for s in sizes if 1 < s <= decode.buffer_rows})
         self.max_tokens = max(self.sizes, default=0)
         device = decode.device
         self.zero = torch.zeros(1, dtype=torch.int32, device=device)
