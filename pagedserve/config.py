@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from pagedserve.cpus import usable_cpus
 from pagedserve.layout import check_layout
 
 DEFAULT_MODEL = "pagedserve/tiny-shakespeare"
@@ -303,7 +304,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         check_layout(self, hf, _cuda_device_count() if local_gpus else None)
         spin_us = self.bus_spin_us
         if spin_us is None:
-            spin_us = default_bus_spin_us(device, len(os.sched_getaffinity(0)))
+            spin_us = default_bus_spin_us(device, usable_cpus())
         return msgspec.structs.replace(
             self,
             max_model_len=max_len,

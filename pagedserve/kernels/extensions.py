@@ -38,6 +38,8 @@ from types import ModuleType
 
 import torch
 
+from pagedserve.cpus import usable_cpus
+
 logger = logging.getLogger(__name__)
 
 BUILT_DIR = Path(__file__).resolve().parent / "_built"
@@ -242,13 +244,6 @@ class BuildLock:
 _COMPILE = (
     "import json, sys\nfrom torch.utils.cpp_extension import load\nload(**json.loads(sys.argv[1]))"
 )
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def compile_command(spec: ExtensionSpec, work: Path) -> tuple[list[str], dict[str, str]]:
