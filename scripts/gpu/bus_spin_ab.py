@@ -11,7 +11,6 @@ and time to the first token, medians of --iters requests each.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from pagedserve.api import bench  # noqa: E402
 from pagedserve.config import default_bus_spin_us  # noqa: E402
+from pagedserve.cpus import usable_cpus  # noqa: E402
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="engines of each setting")
     parser.add_argument("--iters", type=int, default=5, help="timed requests per engine")
     args = parser.parse_args()
-    cpus = len(os.sched_getaffinity(0))
+    cpus = usable_cpus()
     print(f"spin where unset: {default_bus_spin_us('cuda', cpus)} µs ({cpus} CPUs)\n")
     print("| model | bus_spin_us | engine | ms per output token | TTFT ms |")
     print("|---|---:|---:|---:|---:|")
