@@ -104,6 +104,12 @@ def free() -> None:
 MEASURES: dict[str, tuple[str, Callable[[], float]]] = {
     "offline-qwen3": ("offline TTFT, Qwen3-0.6B, 128 tokens (ms)",
                       lambda: offline_ttft(str(CONFIGS / "qwen3-0.6b"))),
+    "offline-qwen3-8seqs": ("offline TTFT, Qwen3-0.6B, 128 tokens, max_num_seqs 8 (ms)",
+                            lambda: offline_ttft(str(CONFIGS / "qwen3-0.6b"), max_num_seqs=8)),
+    "offline-qwen3-8seqs-eager-prefill": (
+        "offline TTFT, Qwen3-0.6B, 128 tokens, max_num_seqs 8, no prefill graphs (ms)",
+        lambda: offline_ttft(str(CONFIGS / "qwen3-0.6b"), max_num_seqs=8, prefill_graph_sizes=()),
+    ),
     "offline-llama": ("offline TTFT, Llama-3.1-8B, 128 tokens (ms)",
                       lambda: offline_ttft(str(CONFIGS / "llama-3.1-8b"))),
     "served": ("served TTFT, Qwen3-0.6B, real tokenizer (ms)", served_ttft),
