@@ -146,12 +146,18 @@ class DecodeStep:
 
     def execute(self, size: int, max_seq_len: int, host: DecodeFields[np.ndarray]) -> torch.Tensor:
         """Upload and run `size` rows: the graph's replay, or the forward eagerly; its output."""
+        self.buffers.upload(size)
+        return self.replay(size, max_seq_len, host)
+
+    def replay(
+        self, size: int, max_seq_len: int, host: DecodeFields[np.ndarray] | None
+    ) -> torch.Tensor:
+        """Run `size` rows from the device buffers as they are (written there by the host's
+        upload or by kernels): the graph's replay, or the forward eagerly, whose CPU backend
+        reads the host views `host` of the same rows; its output."""
         entry = self.graphs.get(size)
         if entry is None:
-            metadata = self.metadata(size, max_seq_len, host)
-            self.buffers.upload(size)
-            return self.forward(size, metadata)
-        self.buffers.upload(size)
+            return self.forward(size, self.metadata(size, max_seq_len, host))
         graph, output = entry
         graph.replay()
         return output

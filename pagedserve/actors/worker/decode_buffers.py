@@ -135,6 +135,11 @@ class DecodeBuffers:
         self.pinned.next_host()
         return self.host_views[self.pinned.turn]
 
+    def host_aliases(self) -> DecodeFields[np.ndarray] | None:
+        """Numpy views of the device buffer itself where it is host memory (the CPU), else
+        None: what kernels write into the device buffer, the host reads there."""
+        return self.host_views[0] if self.pinned is None else None
+
     def upload(self, rows: int) -> None:
         """Send the staging buffer's used prefix for `rows` rows to the device buffer."""
         if self.pinned is not None:

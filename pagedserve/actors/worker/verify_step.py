@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from pagedserve.actors.messages import StepPlan, StepResult, TokenLogprobs
+from pagedserve.actors.worker.ngram_rounds import device_rounds, rounds_run_on_device
 from pagedserve.actors.worker.speculative import num_accepted
 from pagedserve.actors.worker.step_inputs import check_plan_fits
 
@@ -53,8 +54,7 @@ def speculative_step(runner: ModelRunner, plan: StepPlan) -> StepResult:
     if not plan.scheduled:
         return StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     rows = np.fromiter((batch.row_of[h] for h in plan.scheduled), np.int64)
-    drafts = plan.spec_token_ids or [[]] * len(rows)
-    num_drafts = np.fromiter(map(len, drafts), np.int64, len(rows))
+    num_drafts = _num_drafts(plan, rows)
     if not num_drafts.any() and not _decode_shaped(
         runner, plan.num_scheduled_tokens, rows, num_drafts
     ):
@@ -77,6 +77,11 @@ def _speculate(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> StepRes
     result = _rounds(runner, plan, rows)
     coverage.covered(batch, rows)
     return result
+
+
+def _num_drafts(plan: StepPlan, rows: np.ndarray) -> np.ndarray:
+    drafts = plan.spec_token_ids or [[]] * len(rows)
+    return np.fromiter(map(len, drafts), np.int64, len(rows))
 
 
 def _prompt_chunks(
@@ -150,6 +155,10 @@ def _plain_then_propose(runner: ModelRunner, plan: StepPlan) -> StepResult:
 
 def _rounds(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> StepResult:
     """The step's verify, and with num_rounds further verifies of its own proposals."""
+    if _decode_shaped(runner, plan.num_scheduled_tokens, rows, _num_drafts(plan, rows)) and (
+        rounds_run_on_device(runner, plan, rows)
+    ):
+        return device_rounds(runner, plan, rows)
     batch = runner.input_batch
     drafts = plan.spec_token_ids or [[] for _ in plan.scheduled]
     result, decode_shaped = _round(runner, plan, plan.num_scheduled_tokens, rows, drafts)
