@@ -130,7 +130,16 @@ def _check(
         raise ValueError("the row fields must hold every verify row (seq_lens int32)")
 
 
-@triton.jit
+_RUNTIME_ARGS = [
+    "tokens_ptr", "num_tokens_ptr", "room_end_ptr", "tables_ptr", "drafts_ptr", "num_drafts_ptr",
+    "samples_ptr", "stats_ptr", "ids_ptr", "positions_ptr", "slots_ptr", "seq_lens_ptr",
+    "columns", "table_width", "block_size", "min_n",
+]  # fmt: skip
+
+
+# one compile per (k, prompt_lookup_max, phases): no specialising on the values or alignments
+# of the arguments, which change from step to step (a compile inside a timed step costs ~1 s)
+@triton.jit(do_not_specialize=_RUNTIME_ARGS)
 def _advance_kernel(
     tokens_ptr, num_tokens_ptr, room_end_ptr, tables_ptr, drafts_ptr, num_drafts_ptr,
     samples_ptr, stats_ptr, ids_ptr, positions_ptr, slots_ptr, seq_lens_ptr,

@@ -188,11 +188,18 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict | None, dict[str, 
     rounds = {"num_rounds": args.rounds}  # verifies per scheduler round trip
     above, r = f"off above batch {args.disable_above}", f"{args.rounds} rounds"
     ngram["num_speculative_tokens"] = args.ngram_k
-    rows = [
-        ("no speculation", None, shakespeare | copy),
-        (f"draft k={args.draft_k}, {r}, {above}", draft(args.draft_k) | rounds | off, shakespeare),
-        (f"ngram k={args.ngram_k}, {r}, {above}", ngram | rounds | off, copy),
-    ] * args.passes
+    rows = [("no speculation", None, shakespeare | copy)]
+    if "draft" in args.methods:
+        rows.append(
+            (
+                f"draft k={args.draft_k}, {r}, {above}",
+                draft(args.draft_k) | rounds | off,
+                shakespeare,
+            )
+        )
+    if "ngram" in args.methods:
+        rows.append((f"ngram k={args.ngram_k}, {r}, {above}", ngram | rounds | off, copy))
+    rows *= args.passes
     if args.full:
         rows += [
             (f"draft k=3, 1 round, {above}", draft(3) | off, shakespeare),
@@ -215,6 +222,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8, help="num_rounds of the spec configs")
     parser.add_argument("--draft-k", type=int, default=2, help="the draft's k")
     parser.add_argument("--ngram-k", type=int, default=8, help="the n-gram lookup's k")
+    parser.add_argument("--methods", nargs="+", choices=["draft", "ngram"],
+                        default=["draft", "ngram"], help="the proposers timed")  # fmt: skip
     parser.add_argument(
         "--passes", type=int, default=2,
         help="times the plain, draft and n-gram engines run, in turn (engines of one config "
