@@ -187,7 +187,6 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict | None, dict[str, 
     off = {"disable_by_batch_size": args.disable_above}
     rounds = {"num_rounds": args.rounds}  # verifies per scheduler round trip
     above, r = f"off above batch {args.disable_above}", f"{args.rounds} rounds"
-    ngram["num_speculative_tokens"] = args.ngram_k
     rows = [("no speculation", None, shakespeare | copy)]
     if "draft" in args.methods:
         rows.append(
@@ -198,7 +197,12 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict | None, dict[str, 
             )
         )
     if "ngram" in args.methods:
-        rows.append((f"ngram k={args.ngram_k}, {r}, {above}", ngram | rounds | off, copy))
+        for k in args.ngram_k:
+            spec = ngram | {"num_speculative_tokens": k} | rounds | off
+            rows.append((f"ngram k={k}, {r}, {above}", spec, copy))
+            if args.host_rounds:
+                host = spec | {"rounds_on_device": False}
+                rows.append((f"ngram k={k}, {r} on the host, {above}", host, copy))
     rows *= args.passes
     if args.full:
         rows += [
@@ -221,7 +225,11 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="one-round, always-on, k=2, k=5")
     parser.add_argument("--rounds", type=int, default=8, help="num_rounds of the spec configs")
     parser.add_argument("--draft-k", type=int, default=2, help="the draft's k")
-    parser.add_argument("--ngram-k", type=int, default=8, help="the n-gram lookup's k")
+    parser.add_argument("--ngram-k", type=int, nargs="+", default=[8], help="n-gram k (a row each)")
+    parser.add_argument(
+        "--host-rounds", action="store_true",
+        help="n-gram rows with the rounds on the host too (rounds_on_device off)",
+    )  # fmt: skip
     parser.add_argument("--methods", nargs="+", choices=["draft", "ngram"],
                         default=["draft", "ngram"], help="the proposers timed")  # fmt: skip
     parser.add_argument(

@@ -36,11 +36,11 @@ if TYPE_CHECKING:
 
 def rounds_run_on_device(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> bool:
     """Whether `plan`, a decode-shaped verify step, runs its rounds on the device: n-gram
-    drafts, rounds, plain greedy requests, and a decode step that replays graphs (or runs on
-    the CPU, where its input buffers are host memory)."""
+    drafts, rounds (rounds_on_device), plain greedy requests, and a decode step that replays
+    graphs (or runs on the CPU, where its input buffers are host memory)."""
     spec, step = runner.config.speculative_config, runner.decode_step
     return (
-        spec is not None and spec.num_rounds > 1 and plan.propose
+        spec is not None and spec.rounds_on_device and spec.num_rounds > 1 and plan.propose
         and isinstance(runner.proposer, NgramProposer)
         and step is not None and (bool(step.graphs) or runner.device.type == "cpu")
         and runner.input_batch.all_plain_greedy(rows)
