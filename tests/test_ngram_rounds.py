@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.actors.messages import AddRequest, SamplingParams
+from pagedserve.actors.messages import AddRequest, SamplingParams, StepPlan
 from pagedserve.actors.scheduler.scheduler import Scheduler
 from pagedserve.actors.worker import ngram_rounds, startup, verify_step
 from pagedserve.actors.worker.model_runner import ModelRunner
@@ -170,13 +170,20 @@ def test_rounds_on_the_device_give_the_host_rounds_and_a_plain_engines_tokens(
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                              prompt_lookup_max=3, num_rounds=4)  # fmt: skip
     rng = random.Random(seed)
-    passage = random_prompts(400, [8], seed=seed)[0]
-    prompts = [passage * 4, passage * 2 + passage[:3], *random_prompts(400, [5, 20], seed=seed)]
+    # copy-heavy prompts: a step runs its rounds on the device only when every request in it
+    # has drafts (rounds_run_on_device); a random one, later, takes the host's loop
+    passage, other, random_prompt = random_prompts(400, [8, 6, 20], seed=seed)
+    prompts = [passage * 4, passage * 2 + passage[:3], other * 3, random_prompt]
     limits = [rng.choice([5, 11, 40, 64]) for _ in prompts]
+    original = ngram_rounds.every_request_drafts
     runs, device_calls = {}, []
-    for name in ("plain", "host", "device"):
+    for name in ("plain", "host", "device", "device where all draft"):
         monkeypatch.setattr(verify_step, "device_rounds",
                             counted(ngram_rounds.device_rounds, device_calls))  # fmt: skip
+        # "device": every decode-shaped step's rounds on the device, drafts or not
+        forced = name == "device"
+        monkeypatch.setattr(ngram_rounds, "every_request_drafts",
+                            lambda *args, forced=forced: forced or original(*args))  # fmt: skip
         if name == "host":
             monkeypatch.setattr(verify_step, "rounds_run_on_device", lambda *args: False)
         else:
@@ -196,7 +203,19 @@ def test_rounds_on_the_device_give_the_host_rounds_and_a_plain_engines_tokens(
         if name == "device":
             assert len(device_calls) > calls_before + 3
             assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
-        else:
+        elif name != "device where all draft":
             assert len(device_calls) == calls_before
     assert runs["host"] == runs["plain"]
     assert runs["device"] == runs["plain"]
+    assert runs["device where all draft"] == runs["plain"]
+
+
+def test_a_step_runs_its_rounds_on_the_device_when_every_request_has_drafts() -> None:
+    plan = StepPlan(step_id=1, scheduled=[7, 8], num_scheduled_tokens=[3, 2],
+                    spec_token_ids=[[4, 5], [6]])  # fmt: skip
+    rows = np.array([0, 1])
+    assert ngram_rounds.every_request_drafts(plan, rows)
+    plan.spec_token_ids = [[4, 5], []]
+    assert not ngram_rounds.every_request_drafts(plan, rows)
+    plan.spec_token_ids = []
+    assert not ngram_rounds.every_request_drafts(plan, rows)

@@ -36,15 +36,26 @@ if TYPE_CHECKING:
 
 def rounds_run_on_device(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> bool:
     """Whether `plan`, a decode-shaped verify step, runs its rounds on the device: n-gram
-    drafts, rounds (rounds_on_device), plain greedy requests, and a decode step that replays
-    graphs (or runs on the CPU, where its input buffers are host memory)."""
+    drafts, rounds (rounds_on_device), plain greedy requests, every request with drafts to
+    verify, and a decode step that replays graphs (or runs on the CPU, where its input
+    buffers are host memory).
+
+    Every request drafting: a device round verifies 1 + k rows whatever its drafts, and past
+    one row the linear layers leave the single-row GEMV for cuBLAS (models/linear.py), so a
+    round without drafts costs about twice a decode step (H100, the ~94M target). Requests
+    that found a match at the step's start tend to keep matching (a copied span); the others
+    take the host's loop, whose verifies are as wide as their drafts."""
     spec, step = runner.config.speculative_config, runner.decode_step
     return (
         spec is not None and spec.rounds_on_device and spec.num_rounds > 1 and plan.propose
         and isinstance(runner.proposer, NgramProposer)
         and step is not None and (bool(step.graphs) or runner.device.type == "cpu")
-        and runner.input_batch.all_plain_greedy(rows)
+        and every_request_drafts(plan, rows) and runner.input_batch.all_plain_greedy(rows)
     )  # fmt: skip
+
+
+def every_request_drafts(plan: StepPlan, rows: np.ndarray) -> bool:
+    return len(plan.spec_token_ids) == len(rows) and all(plan.spec_token_ids)
 
 
 def device_rounds(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> StepResult:
