@@ -93,10 +93,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # num_rounds verifies (at batch 1 it costs about as much as a verify); tokens then reach
     # the client in larger bursts
     num_rounds: int = 1
-    # n-gram rounds of plain greedy requests run on the device with one sync a step, every
-    # verify at its full 1 + k rows (worker/ngram_rounds.py); False: the host's loop, a sync a
-    # round, each verify as wide as its drafts
-    rounds_on_device: bool = True
+    # n-gram rounds of plain greedy requests on the device, one sync a step, every verify at
+    # its full 1 + k rows (worker/ngram_rounds.py); off: the host's loop, a sync a round, each
+    # verify as wide as its drafts. Off by default: on an H100 neither was faster than the
+    # other beyond the spread between engines (scripts/results/session23_h100.md)
+    rounds_on_device: bool = False
 
     def __post_init__(self) -> None:
         if self.method is None:

@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -167,8 +168,9 @@ def test_rounds_on_the_device_give_the_host_rounds_and_a_plain_engines_tokens(
     with the rounds on the device, with them on the host, and without speculation; every
     block free at the end."""
     target = save_tiny_model("llama", tmp_path / "target")
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+    host = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                              prompt_lookup_max=3, num_rounds=4)  # fmt: skip
+    device = msgspec.structs.replace(host, rounds_on_device=True)
     rng = random.Random(seed)
     # copy-heavy prompts: a step runs its rounds on the device only when every request in it
     # has drafts (rounds_run_on_device); a random one, later, takes the host's loop
@@ -177,19 +179,15 @@ def test_rounds_on_the_device_give_the_host_rounds_and_a_plain_engines_tokens(
     limits = [rng.choice([5, 11, 40, 64]) for _ in prompts]
     original = ngram_rounds.every_request_drafts
     runs, device_calls = {}, []
-    for name in ("plain", "host", "device", "device where all draft"):
+    specs = {"plain": None, "host": host, "device": device, "device where all draft": device}
+    for name, spec in specs.items():
         monkeypatch.setattr(verify_step, "device_rounds",
                             counted(ngram_rounds.device_rounds, device_calls))  # fmt: skip
         # "device": every decode-shaped step's rounds on the device, drafts or not
         forced = name == "device"
         monkeypatch.setattr(ngram_rounds, "every_request_drafts",
                             lambda *args, forced=forced: forced or original(*args))  # fmt: skip
-        if name == "host":
-            monkeypatch.setattr(verify_step, "rounds_run_on_device", lambda *args: False)
-        else:
-            monkeypatch.setattr(verify_step, "rounds_run_on_device",
-                                ngram_rounds.rounds_run_on_device)  # fmt: skip
-        config, runner = small_runner(target, None if name == "plain" else spec)
+        config, runner = small_runner(target, spec)
         sched = Scheduler(config, 14)
         for seq, (prompt, limit) in enumerate(zip(prompts, limits)):
             params = SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True)

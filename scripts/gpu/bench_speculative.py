@@ -200,9 +200,9 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict | None, dict[str, 
         for k in args.ngram_k:
             spec = ngram | {"num_speculative_tokens": k} | rounds | off
             rows.append((f"ngram k={k}, {r}, {above}", spec, copy))
-            if args.host_rounds:
-                host = spec | {"rounds_on_device": False}
-                rows.append((f"ngram k={k}, {r} on the host, {above}", host, copy))
+            if args.device_rounds:
+                device = spec | {"rounds_on_device": True}
+                rows.append((f"ngram k={k}, {r} on the device, {above}", device, copy))
     rows *= args.passes
     if args.full:
         rows += [
@@ -227,8 +227,8 @@ def main() -> None:
     parser.add_argument("--draft-k", type=int, default=2, help="the draft's k")
     parser.add_argument("--ngram-k", type=int, nargs="+", default=[8], help="n-gram k (a row each)")
     parser.add_argument(
-        "--host-rounds", action="store_true",
-        help="n-gram rows with the rounds on the host too (rounds_on_device off)",
+        "--device-rounds", action="store_true",
+        help="n-gram rows with the rounds on the device too (rounds_on_device)",
     )  # fmt: skip
     parser.add_argument("--methods", nargs="+", choices=["draft", "ngram"],
                         default=["draft", "ngram"], help="the proposers timed")  # fmt: skip

@@ -75,9 +75,9 @@ def check_engine(dtype: str) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
             "prompt_lookup_min": 2, "num_rounds": 8}  # fmt: skip
-    host = spec | {"rounds_on_device": False}
-    variants = {"plain": {}, "host rounds": {"speculative_config": host},
-                "device rounds": {"speculative_config": spec}}  # fmt: skip
+    device = spec | {"rounds_on_device": True}
+    variants = {"plain": {}, "host rounds": {"speculative_config": spec},
+                "device rounds": {"speculative_config": device}}  # fmt: skip
     outputs = {}
     for name, extra in variants.items():
         with LLM(skip_tokenizer_init=True, max_model_len=1024, dtype=dtype, **extra) as llm:

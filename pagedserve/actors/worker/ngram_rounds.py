@@ -3,13 +3,18 @@
 With rounds (SpeculativeConfig.num_rounds > 1) the worker verifies its own next proposals again
 before it reports (verify_step.py). With the host's lookup every round ends in a sync: the host
 reads the round's tokens, looks the next drafts up, and launches the next verify, so the device
-idles through the host's part of each round (at batch 1 on an H100, ~0.76 ms a round where the
-verify graph takes ~0.45 ms). For plain greedy requests (their token is the argmax the decode
-graph writes into `sampled`) the rounds stay on the device: each round is one kernel that
-accepts the last verify's samples, looks the next drafts up in the request's tokens there and
-writes the verify's rows into the decode step's input buffers (kernels/triton_ngram.py), then a
-replay of the decode graph. The host queues every round, then reads every round's drafts,
-samples and emitted count in one copy.
+idles through the host's part of each round. For plain greedy requests (their token is the
+argmax the decode graph writes into `sampled`) the rounds can stay on the device: each round is
+one kernel that accepts the last verify's samples, looks the next drafts up in the request's
+tokens there and writes the verify's rows into the decode step's input buffers
+(kernels/triton_ngram.py), then a replay of the decode graph. The host queues every round,
+then reads every round's drafts, samples and emitted count in one copy.
+
+Opt-in (SpeculativeConfig.rounds_on_device): on an H100 with the ~94M target and copy prompts
+(n-gram k=8, 8 rounds, acceptance 0.67) it gave 0.312 and 0.369 ms per token in two engines
+against the host's loop's 0.331 and 0.271: no gain beyond the spread between engines
+(scripts/results/session23_h100.md). A device round verifies 1 + k rows whatever its drafts
+(wider than the host's verifies where drafts run short), which offsets the syncs saved.
 
 The tokens are those of the host's loop: each round verifies the drafts the host's lookup
 (NgramProposer.lookup) would propose, cut to the request's room (KV slots held, max_tokens, the
