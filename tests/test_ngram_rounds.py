@@ -23,7 +23,7 @@ from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.actors.worker.speculative import NgramProposer
 from pagedserve.config import EngineConfig, SpeculativeConfig
 from pagedserve.kernels import triton_ngram
-from pagedserve.kernels.triton_ngram import RoundsState, RowFields
+from pagedserve.kernels.triton_ngram import Phases, RoundsState, RowFields
 from tests.test_spec_switch import drive
 from tests.tiny_models import random_prompts, save_tiny_model
 
@@ -97,7 +97,7 @@ def test_a_round_accepts_the_agreeing_prefix_and_writes_the_next_verify() -> Non
     stats = torch.zeros(2, 6, dtype=torch.int64)
     rows = RowFields(*(torch.zeros(8, dtype=torch.int64) for _ in range(3)),
                      torch.zeros(8, dtype=torch.int32))  # fmt: skip
-    triton_ngram.advance(state, samples, stats, rows, (1, 2), block_size=4)
+    triton_ngram.advance(state, Phases(samples, stats, rows, (1, 2)), block_size=4)
     assert state.tokens[0, :6].tolist() == [1, 2, 3, 5, 6, 9]
     assert state.num_tokens.tolist() == [6, 4]
     assert stats.tolist() == [[3, 3, 5, 6, 9, 2], [-1, 0, 8, 8, 8, 8]]
@@ -126,7 +126,7 @@ def test_the_triton_kernel_is_the_torch_reference() -> None:
             stats = torch.full((batch, k + 3), 99, dtype=torch.int64) if accept else None
             rows = RowFields(*(torch.full((batch * (k + 1) + 2,), 77) for _ in range(3)),
                              torch.full((batch * (k + 1) + 2,), 77, dtype=torch.int32))  # fmt: skip
-            advance(run_state, samples, stats, rows, lookup, block_size)
+            advance(run_state, Phases(samples, stats, rows, lookup), block_size)
             live = run_state.num_drafts.clone()
             drafts = [run_state.drafts[b, : max(int(d), 0)].tolist() for b, d in enumerate(live)]
             ends = [

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-__all__ = ["RoundsState", "RowFields", "advance", "advance_reference", "advance_triton"]
+__all__ = ["Phases", "RoundsState", "RowFields", "advance", "advance_reference", "advance_triton"]
 
 _BLOCK = 1024  # token columns a program scans at a time in the lookup
 
@@ -59,35 +59,30 @@ class RowFields:
     seq_lens: torch.Tensor  # int32
 
 
-def advance(
-    state: RoundsState,
-    samples: torch.Tensor | None,
-    stats: torch.Tensor | None,
-    rows: RowFields | None,
-    lookup: tuple[int, int] | None,
-    block_size: int,
-) -> None:
-    """One round's phases, each where given: accept `samples` [B * (1 + k)] into the state and
-    `stats` [B, 3 + k]; look drafts up with lookup = (prompt_lookup_min, prompt_lookup_max);
-    write the verify's rows into `rows` (their first B * (1 + k) entries)."""
-    _check(state, samples, stats, rows)
-    if state.tokens.device.type == "cuda":
-        advance_triton(state, samples, stats, rows, lookup, block_size)
-    else:
-        advance_reference(state, samples, stats, rows, lookup, block_size)
+@dataclass
+class Phases:
+    """A round's phases, each run where given: accept `samples` [B * (1 + k)] (the verify's)
+    into the state and `stats` [B, 3 + k]; look drafts up with lookup = (prompt_lookup_min,
+    prompt_lookup_max); write the next verify's rows into `rows` (their first B * (1 + k))."""
+
+    samples: torch.Tensor | None = None
+    stats: torch.Tensor | None = None
+    rows: RowFields | None = None
+    lookup: tuple[int, int] | None = None
 
 
-def advance_triton(
-    state: RoundsState,
-    samples: torch.Tensor | None,
-    stats: torch.Tensor | None,
-    rows: RowFields | None,
-    lookup: tuple[int, int] | None,
-    block_size: int,
-) -> None:
+def advance(state: RoundsState, phases: Phases, block_size: int) -> None:
+    """One round of `phases` on `state`: the Triton kernel on a GPU, the reference elsewhere."""
+    _check(state, phases)
+    on_gpu = state.tokens.device.type == "cuda"
+    (advance_triton if on_gpu else advance_reference)(state, phases, block_size)
+
+
+def advance_triton(state: RoundsState, phases: Phases, block_size: int) -> None:
     """`advance` as the Triton kernel (any device Triton runs on: its interpreter too)."""
     batch, columns = state.tokens.shape
     k = state.drafts.shape[1]
+    samples, stats, rows, lookup = phases.samples, phases.stats, phases.rows, phases.lookup
     dummy = state.num_tokens
     min_n, max_n = lookup if lookup is not None else (1, 1)
     _advance_kernel[(batch,)](
@@ -103,14 +98,10 @@ def advance_triton(
     )  # fmt: skip
 
 
-def _check(
-    state: RoundsState,
-    samples: torch.Tensor | None,
-    stats: torch.Tensor | None,
-    rows: RowFields | None,
-) -> None:
+def _check(state: RoundsState, phases: Phases) -> None:
     batch, _ = state.tokens.shape
     k = state.drafts.shape[1]
+    samples, stats, rows = phases.samples, phases.stats, phases.rows
     int64 = (state.tokens, state.num_tokens, state.room_end, state.drafts, state.num_drafts)
     if any(t.dtype != torch.int64 or not t.is_contiguous() for t in int64):
         raise ValueError("the rounds' state must be contiguous int64 (block tables int32)")
@@ -120,13 +111,13 @@ def _check(
         raise ValueError("the state's tensors must have one row per request")
     verify_rows = batch * (k + 1)
     if samples is not None and (samples.shape != (verify_rows,) or samples.dtype != torch.int64):
-        raise ValueError(f"samples must be [{batch * (k + 1)}] int64")
+        raise ValueError(f"samples must be [{verify_rows}] int64")
     if stats is not None and (stats.shape != (batch, k + 3) or not stats.is_contiguous()):
         raise ValueError(f"stats must be a contiguous [{batch}, {k + 3}]")
     if rows is not None and (
-        rows.seq_lens.dtype != torch.int32 or min(f.numel() for f in vars(rows).values())
-        < batch * (k + 1)
-    ):  # fmt: skip
+        rows.seq_lens.dtype != torch.int32
+        or min(f.numel() for f in vars(rows).values()) < verify_rows
+    ):
         raise ValueError("the row fields must hold every verify row (seq_lens int32)")
 
 
@@ -210,15 +201,9 @@ def _advance_kernel(
         tl.store(seq_lens_ptr + out, seq_len, mask=in_width)
 
 
-def advance_reference(
-    state: RoundsState,
-    samples: torch.Tensor | None,
-    stats: torch.Tensor | None,
-    rows: RowFields | None,
-    lookup: tuple[int, int] | None,
-    block_size: int,
-) -> None:
+def advance_reference(state: RoundsState, phases: Phases, block_size: int) -> None:
     """`advance` in torch ops (the CPU path)."""
+    samples, stats, rows, lookup = phases.samples, phases.stats, phases.rows, phases.lookup
     batch, columns = state.tokens.shape
     k = state.drafts.shape[1]
     i = torch.arange(k + 1, device=state.tokens.device)

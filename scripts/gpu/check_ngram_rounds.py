@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.kernels import triton_ngram  # noqa: E402
-from pagedserve.kernels.triton_ngram import RoundsState, RowFields  # noqa: E402
+from pagedserve.kernels.triton_ngram import Phases, RoundsState, RowFields  # noqa: E402
 
 
 def random_case(rng: np.random.Generator, batch: int, k: int, block_size: int) -> RoundsState:
@@ -56,7 +56,7 @@ def check_kernel() -> int:
             rows = RowFields(
                 *fields, torch.zeros(batch * (k + 1), dtype=torch.int32, device="cuda")
             )
-            advance(s, samples, stats, rows, (2, 4), block_size)
+            advance(s, Phases(samples, stats, rows, (2, 4)), block_size)
             drafts = [s.drafts[b, : max(int(d), 0)].tolist() for b, d in enumerate(s.num_drafts)]
             tokens = [s.tokens[b, : int(n)].tolist() for b, n in enumerate(s.num_tokens)]
             outs.append((tokens, s.num_drafts.tolist(), drafts, stats.tolist(),

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 from pagedserve.actors.messages import StepPlan, StepResult
+from pagedserve.actors.worker.decode_buffers import DecodeFields
 from pagedserve.actors.worker.speculative import NgramProposer
 from pagedserve.actors.worker.step_inputs import check_plan_fits
-from pagedserve.kernels.triton_ngram import RoundsState, RowFields, advance
+from pagedserve.kernels.triton_ngram import Phases, RoundsState, RowFields, advance
 
 if TYPE_CHECKING:
     from pagedserve.actors.worker.model_runner import ModelRunner
@@ -83,12 +84,12 @@ def device_rounds(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> Step
     samples = runner.sampled[:verify_rows]
     stats = torch.empty(num_rounds, len(rows), k + 3, dtype=torch.int64, device=runner.device)
     lookup = (proposer.min_n, proposer.max_n)
-    advance(state, None, None, row_fields, None, block_size)  # the plan's drafts
+    advance(state, Phases(rows=row_fields), block_size)  # the plan's drafts
     step.replay(size, max_seq_len, host)
     for r in range(1, num_rounds):
-        advance(state, samples, stats[r - 1], row_fields, lookup, block_size)
+        advance(state, Phases(samples, stats[r - 1], row_fields, lookup), block_size)
         step.replay(size, max_seq_len, host)
-    advance(state, samples, stats[-1], None, None, block_size)
+    advance(state, Phases(samples, stats[-1]), block_size)
     return _result(runner, plan, rows, stats.cpu().numpy())
 
 
@@ -141,7 +142,10 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def _prepare_buffers(fields, tables: torch.Tensor, width: int, verify_rows: int, size: int) -> None:
+def _prepare_buffers(
+    fields: DecodeFields[torch.Tensor], tables: torch.Tensor, width: int, verify_rows: int,
+    size: int,
+) -> None:  # fmt: skip
     """What stays the same through the step's rounds: no row fed from `sampled`, each verify
     row's block table, the padded rows past the verify rows."""
     fields.feed_index[:size] = -1

@@ -155,8 +155,8 @@ def _plain_then_propose(runner: ModelRunner, plan: StepPlan) -> StepResult:
 
 def _rounds(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> StepResult:
     """The step's verify, and with num_rounds further verifies of its own proposals."""
-    if _decode_shaped(runner, plan.num_scheduled_tokens, rows, _num_drafts(plan, rows)) and (
-        rounds_run_on_device(runner, plan, rows)
+    if rounds_run_on_device(runner, plan, rows) and _decode_shaped(
+        runner, plan.num_scheduled_tokens, rows, _num_drafts(plan, rows)
     ):
         return device_rounds(runner, plan, rows)
     batch = runner.input_batch
