@@ -70,7 +70,7 @@ PASSAGE = (
 COPY_PROMPTS = [PASSAGE + "\n" + PASSAGE.split("\n")[0] + "\n" + PASSAGE.split("\n")[1][:12]] * 5
 
 
-def train_target(data: str, out: Path, time_limit: int) -> dict:
+def train_target(data: str, out: Path, time_limit: int, copy_frac: float) -> dict:
     """Train for the steps the H200 runs in `time_limit` (~9 a second with the evals: session 6
     ran 600 in 67 s), so that the cosine schedule ends and a seed gives one model; the time
     limit stops a slower machine."""
@@ -79,7 +79,7 @@ def train_target(data: str, out: Path, time_limit: int) -> dict:
                "--preset", "target", "--data", data, "--out", str(out), "--device", "cuda",
                "--steps", str(steps), "--batch", "32", "--seq-len", "512", "--lr", "1e-3",
                "--eval-every", "100", "--time-limit", str(time_limit),
-               "--deterministic"]  # fmt: skip
+               "--copy-frac", str(copy_frac), "--deterministic"]  # fmt: skip
     start = time.time()
     subprocess.run(command, check=True)
     metrics = json.loads((out / "metrics.json").read_text())
@@ -221,6 +221,10 @@ def main() -> None:
     parser.add_argument("--data", required=True, help="what `train_tiny_model.py prepare` wrote")
     parser.add_argument("--out", required=True)
     parser.add_argument("--train-seconds", type=int, default=120, help="training time limit")
+    parser.add_argument(
+        "--copy-frac", type=float, default=0.25,
+        help="share of the target's training windows that repeat their start (train --copy-frac)",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="the embedded model, untrained")
     parser.add_argument("--full", action="store_true", help="one-round, always-on, k=2, k=5")
     parser.add_argument("--rounds", type=int, default=8, help="num_rounds of the spec configs")
@@ -247,7 +251,7 @@ def main() -> None:
         target, training = Path(ROOT / "pagedserve" / "assets" / "tiny-shakespeare"), {}
     else:
         shutil.rmtree(target, ignore_errors=True)
-        training = train_target(args.data, target, args.train_seconds)
+        training = train_target(args.data, target, args.train_seconds, args.copy_frac)
     print(json.dumps(training), flush=True)
     runs = []
     for name, spec, prompt_sets in configs(args):
@@ -264,7 +268,9 @@ def main() -> None:
         f"parameters, best val loss {training.get('best_val_loss')}, greedy accuracy "
         f"on held-out passages {training.get('first_pass_acc_at_best')} and on their repeat "
         f"{training.get('copy_acc_at_best')}, "
-        f"{training.get('steps_run')} steps in {training.get('wall_s')} s), bf16; draft: the "
+        f"{training.get('steps_run')} steps in {training.get('wall_s')} s, "
+        f"{training.get('copy_frac', 0.0):.0%} of its training windows repeating their "
+        "start), bf16; draft: the "
         "embedded 4M model. Batch 1: greedy, 256 tokens, median over the prompts; batch 64: "
         "64 x 256 tokens, median of 7 runs; each row the mean of its engines (run in turn), "
         "ratios against the plain rows.",
