@@ -208,9 +208,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # next size here, whatever max_num_seqs is (actors/worker/prefill_graphs.py; sizes above
     # the longest chunk are dropped); empty: such chunks run as decode-graph rows
     prefill_graph_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
-    # CUDA bf16/fp16: x W^T for batches of <= 16 rows (decode) by the Triton weight-streaming
-    # GEMM (kernels/triton_gemv.py) instead of cuBLAS
+    # CUDA bf16/fp16: x W^T for products of at most small_batch_gemm_rows rows by the Triton
+    # weight-streaming GEMM (kernels/triton_gemv.py, up to 16 rows) instead of cuBLAS; at 1 it
+    # takes batch-1 decode steps only (on the H200 it beat cuBLAS at 1 row and lost at 4 on
+    # Llama-3.1-8B's and Qwen3-0.6B's shapes: scripts/results/kernels_h200.md)
     small_batch_gemm: bool = True
+    small_batch_gemm_rows: int = 1
     # CUDA, quantized weights (int4 / int8 / fp8): products of <= 16 rows (decode) by the CUDA
     # C++ weight-only GEMV (kernels/cuda_quant.py, built at install for sm_90+) where it is
     # built; off, or not built: the Triton quantized GEMV
@@ -261,6 +264,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("max_inflight_steps must be 1, 2 or 3")
         if self.bus_spin_us is not None and not 0 <= self.bus_spin_us <= 1_000_000:
             raise ValueError("bus_spin_us must be between 0 and 1,000,000")
+        if not 1 <= self.small_batch_gemm_rows <= 16:
+            raise ValueError("small_batch_gemm_rows must be between 1 and 16")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

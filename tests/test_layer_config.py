@@ -51,6 +51,12 @@ def test_cuda_decisions_without_a_gpu(model_dir: Path) -> None:
     assert not build_layer_config(fp32, hf, cuda).small_batch_gemm
     off = EngineConfig(model=str(model_dir), attention_backend="triton", small_batch_gemm=False)
     assert not build_layer_config(off, hf, cuda).small_batch_gemm
+    assert on.small_batch_gemm_rows == 1  # batch-1 decode only, by default
+    nine = EngineConfig(model=str(model_dir), attention_backend="triton", small_batch_gemm_rows=9)
+    assert build_layer_config(nine, hf, cuda).small_batch_gemm_rows == 9
+    for rows in (0, 17):
+        with pytest.raises(ValueError, match="small_batch_gemm_rows"):
+            EngineConfig(model=str(model_dir), small_batch_gemm_rows=rows)
 
 
 def test_layers_keep_the_loaders_decisions(model_dir: Path) -> None:

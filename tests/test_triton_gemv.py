@@ -388,13 +388,14 @@ def _spy_skinny(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], 
 
 
 def _linear_modules(
-    dtype: torch.dtype, small_batch_gemm: bool, dependent_launch: bool = False
+    dtype: torch.dtype, small_batch_gemm: bool, dependent_launch: bool = False, rows: int = 1
 ) -> list[tuple[torch.nn.Module, torch.Tensor | None]]:
     """A column- and a row-parallel layer with biases and an LM head (70 of 72 rows used),
     the same random weights for every config: (module, its bias)."""
     config = LayerConfig(
         torch.device("cpu"), dtype, torch_ref_backend(), fused_ops="triton",
-        small_batch_gemm=small_batch_gemm, dependent_launch=dependent_launch,
+        small_batch_gemm=small_batch_gemm, small_batch_gemm_rows=rows,
+        dependent_launch=dependent_launch,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(11)
     with default_dtype(dtype):
@@ -411,9 +412,8 @@ def test_linear_layers_dispatch_small_low_precision_batches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With the Triton path and small_batch_gemm on (as on CUDA): bf16 batches of at most
-    SMALL_BATCH_GEMM_MAX_ROWS rows go through skinny_linear in the linear layers and the LM
-    head, larger batches through F.linear; with it off, nothing takes it."""
-    assert linear.SMALL_BATCH_GEMM_MAX_ROWS == 1
+    small_batch_gemm_rows rows (1 by default) go through skinny_linear in the linear layers and
+    the LM head, larger batches through F.linear; with it off, nothing takes it."""
     assert linear.triton_gemv_module() is tg
     calls = _spy_skinny(monkeypatch)
     xb = torch.randn(20, 200, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
@@ -436,3 +436,8 @@ def test_linear_layers_dispatch_small_low_precision_batches(
         for module, _ in _linear_modules(torch.bfloat16, True, dependent_launch=True):
             module(xb[:1])
         assert calls == [((1, 200), True)] * 3  # the config's launch mode reaches the kernel
+        calls.clear()
+        for module, _ in _linear_modules(torch.bfloat16, True, rows=9):
+            for rows in (1, 9, 10):
+                module(xb[:rows])
+        assert calls == [((1, 200), False), ((9, 200), False)] * 3

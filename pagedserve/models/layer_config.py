@@ -12,8 +12,9 @@ operands' shapes and strides.
   * cuda_quant_gemv: the quantized linear methods run their skinny products (decode) through
     the CUDA C++ weight-only GEMV (kernels.cuda_quant; the loader sets it only where that kernel
     is built and loads), else through Triton's.
-  * small_batch_gemm: single-row (batch-1 decode) low-precision products go through the Triton
-    weight-streaming GEMM (kernels.triton_gemv) instead of cuBLAS.
+  * small_batch_gemm: low-precision products of at most small_batch_gemm_rows rows (1: batch-1
+    decode steps only) go through the Triton weight-streaming GEMM (kernels.triton_gemv)
+    instead of cuBLAS.
   * dependent_launch: the Triton and CUDA kernels of the decode path launch as programmatic
     dependents (PDL, sm_90+: kernels.triton_ops' docstring, csrc/grid_dependency.h); the
     loader sets it only for the Triton ops on a CUDA device of compute capability 9 or more.
@@ -87,6 +88,7 @@ class LayerConfig:
     attention: AttentionBackend
     fused_ops: FusedOps = "torch"
     small_batch_gemm: bool = False
+    small_batch_gemm_rows: int = 1
     cuda_quant_gemv: bool = False
     dependent_launch: bool = False
     tp: TensorParallel = field(default_factory=TensorParallel)

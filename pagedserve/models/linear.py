@@ -35,12 +35,6 @@ from pagedserve.models.weights import (
     new_parameter,
 )
 
-# Rows up to which the Triton weight-streaming GEMM replaces cuBLAS (LayerConfig
-# small_batch_gemm): on the H200 it beats cuBLAS at 1 row (1.46x per Qwen3-0.6B layer, 1.11x
-# per Llama-3.1-8B layer) but not at 4 (0.73x for Llama; scripts/results/kernels_h200.md), so
-# only single-row (batch-1 decode) products take it.
-SMALL_BATCH_GEMM_MAX_ROWS = 1
-
 
 class LinearMethod(Protocol):
     def create_weights(self, layer: LinearBase, bias: bool) -> None:
@@ -90,7 +84,7 @@ ONEDNN_MAX_ROWS = 256
 
 class DenseMatmul:
     """x W^T + b for a float weight [out, in], the implementation fixed at construction:
-    with small_batch_gemm, products of at most SMALL_BATCH_GEMM_MAX_ROWS rows go through the
+    with small_batch_gemm, products of at most small_batch_gemm_rows rows go through the
     Triton weight-streaming GEMM (triton_gemv.skinny_linear: cuBLAS picks poor tiles for such
     skinny shapes); float32 on the CPU, up to ONEDNN_MAX_ROWS rows, through oneDNN's linear on
     the weight reordered once (the layout Inductor uses for frozen CPU weights: ~1.3-1.6x
@@ -99,6 +93,7 @@ class DenseMatmul:
 
     def __init__(self, config: LayerConfig) -> None:
         self.skinny = triton_gemv_module() if config.small_batch_gemm else None
+        self.skinny_rows = config.small_batch_gemm_rows
         self.dependent_launch = config.dependent_launch
         self.onednn = (
             _MKLDNN_LINEAR and config.device.type == "cpu" and config.dtype == torch.float32
@@ -109,7 +104,7 @@ class DenseMatmul:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if self.skinny is not None and x.numel() <= SMALL_BATCH_GEMM_MAX_ROWS * x.shape[-1]:
+        if self.skinny is not None and x.numel() <= self.skinny_rows * x.shape[-1]:
             if self.skinny.skinny_linear_applies(x, weight, bias):
                 return self.skinny.skinny_linear(
                     x, weight, bias, dependent_launch=self.dependent_launch

@@ -102,8 +102,9 @@ def build_layer_config(
     """The layers' settings for this engine on this machine: Triton's fused ops on CUDA (when
     triton imports), the C++ CPU kernels for float32 on the CPU (when config.cpu_kernels and
     they load here), else pure torch; the attention backend; the Triton small-batch GEMM for
-    CUDA fp16/bf16 (config.small_batch_gemm); the CUDA quantized GEMV for quantized weights on
-    CUDA (config.cuda_quant_gemv, where built: kernels.cuda_quant.available); programmatic
+    CUDA fp16/bf16 (config.small_batch_gemm, up to config.small_batch_gemm_rows rows); the
+    CUDA quantized GEMV for quantized weights on CUDA (config.cuda_quant_gemv, where built:
+    kernels.cuda_quant.available); programmatic
     dependent launches for those kernels on sm_90+ (config.dependent_launch); this rank's
     tensor-parallel group (tp; None: the process's default group) and pipeline stage (None: the
     whole model); the quantization (models.quantization.config) and the KV cache's dtype."""
@@ -129,6 +130,7 @@ def build_layer_config(
         dependent_launch=dependent_launch,
         small_batch_gemm=config.small_batch_gemm and fused_ops == "triton"
         and dtype != torch.float32,
+        small_batch_gemm_rows=config.small_batch_gemm_rows,
         cuda_quant_gemv=config.cuda_quant_gemv and quantization is not None
         and fused_ops == "triton" and cuda_quant.available(),
         tp=tp if tp is not None else tensor_parallel_of_process(config.tensor_parallel_size),

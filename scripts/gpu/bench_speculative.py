@@ -119,10 +119,11 @@ def throughput(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> flo
     return median(rates[1:])
 
 
-def run_config(target: str, name: str, spec: dict | None, prompt_sets: dict[str, list[str]]
-               ) -> list[dict]:  # fmt: skip
-    """One engine: a row per prompt set (batch 1, then batch 64)."""
-    extra = {} if spec is None else {"speculative_config": spec}
+def run_config(target: str, name: str, spec: dict | None, prompt_sets: dict[str, list[str]],
+               engine: dict) -> list[dict]:  # fmt: skip
+    """One engine (`engine`: its further LLM arguments): a row per prompt set (batch 1, then
+    batch 64)."""
+    extra = engine if spec is None else engine | {"speculative_config": spec}
     rows = []
     with LLM(target, max_model_len=1024, **extra) as llm:
         for prompts_name, prompts in prompt_sets.items():
@@ -176,8 +177,13 @@ def add_ratios(rows: list[dict]) -> None:
             row["batch64_vs_plain"] = round(row["batch64_tok_s"] / tok_s, 2)
 
 
-def configs(args: argparse.Namespace) -> list[tuple[str, dict | None, dict[str, list[str]]]]:
-    """(name, speculative_config, prompt sets) of each engine: the issue's rows, --full more."""
+Config = tuple[str, dict | None, dict[str, list[str]], dict]
+
+
+def configs(args: argparse.Namespace) -> list[Config]:
+    """(name, speculative_config, prompt sets, further LLM arguments) of each engine: the
+    issue's rows, --full more; with --gemm-rows, the speculative rows again with the Triton
+    GEMM up to that many rows (small_batch_gemm_rows)."""
     shakespeare, copy = {"shakespeare": PROMPTS}, {"copy": COPY_PROMPTS}
     draft = lambda k: {"model": DRAFT, "num_speculative_tokens": k}  # noqa: E731
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -203,17 +209,22 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict | None, dict[str, 
             if args.device_rounds:
                 device = spec | {"rounds_on_device": True}
                 rows.append((f"ngram k={k}, {r} on the device, {above}", device, copy))
+    rows = [(*row, {}) for row in rows]
+    for gemm_rows in args.gemm_rows:
+        rows += [(f"{name}, Triton GEMM to {gemm_rows} rows", spec, prompts,
+                  {"small_batch_gemm_rows": gemm_rows})
+                 for name, spec, prompts, _ in rows if spec is not None]  # fmt: skip
     rows *= args.passes
     if args.full:
         rows += [
-            (f"draft k=3, 1 round, {above}", draft(3) | off, shakespeare),
-            (f"ngram k=4, 1 round, {above}", ngram | off, copy),
-            (f"draft k=2, {r}, {above}", draft(2) | rounds | off, shakespeare),
-            (f"draft k=5, {r}, {above}", draft(5) | rounds | off, shakespeare),
-            (f"ngram k=4, {r}, always", ngram | rounds, copy),
+            (f"draft k=3, 1 round, {above}", draft(3) | off, shakespeare, {}),
+            (f"ngram k=4, 1 round, {above}", ngram | off, copy, {}),
+            (f"draft k=2, {r}, {above}", draft(2) | rounds | off, shakespeare, {}),
+            (f"draft k=5, {r}, {above}", draft(5) | rounds | off, shakespeare, {}),
+            (f"ngram k=4, {r}, always", ngram | rounds, copy, {}),
         ]
     # plain again, last: the engines run one after another, and the GPU's state drifts
-    return [*rows, ("no speculation (again, last)", None, shakespeare | copy)]
+    return [*rows, ("no speculation (again, last)", None, shakespeare | copy, {})]
 
 
 def main() -> None:
@@ -233,6 +244,10 @@ def main() -> None:
     parser.add_argument(
         "--device-rounds", action="store_true",
         help="n-gram rows with the rounds on the device too (rounds_on_device)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gemm-rows", type=int, nargs="*", default=[],
+        help="also each speculative row with small_batch_gemm_rows at this value (a row each)",
     )  # fmt: skip
     parser.add_argument("--methods", nargs="+", choices=["draft", "ngram"],
                         default=["draft", "ngram"], help="the proposers timed")  # fmt: skip
@@ -254,8 +269,8 @@ def main() -> None:
         training = train_target(args.data, target, args.train_seconds, args.copy_frac)
     print(json.dumps(training), flush=True)
     runs = []
-    for name, spec, prompt_sets in configs(args):
-        runs += run_config(str(target), name, spec, prompt_sets)
+    for name, spec, prompt_sets, engine in configs(args):
+        runs += run_config(str(target), name, spec, prompt_sets, engine)
     rows = mean_rows(runs)
     add_ratios(rows)
     header = ["config", "prompts", "engines", "batch1_ms_per_token", "batch1_speedup",

@@ -1,7 +1,6 @@
 """What a speculative verify of a few rows costs against a one-row decode step (issue 12),
 with the linear layers' products of up to R rows on the Triton weight-streaming GEMM
-(`models.linear.SMALL_BATCH_GEMM_MAX_ROWS` = R) against cuBLAS past one row (R = 1, the
-engine's setting).
+(EngineConfig.small_batch_gemm_rows = R) against cuBLAS past one row (R = 1, the default).
 
 1. Per projection of the `target` preset (20 x 640, the speculative benchmarks' target) and of
    Qwen3-0.6B: µs per call of triton_gemv.skinny_linear and of F.linear (cuBLAS) at 1, 2, 4,
@@ -36,7 +35,6 @@ from pagedserve.actors.worker import startup  # noqa: E402
 from pagedserve.actors.worker.model_runner import ModelRunner  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.kernels import triton_gemv  # noqa: E402
-from pagedserve.models import linear  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 9, 16)
 TARGET_SHAPES = [("qkv", 1280, 640), ("o_proj", 640, 640), ("gate_up", 3456, 640),
@@ -65,12 +63,12 @@ def gemm_table(timer: Timer) -> list[str]:
     return lines
 
 
-def runner_for(model_dir: Path) -> ModelRunner:
+def runner_for(model_dir: Path, rows: int) -> ModelRunner:
     blocks = 16 * 64
     config = EngineConfig(
         model=str(model_dir), load_format="dummy", device="cuda", dtype="bfloat16",
         max_model_len=1024, max_num_seqs=16, num_kv_blocks=blocks, skip_tokenizer_init=True,
-        seed=0,
+        small_batch_gemm_rows=rows,
     ).resolve()  # fmt: skip
     runner = ModelRunner(config)
     runner.load_model()
@@ -97,8 +95,7 @@ def graph_table(model_dir: Path, max_rows: list[int]) -> list[str]:
              "|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     first: dict[int, torch.Tensor] = {}
     for rows in max_rows:
-        linear.SMALL_BATCH_GEMM_MAX_ROWS = rows
-        runner = runner_for(model_dir)
+        runner = runner_for(model_dir, rows)
         step = runner.decode_step
         assert step is not None and step.graphs, "no decode graphs"
         one = None
@@ -117,7 +114,6 @@ def graph_table(model_dir: Path, max_rows: list[int]) -> list[str]:
         runner.close()
         del runner
         torch.cuda.empty_cache()
-    linear.SMALL_BATCH_GEMM_MAX_ROWS = 1
     return lines
 
 
