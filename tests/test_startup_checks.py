@@ -93,7 +93,7 @@ def test_vllm_flag_spellings() -> None:
             "--disable-log-requests", "--trust-remote-code", "--generation-config", "vllm",
             "--max-n", "4", "--tokenizer", "other/tokenizer", "--skip-tokenizer-init",
             "-pp", "2", "--distributed-executor-backend", "ray",
-            "--pipeline-layer-partition", "15,17",
+            "--pipeline-layer-partition", "15,17", "--max-waiting-requests", "8",
         ]
     )  # fmt: skip
     assert engine_kwargs(args) == {
@@ -108,6 +108,7 @@ def test_vllm_flag_spellings() -> None:
         "generation_config": "vllm",
         "tokenizer": "other/tokenizer",
         "skip_tokenizer_init": True,
+        "max_waiting_requests": 8,
     }
     server = server_config(args)
     assert (server.uvicorn_log_level, server.disable_log_requests, server.max_n) == (

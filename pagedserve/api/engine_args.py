@@ -15,6 +15,11 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "max_model_len": (int, "longest prompt + output in tokens (default: the model's limit)"),
     "max_num_seqs": (int, "most requests running at once"),
     "max_num_batched_tokens": (int, "token budget of one engine step"),
+    "max_waiting_requests": (
+        int,
+        "requests allowed to wait for a place among the running; beyond it a 503 with "
+        "Retry-After (default: scaled to max_num_seqs and the KV cache)",
+    ),
     "block_size": (int, "tokens per KV-cache block"),
     "num_kv_blocks": (int, "number of KV-cache blocks (default: from memory)"),
     "gpu_memory_utilization": (float, "fraction of GPU memory for weights, activations and KV"),
