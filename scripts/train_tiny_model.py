@@ -316,10 +316,10 @@ def build_config(vocab_size: int, preset: str = "tiny"):
 
 
 def with_repeat(windows, generator):
-    """In-context copying in training: each window [n, T + 1] becomes its first L tokens and
-    then the window again from its start (L random in [16, (T + 1) / 2] per row), so that the
-    tokens after position L repeat those L positions earlier. A pretrained LLM has seen such
-    repeats (quotes, code, lists) and continues a repeated passage; a model trained only on
+    """In-context copying in training: each window [n, T + 1] becomes its first L tokens
+    repeated to its end (L random in [16, (T + 1) / 2] per row), so that every token from
+    position L on repeats the one L positions earlier. A pretrained LLM has seen such repeats
+    (quotes, code, lists) and continues a repeated passage; a model trained only on
     Shakespeare's running text for a minute does not, and n-gram speculation's acceptance
     measures that."""
     import torch
@@ -327,8 +327,7 @@ def with_repeat(windows, generator):
     n, width = windows.shape
     lengths = torch.randint(16, width // 2 + 1, (n, 1), device=windows.device, generator=generator)
     positions = torch.arange(width, device=windows.device)[None, :]
-    source = torch.where(positions < lengths, positions, positions - lengths)
-    return windows.gather(1, source)
+    return windows.gather(1, positions % lengths)
 
 
 def cmd_train(args) -> None:

@@ -28,7 +28,7 @@ def test_a_repeated_window_copies_its_first_tokens() -> None:
         length = int((row == original).logical_not().nonzero()[0])  # the first repeated position
         assert 16 <= length <= 32
         assert torch.equal(row[:length], original[:length])
-        assert torch.equal(row[length:], original[: 65 - length])
+        assert torch.equal(row[length:], row[: 65 - length])  # period `length`
 
 
 @pytest.fixture(scope="module")

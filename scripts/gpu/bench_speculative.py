@@ -233,7 +233,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--train-seconds", type=int, default=120, help="training time limit")
     parser.add_argument(
-        "--copy-frac", type=float, default=0.25,
+        "--copy-frac", type=float, default=0.5,
         help="share of the target's training windows that repeat their start (train --copy-frac)",
     )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="the embedded model, untrained")
