@@ -29,8 +29,13 @@ Three subcommands, run in this order:
 
     ``--preset target`` trains the ~94M-parameter Llama (20 layers of 640) that the
     speculative-decoding benchmarks use as the target, with the embedded model as its
-    draft (same tokenizer); ``--deterministic`` makes a run repeatable for its seed. Its
+    draft (same tokenizer); ``--deterministic`` makes a run repeatable for its seed (on
+    CUDA with eager attention: SDPA's cuDNN / flash backward is not repeatable). Its
     weights are not committed: scripts/gpu/bench_speculative.py trains it first.
+    ``--copy-frac F`` makes that share of each batch's windows periodic (a window's first L
+    tokens repeated to its end), training the in-context copying that n-gram speculation
+    relies on; in CPU probes no copying of natural text formed within ~1,200 steps
+    (scripts/results/session24.md).
 
 ``sample``  (CPU)
     Loads a model directory with transformers, offline, checks the tokenizer
