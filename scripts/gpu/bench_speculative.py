@@ -193,27 +193,22 @@ def configs(args: argparse.Namespace) -> list[Config]:
     off = {"disable_by_batch_size": args.disable_above}
     rounds = {"num_rounds": args.rounds}  # verifies per scheduler round trip
     above, r = f"off above batch {args.disable_above}", f"{args.rounds} rounds"
-    rows = [("no speculation", None, shakespeare | copy)]
+    rows: list[Config] = [("no speculation", None, shakespeare | copy, {})]
     if "draft" in args.methods:
-        rows.append(
-            (
-                f"draft k={args.draft_k}, {r}, {above}",
-                draft(args.draft_k) | rounds | off,
-                shakespeare,
-            )
-        )
+        spec = draft(args.draft_k) | rounds | off
+        rows.append((f"draft k={args.draft_k}, {r}, {above}", spec, shakespeare, {}))
     if "ngram" in args.methods:
         for k in args.ngram_k:
             spec = ngram | {"num_speculative_tokens": k} | rounds | off
-            rows.append((f"ngram k={k}, {r}, {above}", spec, copy))
+            rows.append((f"ngram k={k}, {r}, {above}", spec, copy, {}))
             if args.device_rounds:
                 device = spec | {"rounds_on_device": True}
-                rows.append((f"ngram k={k}, {r} on the device, {above}", device, copy))
-    rows = [(*row, {}) for row in rows]
-    for gemm_rows in args.gemm_rows:
-        rows += [(f"{name}, Triton GEMM to {gemm_rows} rows", spec, prompts,
-                  {"small_batch_gemm_rows": gemm_rows})
-                 for name, spec, prompts, _ in rows if spec is not None]  # fmt: skip
+                rows.append((f"ngram k={k}, {r} on the device, {above}", device, copy, {}))
+    rows += [
+        (f"{name}, Triton GEMM to {gemm_rows} rows", spec, prompts,
+         {"small_batch_gemm_rows": gemm_rows})
+        for gemm_rows in args.gemm_rows for name, spec, prompts, _ in rows if spec is not None
+    ]  # fmt: skip
     rows *= args.passes
     if args.full:
         rows += [

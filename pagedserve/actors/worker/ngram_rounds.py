@@ -47,8 +47,9 @@ def rounds_run_on_device(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) 
     buffers are host memory).
 
     Every request drafting: a device round verifies 1 + k rows whatever its drafts, and past
-    one row the linear layers leave the single-row GEMV for cuBLAS (models/linear.py), so a
-    round without drafts costs about twice a decode step (H100, the ~94M target). Requests
+    small_batch_gemm_rows rows (1 by default) the linear layers leave the Triton GEMV for
+    cuBLAS (models/linear.py), so a round without drafts cost about twice a decode step (H100,
+    the ~94M target). Requests
     that found a match at the step's start tend to keep matching (a copied span); the others
     take the host's loop, whose verifies are as wide as their drafts."""
     spec, step = runner.config.speculative_config, runner.decode_step

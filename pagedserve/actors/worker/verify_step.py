@@ -155,13 +155,13 @@ def _plain_then_propose(runner: ModelRunner, plan: StepPlan) -> StepResult:
 
 def _rounds(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> StepResult:
     """The step's verify, and with num_rounds further verifies of its own proposals."""
-    if rounds_run_on_device(runner, plan, rows) and _decode_shaped(
-        runner, plan.num_scheduled_tokens, rows, _num_drafts(plan, rows)
-    ):
+    num_scheduled = plan.num_scheduled_tokens
+    decode_shaped = _decode_shaped(runner, num_scheduled, rows, _num_drafts(plan, rows))
+    if decode_shaped and rounds_run_on_device(runner, plan, rows):
         return device_rounds(runner, plan, rows)
     batch = runner.input_batch
     drafts = plan.spec_token_ids or [[] for _ in plan.scheduled]
-    result, decode_shaped = _round(runner, plan, plan.num_scheduled_tokens, rows, drafts)
+    result = _round(runner, plan, num_scheduled, rows, drafts, decode_shaped)
     spec = runner.config.speculative_config
     if spec is None or spec.num_rounds == 1 or not (decode_shaped and plan.propose):
         return result
@@ -177,7 +177,7 @@ def _rounds(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> StepResult
             break
         for row, proposed in zip(rows.tolist(), proposals):
             batch.write_drafts(row, proposed)
-        rounds.append(_round(runner, plan, num_scheduled, rows, proposals)[0])
+        rounds.append(_round(runner, plan, num_scheduled, rows, proposals, decode_shaped=True))
         verified.append(proposals)
     return _merged(rounds, verified)
 
@@ -188,14 +188,14 @@ def _round(
     num_scheduled: list[int],
     rows: np.ndarray,
     drafts: list[list[int]],
-) -> tuple[StepResult, bool]:
-    """One verify of `drafts` (per scheduled request, num_scheduled tokens each) and the next
-    proposals; whether it ran as a decode step."""
+    decode_shaped: bool,
+) -> StepResult:
+    """One verify of `drafts` (per scheduled request, num_scheduled tokens each; as a decode
+    step where `decode_shaped`, see _decode_shaped) and the next proposals."""
     batch = runner.input_batch
     result = StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     num_drafts = np.array([len(d) for d in drafts], np.int64)
     proposals = None  # computed on the device with the verify (a draft model's chain)
-    decode_shaped = _decode_shaped(runner, num_scheduled, rows, num_drafts)
     if decode_shaped:
         samples, proposals = _verify_as_decode(runner, plan, rows, num_drafts)
     else:
@@ -207,7 +207,7 @@ def _round(
         if proposals is None:
             proposals = runner.proposer.propose(batch, sampling_rows)
         result.draft_token_ids = runner.structured.without_drafts(sampling_rows, proposals)
-    return result, decode_shaped
+    return result
 
 
 def _within_room(
