@@ -264,6 +264,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("max_inflight_steps must be 1, 2 or 3")
         if self.bus_spin_us is not None and not 0 <= self.bus_spin_us <= 1_000_000:
             raise ValueError("bus_spin_us must be between 0 and 1,000,000")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be at least 1")
         if not 1 <= self.small_batch_gemm_rows <= 16:
             raise ValueError("small_batch_gemm_rows must be between 1 and 16")
         if self.load_format not in ("auto", "safetensors", "dummy"):

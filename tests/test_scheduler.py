@@ -449,6 +449,9 @@ def test_admission_control_refuses_beyond_the_waiting_limit() -> None:
     assert isinstance(refused, RequestError) and refused.status_code == 503
     sched.schedule()  # a and b run: room again
     admit(sched, add("d", [2] * 3))
+    for limit in (0, -5):  # an operator's impossible limit fails at start, clearly
+        with pytest.raises(ValueError, match="max_waiting_requests must be at least 1"):
+            make_config(max_waiting_requests=limit)
 
 
 # ---------------------------------------------------------------- preemption
