@@ -257,6 +257,7 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_deltas_merged(server) -> 
         ({"model": MODEL_NAME, "prompt": "x", "seed": 2**64}, 400),
         ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 2**63}, 400),
         ({"model": MODEL_NAME, "prompt": "x", "min_tokens": -(2**63) - 1}, 400),
+        ({"model": MODEL_NAME, "prompt": "x", "min_tokens": 5, "max_tokens": 4}, 400),
         ({"model": MODEL_NAME, "prompt": "x", "stop_token_ids": [2**70]}, 400),
         ({"model": MODEL_NAME, "prompt": [[], [], [4096]]}, 400),
         ({"model": MODEL_NAME, "prompt": [[1], [2], [4096]]}, 400),

@@ -740,9 +740,10 @@ def random_workload(rng: random.Random, n: int) -> list[tuple[int, AddRequest]]:
     for i in range(n):
         prompt = rng.choice(prefixes) if rng.random() < 0.6 else []
         prompt = prompt + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 12))]
+        max_tokens = rng.choice([None, 1, 2, 5, 9, 16, 25])
         sampling = dict(
-            max_tokens=rng.choice([None, 1, 2, 5, 9, 16, 25]),
-            min_tokens=rng.choice([0, 0, 2]),
+            max_tokens=max_tokens,
+            min_tokens=min(rng.choice([0, 0, 2]), max_tokens or 2),
             ignore_eos=rng.random() < 0.2,
             stop_token_ids=rng.sample(range(2, VOCAB), 2) if rng.random() < 0.3 else None,
             logprobs=0 if rng.random() < 0.2 else None,

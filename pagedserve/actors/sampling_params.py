@@ -89,6 +89,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
         truncate = self.truncate_prompt_tokens
         if truncate is not None and not (truncate == -1 or 1 <= truncate < 2**63):
             raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate}")
