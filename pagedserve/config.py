@@ -47,8 +47,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_prompts_per_request: int = 1024  # a completions call with a list of prompts
     max_n: int = 128  # choices per prompt (n, best_of)
     max_stop_strings: int = 64
-    max_stop_string_chars: int = 1024
+    max_stop_string_chars: int = 1024  # also the longest bad word
     max_stop_token_ids: int = 1024
+    max_bad_words: int = 64
     # "auto" tool choice: calls found in the reply's text by this parser (api/tool_parsers.py)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None

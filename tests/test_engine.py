@@ -192,6 +192,66 @@ def test_allowed_token_ids_and_truncated_prompts_through_the_engine(llama_engine
         llama_engine.chat([{"role": "user", "content": "x"}], continue_final_message=True)
 
 
+def greedy_without(model, prompt: list[int], banned: list[list[int]], steps: int) -> list[int]:
+    """transformers' greedy tokens under vLLM's bad-words rule: a sequence's last token is
+    masked where the output so far (not the prompt) ends with the rest of the sequence."""
+    import torch
+
+    output: list[int] = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(torch.tensor([prompt + output])).logits[0, -1]
+            for seq in banned:
+                if len(seq) - 1 <= len(output) and output[len(output) - len(seq) + 1 :] == seq[:-1]:
+                    logits[seq[-1]] = float("-inf")
+            output.append(int(logits.argmax()))
+    return output
+
+
+def contains(tokens: list[int], seq: list[int]) -> bool:
+    return any(tokens[i : i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+def test_bad_words_keep_their_token_sequences_out_of_the_output(
+    llama_engine: LLM, llama_path: Path
+) -> None:
+    """vLLM's bad_words: each word's token sequences (alone and after a space) never complete
+    in the output; greedy equals transformers under the same rule (a two-token word the free
+    output holds, and a one-token word), seeded n > 1 keeps them out too, and a request
+    without bad words in the same batch is untouched. A blank word is a ValueError."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_path)
+    prompt = random_prompts(400, [12], seed=9)[0]
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    free = llama_engine.generate([prompt], plain)[0].outputs[0].token_ids
+    pair = next(
+        free[i : i + 2]
+        for i in range(len(free) - 1)
+        if tokenizer.encode(tokenizer.decode(free[i : i + 2])) == free[i : i + 2]
+        and tokenizer.decode(free[i : i + 2]).strip() == tokenizer.decode(free[i : i + 2])
+    )
+    single = next(t for t in free if tokenizer.decode([t]).strip() == tokenizer.decode([t]))
+    words = [tokenizer.decode(pair), tokenizer.decode([single])]
+    sequences = []
+    for word in words:
+        alone, spaced = tokenizer.encode(word), tokenizer.encode(" " + word)
+        sequences += [alone] + (
+            [spaced] if len(spaced) == len(alone) != 0 and spaced[0] != alone[0] else []
+        )
+    greedy = msgspec.structs.replace(plain, bad_words=words)
+    seeded = msgspec.structs.replace(greedy, temperature=1.0, seed=5, n=3)
+    outputs = llama_engine.generate([prompt] * 3, [greedy, seeded, plain])
+    expected = greedy_without(load_hf_model(llama_path), prompt, sequences, 16)
+    assert outputs[0].outputs[0].token_ids == expected != free
+    assert outputs[2].outputs[0].token_ids == free
+    for completion in outputs[0].outputs + outputs[1].outputs:
+        assert len(completion.token_ids) == 16
+        assert not any(contains(completion.token_ids, seq) for seq in sequences)
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])
+
+
 def test_text_prompts_and_token_prompts_agree(llama_engine: LLM) -> None:
     text_out = llama_engine.generate("To be, or not", SamplingParams(temperature=0, max_tokens=8))
     ids = text_out[0].prompt_token_ids

@@ -563,7 +563,6 @@ def test_model_tokenize_detokenize_and_version_endpoints(server, api: openai.Ope
         ("/v1/completions", {"suffix": "The end."}),
         ("/v1/completions", {"guided_grammar": "start: 'a'"}),
         # vLLM's extra fields that would change the output
-        ("/v1/completions", {"bad_words": ["the"]}),
         ("/v1/chat/completions", {"use_beam_search": True}),
         ("/v1/completions", {"length_penalty": 0.5}),
         ("/v1/completions", {"priority": 1}),
@@ -613,6 +612,34 @@ def test_logit_bias_steers_the_tokens_and_bad_keys_are_a_400(server, api: openai
         response = httpx.post(base + "/v1/completions", json=body)
         assert response.status_code == 400
         assert "logit_bias" in response.json()["error"]["message"]
+
+
+def test_bad_words_keep_a_word_out_on_both_endpoints(server, api: openai.OpenAI) -> None:
+    """vLLM's bad_words: a word greedy decoding writes first is not written with it, on both
+    endpoints; more words than the server's limit are a 400."""
+    base = server[1]
+    for path, body in [
+        ("/v1/completions", {"prompt": "To be"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]:
+        settings = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, **body}
+        free = httpx.post(base + path, json={**settings, "return_token_ids": True}).json()
+        token, word = next(
+            (t, text)
+            for t in free["choices"][0]["token_ids"]
+            if (text := httpx.post(base + "/detokenize", json={"tokens": [t]}).json()["prompt"])
+            == text.strip()
+            and httpx.post(base + "/tokenize", json={"prompt": text}).json()["tokens"] == [t]
+        )
+        banned = httpx.post(
+            base + path, json={**settings, "return_token_ids": True, "bad_words": [word]}
+        )
+        assert banned.status_code == 200
+        tokens = banned.json()["choices"][0]["token_ids"]
+        assert len(tokens) == 6 and token not in tokens
+    too_many = {**minimal_body("/v1/completions"), "bad_words": ["a"] * 65}
+    response = httpx.post(base + "/v1/completions", json=too_many)
+    assert response.status_code == 400 and "bad_words" in response.json()["error"]["message"]
 
 
 def test_chat_template_fields_reach_the_template(server, api: openai.OpenAI) -> None:

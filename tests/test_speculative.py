@@ -153,14 +153,15 @@ SHAKESPEARE = [
     ids=["ngram", "draft"],
 )  # fmt: skip
 def test_sampling_penalties_logprobs_stops_and_n_match_the_plain_engine(spec: dict) -> None:
-    """Seeded sampling with penalties, logit biases, allowed tokens, logprobs, stop strings and
-    n > 1 on the embedded model: the same tokens, text, logprobs and finishes with and without
-    speculation."""
+    """Seeded sampling with penalties, logit biases, allowed tokens, bad words, logprobs, stop
+    strings and n > 1 on the embedded model: the same tokens, text, logprobs and finishes with
+    and without speculation."""
     params = [
         SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, stop=["\n\n"],
-                       logit_bias={5: 3.0, 6: -2.0}),
+                       logit_bias={5: 3.0, 6: -2.0}, bad_words=["am", "my lord"]),
         SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=40, n=2,
-                       presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3),
+                       presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3,
+                       bad_words=["I am", "my"]),
         SamplingParams(temperature=0.7, top_k=40, seed=6, max_tokens=40, logprobs=0,
                        logit_bias={10: -4.0}, allowed_token_ids=list(range(2, 1500, 2))),
     ]  # fmt: skip

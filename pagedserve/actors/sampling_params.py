@@ -51,6 +51,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # output token within the model's length
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None  # sample only among these tokens
+    # words the output must not contain (vLLM's: as token sequences, each word with and without
+    # a leading space); their ids, filled in by the tokenizer actor (or given, without a
+    # tokenizer), are what the worker bans: a sequence's last token where the output so far
+    # ends with the rest of it
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         import math
@@ -101,6 +107,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise ValueError("allowed_token_ids must not be empty")
             if any(not 0 <= t < 2**63 for t in self.allowed_token_ids):
                 raise ValueError("allowed_token_ids must be token ids")
+        if any(not word.strip() for word in self.bad_words or []):
+            raise ValueError("bad_words must be words, not empty or blank strings")
+        for ids in self.bad_words_token_ids or []:
+            if not ids or any(not 0 <= t < 2**63 for t in ids):
+                raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
         for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if value is not None and not 0 <= value <= 20:
                 raise ValueError(f"{name} must be between 0 and 20, got {value}")

@@ -88,8 +88,28 @@ class PromptEncoder:
         ids = self.truncated(ids, request.sampling.truncate_prompt_tokens)
         self.check_ids(ids, request.resume_token_ids)
         self.check_grammar(request)
+        self.resolve_bad_words(request)
         self.check_sampling_token_ids(request)
         return ids
+
+    def resolve_bad_words(self, request: GenerateRequest) -> None:
+        """The bad words' token sequences, as vLLM forms them: each word (leading spaces
+        stripped) alone, and with one leading space where that spells it in other tokens of
+        the same count (a word-initial token)."""
+        sampling = request.sampling
+        if not sampling.bad_words:
+            return
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer (skip_tokenizer_init)")
+        sequences: list[list[int]] = []
+        for word in sampling.bad_words:
+            alone = encode_text(self.tokenizer, word.lstrip(), add_special_tokens=False)
+            spaced = encode_text(self.tokenizer, " " + word.lstrip(), add_special_tokens=False)
+            if alone:
+                sequences.append(alone)
+            if alone and len(spaced) == len(alone) and spaced[0] != alone[0]:
+                sequences.append(spaced)
+        sampling.bad_words_token_ids = sequences
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (-1: max_model_len - 1, room for one output token)."""
@@ -104,6 +124,9 @@ class PromptEncoder:
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if any(not 0 <= t < self.vocab_size for t in sampling.allowed_token_ids or []):
             raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size})")
+        for ids in sampling.bad_words_token_ids or []:
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"bad_words_token_ids must be in [0, {self.vocab_size})")
 
     def check_grammar(self, request: GenerateRequest) -> None:
         structured = request.sampling.structured_outputs

@@ -27,6 +27,7 @@ SERVER_FLAGS = [
     "max_stop_strings",
     "max_stop_string_chars",
     "max_stop_token_ids",
+    "max_bad_words",
 ]
 
 

@@ -81,10 +81,10 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
     # vLLM's extra fields
     truncate_prompt_tokens: Int64 | None = None  # the prompt's last k tokens (-1: what fits)
     allowed_token_ids: list[Int64] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # words the output must not contain
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}"
     return_token_ids: bool = False  # each choice's token ids (and the prompt's) in the answer
     # vLLM's, not implemented: a 400 when they would change the output
-    bad_words: list[str] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     priority: Int64 = 0
@@ -97,7 +97,6 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
         if self.stream and self.prompt_logprobs:  # as vLLM
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         unsupported = {
-            "bad_words": bool(self.bad_words),
             "use_beam_search (beam search)": self.use_beam_search,
             "length_penalty (beam search)": self.length_penalty != 1.0,
             "priority (priority scheduling)": self.priority != 0,
@@ -119,6 +118,10 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
             raise ValueError(f"a stop string is at most {limits.max_stop_string_chars} characters")
         if len(self.stop_token_ids or []) > limits.max_stop_token_ids:
             raise ValueError(f"stop_token_ids takes at most {limits.max_stop_token_ids} ids")
+        if len(self.bad_words or []) > limits.max_bad_words:
+            raise ValueError(f"bad_words takes at most {limits.max_bad_words} words")
+        if any(len(w) > limits.max_stop_string_chars for w in self.bad_words or []):
+            raise ValueError(f"a bad word is at most {limits.max_stop_string_chars} characters")
 
     def sampling(
         self,
@@ -160,6 +163,7 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
             logit_bias=self.token_biases(),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
     def token_biases(self) -> dict[int, float] | None:

@@ -20,6 +20,7 @@ import torch
 from pagedserve.actors.messages import NewRequestData, SamplingParams
 from pagedserve.actors.worker.sampler import (
     AllowedTokens,
+    BannedTokens,
     LogitBias,
     PenaltyState,
     SamplingMetadata,
@@ -71,6 +72,7 @@ class _SamplingColumns:
             and params.structured_outputs is None
             and not params.logit_bias
             and params.allowed_token_ids is None
+            and not params.bad_words_token_ids
         )
         self.num_prompt_logprobs[row] = (
             -1 if params.prompt_logprobs is None else params.prompt_logprobs
@@ -100,6 +102,7 @@ class InputBatch:
         self.penalty_rows: set[int] = set()  # rows whose sampling reads their past tokens
         self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (tokens, biases)
         self.allowed: dict[int, np.ndarray] = {}  # row -> the only tokens it may sample
+        self.bad_words: dict[int, list[list[int]]] = {}  # row -> token sequences it must not end
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -130,6 +133,8 @@ class InputBatch:
             self.biases[row] = (np.fromiter(bias, np.int64), np.fromiter(bias.values(), np.float32))
         if data.sampling.allowed_token_ids is not None:
             self.allowed[row] = np.asarray(data.sampling.allowed_token_ids, np.int64)
+        if data.sampling.bad_words_token_ids:
+            self.bad_words[row] = data.sampling.bad_words_token_ids
         self.seeds[row] = data.seed
         if self.needs_token_history(np.array([row])):
             self.penalty_rows.add(row)
@@ -141,6 +146,7 @@ class InputBatch:
             self.penalty_rows.discard(row)
             self.biases.pop(row, None)
             self.allowed.pop(row, None)
+            self.bad_words.pop(row, None)
             heapq.heappush(self._free_rows, row)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
@@ -192,6 +198,7 @@ class InputBatch:
             penalties=self._penalties(rows, positions, vocab_size),
             logit_bias=self._logit_bias(rows),
             allowed=self._allowed_tokens(rows, vocab_size),
+            banned=self._banned_tokens(rows, positions),
             num_logprobs=[None if n < 0 else n for n in num_logprobs],
         )
         if not metadata.all_greedy:
@@ -244,6 +251,30 @@ class InputBatch:
         index = np.fromiter((i for i, _ in parts), np.int64, len(parts))
         return AllowedTokens(self._to_device(index), keep)
 
+    def _banned_tokens(self, rows: np.ndarray, lengths: np.ndarray) -> BannedTokens | None:
+        """The tokens that would complete one of these rows' bad words after their first
+        `lengths` tokens (vLLM's rule: a sequence's last token, where the output so far ends
+        with the rest of it; the prompt does not count)."""
+        if not self.bad_words:
+            return None
+        index, tokens = [], []
+        for i, row in enumerate(rows.tolist()):
+            sequences = self.bad_words.get(row)
+            if sequences is None:
+                continue
+            end = min(int(lengths[i]), self.token_capacity)
+            output = self.token_ids[row, int(self.num_prompt_tokens[row]) : end].tolist()
+            for sequence in sequences:
+                before = len(sequence) - 1
+                if before <= len(output) and output[len(output) - before :] == sequence[:-1]:
+                    index.append(i)
+                    tokens.append(sequence[-1])
+        if not index:
+            return None
+        return BannedTokens(
+            self._to_device(np.array(index, np.int64)), self._to_device(np.array(tokens, np.int64))
+        )
+
     def _penalties(
         self, rows: np.ndarray, lengths: np.ndarray, vocab_size: int
     ) -> PenaltyState | None:
@@ -281,12 +312,14 @@ class InputBatch:
         return counts[:, :vocab_size], mask[:, :vocab_size]
 
     def needs_token_history(self, rows: np.ndarray) -> bool:
-        """Whether sampling these rows reads their past tokens on the host (penalties)."""
+        """Whether sampling these rows reads their past tokens on the host (penalties, bad
+        words)."""
         cols = self.sampling
         return bool(
             cols.presence[rows].any()
             or cols.frequency[rows].any()
             or (cols.repetition[rows] != 1.0).any()
+            or (self.bad_words and any(row in self.bad_words for row in rows.tolist()))
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

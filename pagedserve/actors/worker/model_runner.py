@@ -208,8 +208,8 @@ class ModelRunner(StaticPaths):
         """Queue `plan`'s step on the device without waiting for it, then finish the step
         launched before it (if any) and return that one's result. The previous step's sampled
         tokens feed this step's inputs on the device, so the host never waits between the two.
-        A step whose sampling reads past tokens on the host (penalties) finishes the previous
-        step first."""
+        A step whose sampling reads past tokens on the host (penalties, bad words) finishes the
+        previous step first."""
         self.settled = None
         if self.tokens_from_plans and self.device.type != "cuda":
             self._settle_pending()  # a CPU stage would block in its transfer, the last unreported

@@ -1,9 +1,10 @@
 """Token sampling, vectorised over the batch (vLLM V1 semantics).
 
 Order: raw log-softmax (for the logprobs, before anything else) -> allowed_token_ids (the other
-tokens masked) -> logit_bias (added) -> penalties (repetition over prompt + output,
-frequency/presence over the output) -> greedy argmax for rows with temperature < 1e-5 ->
-temperature -> top-k / top-p / min-p support -> Gumbel-max:
+tokens masked) -> bad words (the tokens that would complete one masked) -> logit_bias (added)
+-> penalties (repetition over prompt + output, frequency/presence over the output) -> greedy
+argmax for rows with temperature < 1e-5 -> temperature -> top-k / top-p / min-p support ->
+Gumbel-max:
 argmax(z + g) over the support, g = -log(-log u) standard Gumbel noise, samples from softmax(z)
 on it.
 
@@ -53,6 +54,14 @@ class AllowedTokens:
 
 
 @dataclass
+class BannedTokens:
+    """Tokens some rows must not sample (their bad words): logits[rows[i], tokens[i]] = -inf."""
+
+    rows: torch.Tensor  # [E] int64
+    tokens: torch.Tensor  # [E] int64
+
+
+@dataclass
 class SamplingMetadata:
     """Per-row sampling settings of one step; optional parts are None when no row uses them."""
 
@@ -66,6 +75,7 @@ class SamplingMetadata:
     penalties: PenaltyState | None = None
     logit_bias: LogitBias | None = None
     allowed: AllowedTokens | None = None
+    banned: BannedTokens | None = None
     seeds: torch.Tensor | None = None  # [B] int64: each row's RNG key (None: all greedy)
     positions: torch.Tensor | None = None  # [B] int64: position of the token each row samples
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None: not asked
@@ -93,7 +103,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, vocab] (any float dtype; computed in float32)."""
         plain = (
-            metadata.penalties is None and metadata.logit_bias is None and metadata.allowed is None
+            metadata.penalties is None
+            and metadata.logit_bias is None
+            and metadata.allowed is None
+            and metadata.banned is None
         )
         if metadata.all_greedy and plain and not metadata.wants_logprobs:
             return SamplerOutput(token_ids=logits.argmax(dim=-1), logprob_tensors=None)
@@ -103,6 +116,10 @@ class Sampler:
             allowed = metadata.allowed
             kept = logits[allowed.rows].masked_fill(~allowed.keep, float("-inf"))
             logits = logits.index_put((allowed.rows,), kept)
+        if metadata.banned is not None:
+            banned = metadata.banned
+            masked = torch.full(banned.tokens.shape, float("-inf"), device=logits.device)
+            logits = logits.index_put((banned.rows, banned.tokens), masked)
         if metadata.logit_bias is not None:
             bias = metadata.logit_bias
             logits = logits.index_put((bias.rows, bias.tokens), bias.biases, accumulate=True)
