@@ -99,7 +99,7 @@ KEYS = [
     *SAMPLING, "prompt", "messages", "model", "logprobs", "echo", "top_logprobs", "best_of",
     "max_completion_tokens", "logit_bias", "suffix", "tools", "tool_choice", "response_format",
     "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "structured_outputs",
-    "bad_words", "unknown_field",
+    "bad_words", "guided_grammar", "unknown_field",
 ]  # fmt: skip
 EXTRA_MUTATIONS = st.lists(
     st.one_of(st.tuples(st.sampled_from(KEYS), HOSTILE), st.tuples(st.sampled_from(KEYS))),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import anyio
 import httpx2 as httpx
@@ -142,6 +143,26 @@ def test_choice_and_regex_of_vllm_structured_outputs(api: openai.OpenAI) -> None
     assert len(regex.choices[0].text) == 3 and regex.choices[0].text.isdigit()
 
 
+def test_context_free_grammars_in_lark_and_gbnf(api: openai.OpenAI) -> None:
+    """vLLM's guided_grammar and structured_outputs.grammar: a Lark grammar (rules and a
+    terminal regex) and a GBNF one (llama.cpp's syntax); each output is a sentence of its
+    grammar, which ends the request."""
+    lark = 'start: greeting " " name\ngreeting: "Hail" | "Farewell"\nname: /[A-Z][a-z]{2,5}/'
+    text = api.completions.create(
+        model=MODEL_NAME, prompt="ROMEO:", max_tokens=30, extra_body={"guided_grammar": lark}
+    ).choices[0]
+    assert re.fullmatch(r"(Hail|Farewell) [A-Z][a-z]{2,5}", text.text), text.text
+    assert text.finish_reason == "stop"
+    gbnf = 'root ::= ("yes" | "no") ", " [a-z] [a-z] [a-z]'
+    chat = api.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Well?"}],
+        max_tokens=20,
+        extra_body={"structured_outputs": {"grammar": gbnf}},
+    )
+    assert re.fullmatch(r"(yes|no), [a-z]{3}", chat.choices[0].message.content or "")
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
@@ -150,7 +171,10 @@ def test_choice_and_regex_of_vllm_structured_outputs(api: openai.OpenAI) -> None
         ({"guided_regex": "(unclosed"}, "invalid structured output"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
         ({"response_format": {"type": "yaml"}}, "not supported"),
-        ({"guided_grammar": "start: 'a'"}, "not supported"),
+        ({"guided_grammar": "start: ("}, "invalid structured output"),
+        ({"guided_grammar": "root ::= ("}, "invalid structured output"),
+        ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "invalid structured output"),
+        ({"guided_grammar": "start: 'a'", "guided_regex": "a"}, "one of"),
         ({"guided_json": {}, "guided_regex": "a"}, "one of"),
         ({"structured_outputs": {"structural_tag": {}}}, "not supported"),
     ],

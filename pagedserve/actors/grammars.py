@@ -29,8 +29,13 @@ ANY_JSON_OBJECT = '{"type": "object"}'
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (serialized) of `params`; ValueError when it is not JSON where
     JSON is needed. Whether the grammar is valid is `GrammarChecker`'s question."""
-    from llguidance import LLMatcher
+    from llguidance import LLMatcher, grammar_from
 
+    if params.grammar is not None:
+        try:  # Lark as it is; GBNF (`root ::= ...`) translated to Lark
+            return grammar_from("grammar", params.grammar)
+        except Exception as exc:  # llguidance's GBNF translation raises its own errors
+            raise ValueError(f"invalid structured output specification: {exc}") from None
     if params.choice:
         return LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, params.choice)))
     if params.regex is not None:

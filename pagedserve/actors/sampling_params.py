@@ -11,17 +11,22 @@ import msgspec
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Constrained decoding, vLLM's: one of a JSON schema (its text; a dict becomes text), any
-    JSON object, a regex or strings to choose from. The output ends when it is complete."""
+    JSON object, a regex, strings to choose from or a context-free grammar (Lark, or llama.cpp's
+    GBNF, as vLLM's guidance backend reads it). The output ends when it is complete."""
 
     json: str | dict | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.json = json.dumps(self.json) if isinstance(self.json, dict) else self.json
-        if (self.json, self.json_object or None, self.regex, self.choice or None).count(None) != 3:
-            raise ValueError("structured outputs take one of json, json_object, regex, choice")
+        given = (self.json, self.json_object or None, self.regex, self.choice or None, self.grammar)
+        if given.count(None) != 4:
+            raise ValueError(
+                "structured outputs take one of json, json_object, regex, choice, grammar"
+            )
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):

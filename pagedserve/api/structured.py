@@ -3,9 +3,10 @@
 OpenAI's `response_format` ({"type": "json_object"}, or {"type": "json_schema", "json_schema":
 {"name": ..., "schema": {...}}}), vLLM's `structured_outputs` ({"json": ...}, {"regex": ...},
 {"choice": [...]}, {"json_object": true}) and its older `guided_json`, `guided_regex` and
-`guided_choice`. A request gives one of them; anything else (a grammar, structural tags, two
-at once) is a ValueError, which the server answers with a 400. Whether a schema or regex can
-be compiled is the engine's check (actors/grammars.py), before the request is scheduled.
+`guided_choice` and `guided_grammar` (Lark or GBNF). A request gives one of them; anything
+else (structural tags, two at once) is a ValueError, which the server answers with a 400.
+Whether a schema, regex or grammar can be compiled is the engine's check (actors/grammars.py),
+before the request is scheduled.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class StructuredOutputsField(msgspec.Struct, kw_only=True):
     regex: str | None = None
     choice: list[str] | None = None
     json_object: bool | None = None
-    grammar: Any = None  # not supported: a 400
+    grammar: str | None = None
     structural_tag: Any = None  # not supported: a 400
 
 
@@ -49,21 +50,21 @@ class StructuredOutputFields(msgspec.Struct, kw_only=True):
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
-    guided_grammar: Any = None  # not supported: a 400
+    guided_grammar: str | None = None
 
     def structured_output_params(self) -> StructuredOutputsParams | None:
         """The constraint the request asks for (None: none)."""
-        if self.guided_grammar is not None:
-            raise ValueError("guided_grammar (a context-free grammar) is not supported")
         given = [
             *response_format_params(self.response_format),
             *structured_outputs_params(self.structured_outputs),
-            *guided_params(self.guided_json, self.guided_regex, self.guided_choice),
+            *guided_params(
+                self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
+            ),
         ]
         if len(given) > 1:
             raise ValueError(
-                "give one of response_format, structured_outputs, guided_json, guided_regex "
-                "and guided_choice"
+                "give one of response_format, structured_outputs, guided_json, guided_regex, "
+                "guided_choice and guided_grammar"
             )
         return given[0] if given else None
 
@@ -98,19 +99,22 @@ def structured_outputs_params(
 ) -> list[StructuredOutputsParams]:
     if value is None:
         return []
-    if value.grammar is not None or value.structural_tag is not None:
-        raise ValueError("structured_outputs: grammar and structural_tag are not supported")
+    if value.structural_tag is not None:
+        raise ValueError("structured_outputs: structural_tag is not supported")
     json_text = None if value.json is None else schema_text(value.json)
     return [
         StructuredOutputsParams(
             json=json_text, regex=value.regex, choice=value.choice,
-            json_object=bool(value.json_object),
+            json_object=bool(value.json_object), grammar=value.grammar,
         )
     ]  # fmt: skip
 
 
 def guided_params(
-    guided_json: Any, guided_regex: str | None, guided_choice: list[str] | None
+    guided_json: Any,
+    guided_regex: str | None,
+    guided_choice: list[str] | None,
+    guided_grammar: str | None,
 ) -> list[StructuredOutputsParams]:
     given = []
     if guided_json is not None:
@@ -119,4 +123,6 @@ def guided_params(
         given.append(StructuredOutputsParams(regex=guided_regex))
     if guided_choice is not None:
         given.append(StructuredOutputsParams(choice=guided_choice))
+    if guided_grammar is not None:
+        given.append(StructuredOutputsParams(grammar=guided_grammar))
     return given
