@@ -178,6 +178,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Requests allowed to wait for the running set; beyond it the engine answers 503
     # (admission control). None: scaled to max_num_seqs and the KV cache.
     max_waiting_requests: int | None = None
+    # fcfs: waiting requests admitted in arrival order; priority: by (priority, arrival), a
+    # request's `priority` (lower first, vLLM's), running ones preempted lowest priority first
+    scheduling_policy: str = "fcfs"
     num_kv_blocks: int | None = None  # override the memory-derived number of KV blocks
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
@@ -267,6 +270,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("bus_spin_us must be between 0 and 1,000,000")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            policy = self.scheduling_policy
+            raise ValueError(f"scheduling_policy must be fcfs or priority, not {policy!r}")
         if not 1 <= self.small_batch_gemm_rows <= 16:
             raise ValueError("small_batch_gemm_rows must be between 1 and 16")
         if self.load_format not in ("auto", "safetensors", "dummy"):

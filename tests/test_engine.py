@@ -252,6 +252,31 @@ def test_bad_words_keep_their_token_sequences_out_of_the_output(
         SamplingParams(bad_words=[" "])
 
 
+def test_priority_scheduling_admits_waiting_requests_by_priority(llama_path: Path) -> None:
+    """scheduling_policy "priority" through the engine and the ZeroMQ client: with one seat
+    taken by a long request, three waiting requests start in priority order (lower first),
+    not in arrival order; LLM.generate takes a priority per prompt."""
+    with LLM(
+        str(llama_path), max_num_seqs=1, scheduling_policy="priority", supervision=NO_STANDBY
+    ) as llm:
+        long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+        short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        client = llm.client
+        client.submit([5, 6, 7], long)
+        while not client.receive(10_000).token_ids:  # it runs: the one seat is taken
+            pass
+        seqs = {client.submit([9, 9], short, priority=p): p for p in (3, 1, 2)}
+        started: list[int] = []
+        while len(started) < 3:
+            event = client.receive(30_000)
+            assert event is not None, "no output"
+            if event.seq in seqs and event.seq not in started and event.token_ids:
+                started.append(event.seq)
+        assert [seqs[s] for s in started] == [1, 2, 3]
+        outputs = llm.generate([[4, 5], [6, 7]], short, priority=[1, 0])
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 2]
+
+
 def test_text_prompts_and_token_prompts_agree(llama_engine: LLM) -> None:
     text_out = llama_engine.generate("To be, or not", SamplingParams(temperature=0, max_tokens=8))
     ids = text_out[0].prompt_token_ids

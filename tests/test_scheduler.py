@@ -482,6 +482,49 @@ def test_preempts_newest_running_request_and_resumes_it() -> None:
         assert len(out[LABELS[r.seq]].tokens) == 10
 
 
+def prioritized(rid: str, prompt: list[int], priority: int, **sampling: object) -> AddRequest:
+    return msgspec.structs.replace(add(rid, prompt, **sampling), priority=priority)
+
+
+def test_priority_policy_admits_by_priority_and_preempts_the_lowest() -> None:
+    """scheduling_policy "priority" (vLLM's): waiting requests are admitted by (priority,
+    arrival), lower first; under KV pressure the lowest-priority running request is
+    preempted, not the newest, and waits again in priority order. FCFS refuses a priority."""
+    sched = Scheduler(
+        make_config(max_model_len=24, max_num_seqs=2, scheduling_policy="priority"), 5
+    )
+    admit(sched, prioritized("low", [2] * 8, 5, max_tokens=10, ignore_eos=True))
+    admit(sched, prioritized("high", [3] * 8, 0, max_tokens=10, ignore_eos=True))
+    admit(sched, prioritized("mid", [4] * 3, 1, max_tokens=10, ignore_eos=True))
+    admit(sched, prioritized("high2", [5] * 3, 0, max_tokens=10, ignore_eos=True))
+    assert [LABELS[r.seq] for r in sched.waiting] == ["high", "high2", "mid", "low"]
+    p0, _ = step(sched, {"high": 7, "high2": 7})  # two seats: the two of priority 0
+    assert labels(sched, p0.scheduled) == ["high", "high2"]
+    p1, _ = step(sched, {"high": 7, "high2": 7})
+    assert labels(sched, p1.scheduled) == ["high", "high2"]
+    abort(sched, ["high2"])
+    p2, _ = step(sched, {"high": 7, "mid": 7})  # the freed seat goes to "mid", not "low"
+    assert labels(sched, p2.scheduled) == ["high", "mid"]
+    # "old-low" runs first; "new-high" joins: 5 of 5 blocks held. The next decodes need one
+    # more block: the lower priority yields although it is the older (FCFS: the newer)
+    policy = make_config(max_model_len=24, max_num_seqs=2, scheduling_policy="priority")
+    tight = Scheduler(policy, 5)
+    admit(tight, prioritized("old-low", [2] * 8, 3, max_tokens=10, ignore_eos=True))
+    step(tight, {"old-low": 7})
+    admit(tight, prioritized("new-high", [3] * 8, 1, max_tokens=10, ignore_eos=True))
+    joined, _ = step(tight, {"old-low": 7, "new-high": 7})
+    assert labels(tight, joined.scheduled) == ["old-low", "new-high"]
+    assert tight.block_manager.num_free_blocks == 0
+    pressed, _ = step(tight, {"new-high": 7})
+    assert labels(tight, pressed.finished) == ["old-low"]  # dropped from the worker: preempted
+    assert labels(tight, pressed.scheduled) == ["new-high"]
+    assert [LABELS[r.seq] for r in tight.waiting] == ["old-low"]
+    fcfs = Scheduler(make_config(), 16)
+    refused = fcfs.add_request(prioritized("p", [2, 3], 1))
+    assert isinstance(refused, RequestError) and "priority" in refused.message
+    assert refused.status_code == 400
+
+
 def test_preempted_request_keeps_inflight_token_and_waits_for_it() -> None:
     sched = Scheduler(make_config(max_model_len=24, max_num_seqs=2), 5)
     admit(sched, add("old", [2] * 8, max_tokens=10, ignore_eos=True))

@@ -91,6 +91,7 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     # engine continues after them (or, if the request is still live, re-sends what it has).
     resume_token_ids: list[int] = []
     options: PromptOptions = msgspec.field(default_factory=PromptOptions)
+    priority: int = 0  # with scheduling_policy "priority": lower is admitted first
 
 
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -168,6 +169,7 @@ class AddRequest(msgspec.Struct, tag=True, kw_only=True):
     eos_token_ids: list[int]
     arrival_time: float = 0.0
     resume_token_ids: list[int] = []  # see GenerateRequest
+    priority: int = 0  # see GenerateRequest
 
 
 class StopRequests(msgspec.Struct, tag=True):

@@ -249,6 +249,6 @@ class TokenizerActor(Actor):
             AddRequest(
                 client=client, seq=request.seq, prompt_token_ids=ids, sampling=request.sampling,
                 eos_token_ids=self.eos_token_ids, arrival_time=arrival,
-                resume_token_ids=request.resume_token_ids,
+                resume_token_ids=request.resume_token_ids, priority=request.priority,
             )
         )  # fmt: skip

@@ -134,10 +134,12 @@ class Client:
         sampling: SamplingParams,
         label: str | None = None,
         options: PromptOptions | None = None,
+        priority: int = 0,
     ) -> int:
         """Send a request; returns its seq (deltas and errors name it). `options`: how the
-        engine's tokenizer makes the prompt's ids (special tokens, chat template settings)."""
-        request = self.core.track(prompt, sampling, label, options)
+        engine's tokenizer makes the prompt's ids (special tokens, chat template settings);
+        `priority`: with priority scheduling, lower is admitted first."""
+        request = self.core.track(prompt, sampling, label, options, priority)
         refusal = self.core.refusal(request.seq)
         if refusal is not None:
             self._pending.append(refusal)
@@ -174,9 +176,10 @@ class Client:
         prompt: Prompt,
         sampling: SamplingParams | None = None,
         options: PromptOptions | None = None,
+        priority: int = 0,
     ) -> Iterator[Any]:
         """Stream one request's deltas (n must be 1; use `submit` for many at once)."""
-        seq = self.submit(prompt, sampling or SamplingParams(), options=options)
+        seq = self.submit(prompt, sampling or SamplingParams(), options=options, priority=priority)
         finished = False
         try:
             while not finished:
@@ -372,11 +375,14 @@ class AsyncClient:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         options: PromptOptions | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[Any]:
         """Stream one request's deltas (`request_id`: a label for them; deltas that wait for
-        the consumer arrive merged; `options` as Client.submit's); leaving the loop early
-        aborts the request."""
-        request = self.core.track(prompt, sampling or SamplingParams(), request_id, options)
+        the consumer arrive merged; `options` and `priority` as Client.submit's); leaving the
+        loop early aborts the request."""
+        request = self.core.track(
+            prompt, sampling or SamplingParams(), request_id, options, priority
+        )
         raise_if_error(self.core.refusal(request.seq))
         collector = self._open(request.seq)
         finished = False

@@ -59,10 +59,17 @@ class EngineUnavailableError(ConnectionError):
 
 
 def make_request(
-    seq: int, prompt: Prompt, sampling: SamplingParams, options: PromptOptions | None = None
+    seq: int,
+    prompt: Prompt,
+    sampling: SamplingParams,
+    options: PromptOptions | None = None,
+    priority: int = 0,
 ) -> GenerateRequest:
-    """The request for a prompt; `options`: how the tokenizer makes its ids (None: defaults)."""
-    request = GenerateRequest(seq=seq, sampling=sampling, options=options or PromptOptions())
+    """The request for a prompt; `options`: how the tokenizer makes its ids (None: defaults);
+    `priority`: its place with priority scheduling (lower first)."""
+    request = GenerateRequest(
+        seq=seq, sampling=sampling, options=options or PromptOptions(), priority=priority
+    )
     if isinstance(prompt, str):
         request.prompt = prompt
     elif prompt and isinstance(prompt[0], ChatMessage):
@@ -112,9 +119,10 @@ class ClientCore:
         sampling: SamplingParams,
         label: str | None = None,
         options: PromptOptions | None = None,
+        priority: int = 0,
     ) -> GenerateRequest:
         """A new request (labelled `label`, or identity-seq) to send."""
-        request = make_request(self.next_seq(), prompt, sampling, options)
+        request = make_request(self.next_seq(), prompt, sampling, options, priority)
         label = label if label is not None else f"{self.identity.decode()}-{request.seq}"
         self.requests[request.seq] = TrackedRequest(request, label)
         return request

@@ -20,6 +20,10 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
         "requests allowed to wait for a place among the running; beyond it a 503 with "
         "Retry-After (default: scaled to max_num_seqs and the KV cache)",
     ),
+    "scheduling_policy": (
+        str,
+        "fcfs (arrival order) or priority (each request's priority, lower first, then arrival)",
+    ),
     "block_size": (int, "tokens per KV-cache block"),
     "num_kv_blocks": (int, "number of KV-cache blocks (default: from memory)"),
     "gpu_memory_utilization": (float, "fraction of GPU memory for weights, activations and KV"),

@@ -52,14 +52,17 @@ class Job:
     prompt: Prompt
     sampling: SamplingParams
     options: PromptOptions
+    priority: int = 0
 
 
-def plan_jobs(prompts: list[Prompt], sampling: SamplingParams, options: PromptOptions) -> list[Job]:
+def plan_jobs(
+    prompts: list[Prompt], sampling: SamplingParams, options: PromptOptions, priority: int = 0
+) -> list[Job]:
     """Choice index = prompt index * n + child index."""
     jobs = []
     for p_index, prompt in enumerate(prompts):
         for c_index, child in enumerate(fan_out(sampling)):
-            jobs.append(Job(p_index * sampling.n + c_index, prompt, child, options))
+            jobs.append(Job(p_index * sampling.n + c_index, prompt, child, options, priority))
     return jobs
 
 
@@ -71,7 +74,9 @@ async def open_choices(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[As
     leaving the block early (an error, a cancelled request) aborts every unfinished job."""
     if len(jobs) == 1:
         job = jobs[0]
-        deltas = client.generate(job.prompt, job.sampling, options=job.options)
+        deltas = client.generate(
+            job.prompt, job.sampling, options=job.options, priority=job.priority
+        )
         try:
             yield _tagged(job.index, deltas)
         finally:
@@ -101,7 +106,10 @@ async def _pump(
     client: AsyncClient, job: Job, send: anyio.abc.ObjectSendStream[Event | Exception]
 ) -> None:
     try:
-        async for delta in client.generate(job.prompt, job.sampling, options=job.options):
+        deltas = client.generate(
+            job.prompt, job.sampling, options=job.options, priority=job.priority
+        )
+        async for delta in deltas:
             await send.send((job.index, delta))
     except Exception as exc:  # raised in the consumer, which leaves and so cancels the rest
         await send.send(exc)

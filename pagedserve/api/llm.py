@@ -58,9 +58,14 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's LLM.generate; `priority` (one per prompt, lower first) needs the engine's
+        scheduling_policy "priority"."""
         items = [_to_prompt(p) for p in _as_list(prompts)]
-        return self._run(items, sampling_params, use_tqdm, PromptOptions())
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"priority has {len(priority)} entries for {len(items)} prompts")
+        return self._run(items, sampling_params, use_tqdm, PromptOptions(), priority)
 
     def chat(
         self,
@@ -100,18 +105,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         options: PromptOptions,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.default_sampling_params
         params = _per_prompt(sampling_params, len(items))
-        results, jobs = self._plan(items, params)
+        results, jobs = self._plan(items, params, priority or [0] * len(items))
         owners: dict[int, tuple[int, int]] = {}  # engine request (seq) -> its place
         bar = tqdm(total=len(results), desc="generate", disable=not use_tqdm or len(items) < 16)
         try:
             while jobs or owners:
                 while jobs and len(owners) < self._window:  # within the engine's queue limit
-                    prompt, sampling, label, place = jobs.pop()
-                    seq = self.client.submit(prompt, sampling, label=label, options=options)
+                    prompt, sampling, label, place, rank = jobs.pop()
+                    seq = self.client.submit(
+                        prompt, sampling, label=label, options=options, priority=rank
+                    )
                     owners[seq] = place
                 self._apply(self._next_message(), results, owners, bar)
         except BaseException:
@@ -130,9 +138,13 @@ class LLM:
         return min(window, config.max_waiting_requests or window)
 
     def _plan(
-        self, items: list[tuple[str | None, Prompt]], params: list[SamplingParams]
-    ) -> tuple[list[RequestOutput], list[tuple[Prompt, SamplingParams, str, tuple[int, int]]]]:
-        """The results to fill, and the engine requests to send (last first): n > 1 fans out."""
+        self,
+        items: list[tuple[str | None, Prompt]],
+        params: list[SamplingParams],
+        priority: list[int],
+    ) -> tuple[list[RequestOutput], list[tuple[Prompt, SamplingParams, str, tuple[int, int], int]]]:
+        """The results to fill, and the engine requests to send (last first; by priority, then
+        in order): n > 1 fans out."""
         results: list[RequestOutput] = []
         jobs = []
         for index, ((text, prompt), sampling) in enumerate(zip(items, params)):
@@ -140,7 +152,11 @@ class LLM:
             children = fan_out(sampling)
             outputs = [CompletionOutput(index=i) for i in range(len(children))]
             results.append(RequestOutput(request_id, text, [], outputs))
-            jobs += [(prompt, child, request_id, (index, i)) for i, child in enumerate(children)]
+            rank = priority[index]
+            jobs += [
+                (prompt, child, request_id, (index, i), rank) for i, child in enumerate(children)
+            ]
+        jobs.sort(key=lambda job: (job[4], job[3]))  # stable: the order of prompts within a rank
         return results, jobs[::-1]
 
     def _next_message(self) -> RequestDelta | RequestError:

@@ -167,7 +167,7 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
         render = CompletionRender(self, body, prompts)
-        jobs = plan_jobs(prompts, sampling, body.prompt_options())
+        jobs = plan_jobs(prompts, sampling, body.prompt_options(), body.priority)
         return self.generate(render, jobs, sampling, body.stream, body.include_usage, arrival)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -191,7 +191,7 @@ class OpenAIServer:
         if auto_tools:  # the parser reads the calls' tags, which may be special tokens
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         render = ChatRender(self, body, self.limits.tool_call_parser if auto_tools else None)
-        jobs = plan_jobs([messages], sampling, body.prompt_options())
+        jobs = plan_jobs([messages], sampling, body.prompt_options(), body.priority)
         return self.generate(render, jobs, sampling, body.stream, body.include_usage, arrival)
 
     def generate(

@@ -99,7 +99,6 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
         unsupported = {
             "use_beam_search (beam search)": self.use_beam_search,
             "length_penalty (beam search)": self.length_penalty != 1.0,
-            "priority (priority scheduling)": self.priority != 0,
             "logits_processors": bool(self.logits_processors),
             "guided_whitespace_pattern": self.guided_whitespace_pattern is not None,
         }

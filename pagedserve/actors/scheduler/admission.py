@@ -22,12 +22,15 @@ def default_max_waiting(config: EngineConfig, num_kv_blocks: int) -> int:
 
 
 def refusal(
-    msg: AddRequest, max_len: int, max_model_len: int | None, num_waiting: int, max_waiting: int
+    msg: AddRequest, max_len: int, config: EngineConfig, num_waiting: int, max_waiting: int
 ) -> tuple[str, int] | None:
     """Why a request cannot be accepted (message, HTTP status), or None."""
     num_tokens = len(msg.prompt_token_ids) + len(msg.resume_token_ids)
+    max_model_len = config.max_model_len
     if not msg.prompt_token_ids:
         return "the prompt is empty", 400
+    if msg.priority and config.scheduling_policy != "priority":
+        return "a priority needs priority scheduling (--scheduling-policy priority)", 400
     if num_tokens >= max_len:
         limit = (
             f"This model's maximum context length is {max_len} tokens"

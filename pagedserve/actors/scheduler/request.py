@@ -40,6 +40,7 @@ class Request:
     columns: RequestColumns  # its row there (`row`) holds its counters while it is unfinished
     row: int
     arrival_time: float = 0.0
+    priority: int = 0  # scheduling_policy "priority": lower goes first
     status: RequestStatus = RequestStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of `token_ids` (content only; survives preemption).
@@ -89,6 +90,7 @@ class Request:
             columns=columns,
             row=-1,
             arrival_time=msg.arrival_time,
+            priority=msg.priority,
             prompt_logprobs=[] if msg.sampling.prompt_logprobs is None else [None],
         )
         wants_prompt_logprobs = msg.sampling.prompt_logprobs is not None

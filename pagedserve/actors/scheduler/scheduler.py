@@ -5,14 +5,17 @@ blocks, route back to the client); workers and the detokenizer cache it, keyed b
 
 No prefill/decode phases: each step, every request's `num_computed_tokens` catches up with the
 tokens the worker will know for it, within one token budget; running requests first, then
-waiting ones (FCFS). Plans are diffs against the worker's persistent batch, made before the
-previous result arrives (async): requests count their sampled tokens in flight
-(`num_inflight`), plans in flight record whom they sample for, and the worker appends its own
-samples (pipeline parallelism: layout.plan_capacity). Running decodes are planned and applied
+waiting ones, in queue order: FCFS, or with scheduling_policy "priority" by (priority,
+arrival), both queues kept in that order so that preemption takes the last running request.
+Plans are diffs against the worker's persistent batch, made before the previous result
+arrives (async): requests count their sampled tokens in flight (`num_inflight`), plans in
+flight record whom they sample for, and the worker appends its own samples (pipeline
+parallelism: layout.plan_capacity). Running decodes are planned and applied
 in bulk over counter columns (decode_path.py, columns.py)."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import random
 import sys
@@ -46,6 +49,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.layout import plan_capacity
 
 _row = attrgetter("row")
+_priority_order = attrgetter("priority", "handle")  # handles grow with arrival
 
 
 class Scheduler:
@@ -63,8 +67,10 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # unfinished requests by handle
         self.columns = RequestColumns()  # their counters (one row each)
         self.routes = RouteTable()
+        self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last one is the newest
+        # in admission order (priority: in priority order): the last one is preempted first
+        self.running: list[Request] = []
         self._running_rows: np.ndarray | None = None  # their rows; None: running changed
         self._steps: dict[int, StepRecord] = {}  # the plans in flight, by step id
         self._record = StepRecord()  # of the plan being made
@@ -89,7 +95,7 @@ class Scheduler:
         if known is not None:
             return known
         refusal = admission.refusal(
-            msg, self.max_len, self.config.max_model_len, len(self.waiting), self.max_waiting
+            msg, self.max_len, self.config, len(self.waiting), self.max_waiting
         )
         if refusal is not None:
             return RequestError(seq=msg.seq, message=refusal[0], status_code=refusal[1],
@@ -98,7 +104,7 @@ class Scheduler:
         request = Request.from_add(msg, next(self._handles), seed, self.columns, self.max_len)
         self.requests[request.handle] = request
         self.routes.add(request)
-        self.waiting.append(request)
+        self._queue(request, preempted=False)
         if msg.resume_token_ids:  # it may have ended with the tokens its client holds
             reason = request.end_reason(request.token_ids[-1])
             if reason is not None:
@@ -189,7 +195,7 @@ class Scheduler:
                 drafts = speculation.drafts_to_verify(req, n, budget, self.max_len)
             slots = self._slots(req.num_computed_tokens, n + len(drafts), plan.propose)
             while n and not self.block_manager.can_append(req, slots):
-                victim = self.running.pop()  # the newest running request
+                victim = self.running.pop()  # the newest (or lowest-priority) running request
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -218,7 +224,10 @@ class Scheduler:
             admission.count(self.counters, req, num_hit, self.config.enable_prefix_caching)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if self.by_priority:
+                bisect.insort(self.running, req, key=_priority_order)
+            else:
+                self.running.append(req)
             self._running_rows = None
             self._add_to_plan(plan, req, n, [], [])
             budget -= n
@@ -285,9 +294,19 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.draft_token_ids = []
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self._queue(req, preempted=True)
         self._drop_from_worker(req)
         self.counters.num_preemptions += 1
+
+    def _queue(self, req: Request, preempted: bool) -> None:
+        """Into the waiting queue: FCFS, an arrival at the back and a preempted request at the
+        front; priority, both in (priority, arrival) order."""
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=_priority_order)
+        elif preempted:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def forget_workers(self) -> None:
         """The workers are being restarted: their batches and KV cache are gone. Every
