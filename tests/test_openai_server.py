@@ -150,6 +150,35 @@ def test_streaming_completion_equals_non_streaming(api: openai.OpenAI) -> None:
     assert chunks[-1].usage == full.usage
 
 
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(api: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    its choice's usage so far (chat's opening chunk: the prompt, no completion yet), and the
+    last chunk the whole call's, on both endpoints with n = 2."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    calls = [
+        (api.completions.create, {"prompt": "Friends, Romans"}),
+        (api.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    for create, body in calls:
+        settings = dict(model=MODEL_NAME, max_tokens=5, n=2, temperature=0, **body)
+        full = create(**settings)
+        chunks = list(create(stream=True, stream_options=options, **settings))
+        counts: dict[int, list[int]] = {0: [], 1: []}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk.choices
+            assert chunk.usage.prompt_tokens == full.usage.prompt_tokens  # one prompt
+            assert (
+                chunk.usage.total_tokens
+                == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+            )
+            counts[choice.index].append(chunk.usage.completion_tokens)
+        for seen in counts.values():
+            assert seen == sorted(seen) and seen[-1] == 5
+        assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    plain = list(api.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, stream=True))
+    assert all(chunk.usage is None for chunk in plain)
+
+
 def test_stop_string_is_not_in_the_output(api: openai.OpenAI) -> None:
     kwargs = dict(
         model=MODEL_NAME,

@@ -27,6 +27,7 @@ MAX_LOGPROBS = 20  # as OpenAI's API and vLLM's default --max-logprobs
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
 class ContentPart(msgspec.Struct):
@@ -180,6 +181,11 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every stream chunk carries its choice's usage so far (vLLM's)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

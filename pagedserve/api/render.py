@@ -22,6 +22,21 @@ Scored = tuple[int, TokenLogprobs | None]  # a token id and its logprobs (None: 
 MIN_LOGPROB = -9999.0  # what JSON gets for -inf (a token a grammar masks), as in vLLM
 
 
+async def _after(first: Event | None, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    if first is not None:
+        yield first
+    async for event in rest:
+        yield event
+
+
+def usage_of(prompt: int, completion: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
 class Render:
     """Turns choices into OpenAI JSON: whole responses and stream chunks."""
 
@@ -49,11 +64,11 @@ class Render:
         n = max(1, len(choices) // max(self.num_prompts, 1))
         prompt = sum(len(c.prompt_token_ids) for c in choices[::n])
         completion = sum(len(self.output_ids(c)) for c in choices)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+        return usage_of(prompt, completion)
+
+    def choice_usage(self, choice: Choice) -> dict:
+        """One choice's usage so far (a chunk's, with continuous usage stats)."""
+        return usage_of(len(choice.prompt_token_ids), len(self.output_ids(choice)))
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs name it: its text, or vLLM's "token_id:{id}" when asked."""
@@ -79,14 +94,19 @@ class Render:
         self, events: AsyncIterator[Event], include_usage: bool
     ) -> AsyncIterator[dict]:
         states: dict[int, Choice] = {}
+        first = await anext(aiter(events), None)  # a choice's first delta names the prompt
         for chunk in self.opening():
+            if self.body.continuous_usage and first is not None:
+                chunk["usage"] = usage_of(len(first[1].prompt_token_ids or []), 0)
             yield chunk
-        async for index, delta in events:
+        async for index, delta in _after(first, events):
             choice = states.get(index)
             if choice is None:
                 choice = states[index] = Choice(index)
             choice.add(delta)
             chunk = self.envelope(self.chunk_object_name, [self.delta_choice(choice, delta)])
+            if self.body.continuous_usage:
+                chunk["usage"] = self.choice_usage(choice)
             yield chunk | self.chunk_fields(delta)
         if include_usage:
             choices = [states[i] for i in sorted(states)]

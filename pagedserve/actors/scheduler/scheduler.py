@@ -5,17 +5,14 @@ blocks, route back to the client); workers and the detokenizer cache it, keyed b
 
 No prefill/decode phases: each step, every request's `num_computed_tokens` catches up with the
 tokens the worker will know for it, within one token budget; running requests first, then
-waiting ones, in queue order: FCFS, or with scheduling_policy "priority" by (priority,
-arrival), both queues kept in that order so that preemption takes the last running request.
-Plans are diffs against the worker's persistent batch, made before the previous result
-arrives (async): requests count their sampled tokens in flight (`num_inflight`), plans in
-flight record whom they sample for, and the worker appends its own samples (pipeline
-parallelism: layout.plan_capacity). Running decodes are planned and applied
-in bulk over counter columns (decode_path.py, columns.py)."""
+waiting ones, in queue order (ordering.py: FCFS, or by priority). Plans are diffs against the
+worker's persistent batch, made before the previous result arrives (async): requests count
+their sampled tokens in flight (`num_inflight`), plans in flight record whom they sample for,
+and the worker appends its own samples (pipeline parallelism: layout.plan_capacity). Running
+decodes are planned and applied in bulk over counter columns (decode_path.py, columns.py)."""
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import random
 import sys
@@ -39,7 +36,7 @@ from pagedserve.actors.messages import (
     StepResult,
     TokenLogprobs,
 )
-from pagedserve.actors.scheduler import admission, decode_path, speculation
+from pagedserve.actors.scheduler import admission, decode_path, ordering, speculation
 from pagedserve.actors.scheduler.block_manager import BlockManager
 from pagedserve.actors.scheduler.columns import RequestColumns
 from pagedserve.actors.scheduler.decode_path import StepRecord
@@ -49,7 +46,6 @@ from pagedserve.config import EngineConfig
 from pagedserve.layout import plan_capacity
 
 _row = attrgetter("row")
-_priority_order = attrgetter("priority", "handle")  # handles grow with arrival
 
 
 class Scheduler:
@@ -67,10 +63,8 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # unfinished requests by handle
         self.columns = RequestColumns()  # their counters (one row each)
         self.routes = RouteTable()
-        self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[Request] = deque()
-        # in admission order (priority: in priority order): the last one is preempted first
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # queue order (ordering.py): the last is preempted
         self._running_rows: np.ndarray | None = None  # their rows; None: running changed
         self._steps: dict[int, StepRecord] = {}  # the plans in flight, by step id
         self._record = StepRecord()  # of the plan being made
@@ -104,7 +98,7 @@ class Scheduler:
         request = Request.from_add(msg, next(self._handles), seed, self.columns, self.max_len)
         self.requests[request.handle] = request
         self.routes.add(request)
-        self._queue(request, preempted=False)
+        ordering.to_waiting(self.waiting, request, self.config, preempted=False)
         if msg.resume_token_ids:  # it may have ended with the tokens its client holds
             reason = request.end_reason(request.token_ids[-1])
             if reason is not None:
@@ -224,10 +218,7 @@ class Scheduler:
             admission.count(self.counters, req, num_hit, self.config.enable_prefix_caching)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
-            if self.by_priority:
-                bisect.insort(self.running, req, key=_priority_order)
-            else:
-                self.running.append(req)
+            ordering.to_running(self.running, req, self.config)
             self._running_rows = None
             self._add_to_plan(plan, req, n, [], [])
             budget -= n
@@ -294,19 +285,9 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.draft_token_ids = []
         req.status = RequestStatus.WAITING
-        self._queue(req, preempted=True)
+        ordering.to_waiting(self.waiting, req, self.config, preempted=True)
         self._drop_from_worker(req)
         self.counters.num_preemptions += 1
-
-    def _queue(self, req: Request, preempted: bool) -> None:
-        """Into the waiting queue: FCFS, an arrival at the back and a preempted request at the
-        front; priority, both in (priority, arrival) order."""
-        if self.by_priority:
-            bisect.insort(self.waiting, req, key=_priority_order)
-        elif preempted:
-            self.waiting.appendleft(req)
-        else:
-            self.waiting.append(req)
 
     def forget_workers(self) -> None:
         """The workers are being restarted: their batches and KV cache are gone. Every
