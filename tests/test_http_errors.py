@@ -32,6 +32,7 @@ class RefusingEngine:
         sampling: SamplingParams,
         request_id: str | None = None,
         options: PromptOptions | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestDelta]:
         raise EngineRequestError("the engine's waiting queue is full", self.status_code)
         yield  # an async generator, like the real client's

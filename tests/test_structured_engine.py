@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -103,6 +104,30 @@ def test_constrained_requests_beside_speculation_and_preemption() -> None:
     assert stats.num_preemptions > 0
     assert stats.spec_num_draft_tokens > 0
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_structural_tags_constrain_what_follows_each_trigger() -> None:
+    """vLLM's structural tags on the embedded model: the text is free until a trigger ("KING")
+    appears, then the structure's begin, its grammar (here a Lark rule: three digits) and its
+    end are forced; the same free text as without the constraint before the first trigger."""
+    tag = {
+        "structures": [{"begin": "KING JOHN:", "schema": 'start: " " /[0-9]{3}/', "end": "\n"}],
+        "triggers": ["KING"],
+    }
+    prompt = "KING LEAR:\nKING LEAR:"
+    plain = SamplingParams(temperature=0, max_tokens=60)
+    tagged = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(structural_tag=tag)
+    )
+    with LLM(num_kv_blocks=256, supervision=NO_STANDBY) as llm:
+        free, constrained = (o.outputs[0].text for o in llm.generate([prompt] * 2, [plain, tagged]))
+    assert "KING" in free
+    before = free.index("KING")
+    assert constrained[:before] == free[:before]
+    pieces = constrained.split("KING")[1:]  # what follows each trigger
+    assert re.match(r" JOHN: [0-9]{3}\n", pieces[0]), constrained
+    for piece in pieces[1:]:  # one that max_tokens cut short is checked as far as it goes
+        assert re.match(r" JOHN: [0-9]{3}\n", piece) or len(piece) < len(" JOHN: 123\n")
 
 
 def test_apply_token_bitmask_masks_exactly_the_disallowed_tokens() -> None:

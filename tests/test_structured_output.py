@@ -143,6 +143,35 @@ def test_choice_and_regex_of_vllm_structured_outputs(api: openai.OpenAI) -> None
     assert len(regex.choices[0].text) == 3 and regex.choices[0].text.isdigit()
 
 
+def test_structural_tags_as_a_response_format(api: openai.OpenAI) -> None:
+    """vLLM's response_format {"type": "structural_tag"}: free text until the trigger, then
+    the structure's begin, schema (a JSON schema here, in the engine's JSON layout) and end."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["aye", "nay"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    response_format = {
+        "type": "structural_tag",
+        "structures": [{"begin": "KING JOHN:", "schema": schema, "end": "\n"}],
+        "triggers": ["KING"],
+    }
+    text = (
+        api.completions.create(
+            model=MODEL_NAME,
+            prompt="KING LEAR:\nKING LEAR:",
+            max_tokens=60,
+            temperature=0,
+            extra_body={"response_format": response_format},
+        )
+        .choices[0]
+        .text
+    )
+    match = re.search(r"KING JOHN:(.*)\n", text)
+    assert match is not None and re.fullmatch(r'\{"answer": "(aye|nay)"\}', match.group(1)), text
+
+
 def test_context_free_grammars_in_lark_and_gbnf(api: openai.OpenAI) -> None:
     """vLLM's guided_grammar and structured_outputs.grammar: a Lark grammar (rules and a
     terminal regex) and a GBNF one (llama.cpp's syntax); each output is a sentence of its
@@ -176,7 +205,8 @@ def test_context_free_grammars_in_lark_and_gbnf(api: openai.OpenAI) -> None:
         ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "invalid structured output"),
         ({"guided_grammar": "start: 'a'", "guided_regex": "a"}, "one of"),
         ({"guided_json": {}, "guided_regex": "a"}, "one of"),
-        ({"structured_outputs": {"structural_tag": {}}}, "not supported"),
+        ({"structured_outputs": {"structural_tag": {}}}, "structural_tag"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<"]}}, "no structures"),
     ],
 )
 def test_a_bad_constraint_is_a_400_before_it_is_scheduled(

@@ -99,6 +99,7 @@ class ScriptedEngine:
         sampling: SamplingParams,
         request_id: str | None = None,
         options: PromptOptions | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestDelta]:
         self.sampling.append(sampling)
         size = -(-len(self.reply) // self.pieces)

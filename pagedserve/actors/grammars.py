@@ -31,6 +31,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     JSON is needed. Whether the grammar is valid is `GrammarChecker`'s question."""
     from llguidance import LLMatcher, grammar_from
 
+    if params.structural_tag is not None:
+        return structural_tag_grammar(params.structural_tag)  # type: ignore[arg-type]
     if params.grammar is not None:
         try:  # Lark as it is; GBNF (`root ::= ...`) translated to Lark
             return grammar_from("grammar", params.grammar)
@@ -46,6 +48,38 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     except ValueError:
         raise ValueError("the JSON schema is not valid JSON") from None
     return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)  # type: ignore[arg-type]
+
+
+def structural_tag_grammar(text: str) -> str:
+    """vLLM's structural tags as llguidance reads them: each structure's trigger is the first
+    of `triggers` its `begin` starts with; its `schema` (JSON schema, in JSON_LAYOUT, or a Lark
+    grammar) holds between `begin` and `end`, and the text around the structures is free."""
+    from llguidance import StructTag
+
+    try:
+        spec = json.loads(text)
+        triggers = [str(t) for t in spec["triggers"]]
+        tags = []
+        for structure in spec["structures"]:
+            begin = str(structure["begin"])
+            trigger = next((t for t in triggers if t and begin.startswith(t)), None)
+            if trigger is None:
+                raise ValueError(f"no trigger starts the structure {begin!r}")
+            schema = structure["schema"]
+            if isinstance(schema, str) and "start:" not in schema:  # JSON schema text, not Lark
+                schema = json.loads(schema)
+            if isinstance(schema, dict):  # the JSON layout of every schema here
+                schema = {"x-guidance": JSON_LAYOUT, **schema}
+            tags.append(
+                StructTag(trigger=trigger, begin=begin, grammar=schema, end=structure["end"])
+            )
+        if not tags:
+            raise ValueError("no structures")
+        return StructTag.to_grammar(tags)
+    except Exception as exc:  # malformed JSON or structures, or llguidance's own errors
+        raise ValueError(
+            f"invalid structured output specification: structural_tag: {exc}"
+        ) from None
 
 
 def load_ll_tokenizer(

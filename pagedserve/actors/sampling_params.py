@@ -11,21 +11,28 @@ import msgspec
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Constrained decoding, vLLM's: one of a JSON schema (its text; a dict becomes text), any
-    JSON object, a regex, strings to choose from or a context-free grammar (Lark, or llama.cpp's
-    GBNF, as vLLM's guidance backend reads it). The output ends when it is complete."""
+    JSON object, a regex, strings to choose from, a context-free grammar (Lark, or llama.cpp's
+    GBNF, as vLLM's guidance backend reads it) or structural tags (JSON text, a dict becomes
+    text: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}, free text in which
+    each structure, once its trigger appears, follows its schema). The output ends when it is
+    complete."""
 
     json: str | dict | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
         self.json = json.dumps(self.json) if isinstance(self.json, dict) else self.json
-        given = (self.json, self.json_object or None, self.regex, self.choice or None, self.grammar)
-        if given.count(None) != 4:
+        tag = self.structural_tag
+        self.structural_tag = json.dumps(tag) if isinstance(tag, dict) else tag
+        given = (self.json, self.json_object or None, self.regex, self.choice or None)
+        if (*given, self.grammar, self.structural_tag).count(None) != 5:
             raise ValueError(
-                "structured outputs take one of json, json_object, regex, choice, grammar"
+                "structured outputs take one of json, json_object, regex, choice, grammar, "
+                "structural_tag"
             )
 
 

@@ -3,8 +3,10 @@
 OpenAI's `response_format` ({"type": "json_object"}, or {"type": "json_schema", "json_schema":
 {"name": ..., "schema": {...}}}), vLLM's `structured_outputs` ({"json": ...}, {"regex": ...},
 {"choice": [...]}, {"json_object": true}) and its older `guided_json`, `guided_regex` and
-`guided_choice` and `guided_grammar` (Lark or GBNF). A request gives one of them; anything
-else (structural tags, two at once) is a ValueError, which the server answers with a 400.
+`guided_choice` and `guided_grammar` (Lark or GBNF), and structural tags (response_format
+{"type": "structural_tag", "structures": [...], "triggers": [...]}, or structured_outputs'
+`structural_tag`). A request gives one of them; two at once is a ValueError, which the server
+answers with a 400.
 Whether a schema, regex or grammar can be compiled is the engine's check (actors/grammars.py),
 before the request is scheduled.
 """
@@ -29,6 +31,8 @@ class JsonSchemaFormat(msgspec.Struct, kw_only=True):
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
     json_schema: JsonSchemaFormat | None = None
+    structures: list[Any] | None = None  # type "structural_tag"
+    triggers: list[Any] | None = None
 
 
 class StructuredOutputsField(msgspec.Struct, kw_only=True):
@@ -39,7 +43,7 @@ class StructuredOutputsField(msgspec.Struct, kw_only=True):
     choice: list[str] | None = None
     json_object: bool | None = None
     grammar: str | None = None
-    structural_tag: Any = None  # not supported: a 400
+    structural_tag: str | dict | None = None
 
 
 class StructuredOutputFields(msgspec.Struct, kw_only=True):
@@ -87,6 +91,9 @@ def response_format_params(value: ResponseFormat | None) -> list[StructuredOutpu
         return []
     if value.type == "json_object":
         return [StructuredOutputsParams(json_object=True)]
+    if value.type == "structural_tag":
+        tag = {"structures": value.structures or [], "triggers": value.triggers or []}
+        return [StructuredOutputsParams(structural_tag=tag)]
     if value.type != "json_schema":
         raise ValueError(f"response_format {value.type!r} is not supported")
     if value.json_schema is None or value.json_schema.schema is None:
@@ -99,13 +106,12 @@ def structured_outputs_params(
 ) -> list[StructuredOutputsParams]:
     if value is None:
         return []
-    if value.structural_tag is not None:
-        raise ValueError("structured_outputs: structural_tag is not supported")
     json_text = None if value.json is None else schema_text(value.json)
     return [
         StructuredOutputsParams(
             json=json_text, regex=value.regex, choice=value.choice,
             json_object=bool(value.json_object), grammar=value.grammar,
+            structural_tag=value.structural_tag,
         )
     ]  # fmt: skip
 
