@@ -179,6 +179,37 @@ def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(api: opena
     assert all(chunk.usage is None for chunk in plain)
 
 
+def test_chat_echo_puts_a_final_assistant_message_before_the_reply(api: openai.OpenAI) -> None:
+    """vLLM's chat `echo`: the content of a final assistant message (the one the reply
+    continues) comes first, whole and streamed, in every choice; a final user message is not
+    echoed."""
+    start = "To be, or not"
+    continued = [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": start}]
+    settings = dict(
+        model=MODEL_NAME, max_tokens=6, temperature=0, n=2,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    plain = api.chat.completions.create(messages=continued, **settings)
+    echo = {**settings, "extra_body": {**settings["extra_body"], "echo": True}}
+    whole = api.chat.completions.create(messages=continued, **echo)
+    for a, b in zip(whole.choices, plain.choices, strict=True):
+        assert a.message.content == start + b.message.content
+    chunks = list(api.chat.completions.create(messages=continued, stream=True, **echo))
+    streamed = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert [streamed[i] for i in (0, 1)] == [c.message.content for c in whole.choices]
+    asked = [{"role": "user", "content": "Say it"}]
+    user_last = api.chat.completions.create(
+        messages=asked, model=MODEL_NAME, max_tokens=6, temperature=0, extra_body={"echo": True}
+    )
+    alone = api.chat.completions.create(
+        messages=asked, model=MODEL_NAME, max_tokens=6, temperature=0
+    )
+    assert user_last.choices[0].message.content == alone.choices[0].message.content
+
+
 def test_stop_string_is_not_in_the_output(api: openai.OpenAI) -> None:
     kwargs = dict(
         model=MODEL_NAME,
@@ -597,7 +628,6 @@ def test_model_tokenize_detokenize_and_version_endpoints(server, api: openai.Ope
         ("/v1/chat/completions", {"logits_processors": ["a.b"]}),
         ("/v1/completions", {"guided_whitespace_pattern": " "}),
         ("/v1/completions", {"prompt_embeds": "AAAA"}),
-        ("/v1/chat/completions", {"echo": True}),
         ("/v1/chat/completions", {"documents": [{"text": "x"}]}),
     ],
 )

@@ -255,11 +255,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_special_tokens: bool = False  # the template writes the special tokens it wants
     tools: list[Tool] | None = None  # with tool_choice: see api/tools.py
     tool_choice: Any = None
+    echo: bool = False  # vLLM's: a final assistant message's content before the reply
     # Not implemented: a 400 when asked for
     functions: list[Any] | None = None
     function_call: Any = None
     chat_template: str | None = None
-    echo: bool = False  # vLLM's: the last message's content before the reply
     documents: list[Any] | None = None
 
     def check_supported(self) -> None:
@@ -269,11 +269,16 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             raise ValueError("functions / function_call (tool calling) are not supported")
         if self.chat_template is not None:
             raise ValueError("a per-request chat_template is not supported (see --chat-template)")
-        if self.echo:
-            raise ValueError("echo is not supported on the chat endpoint")
         if self.documents:
             raise ValueError("documents are not supported")
         check_prompt_options(self.prompt_options())
+
+    def echoed(self) -> str:
+        """What `echo` puts before the reply: the last message's content when it is the
+        assistant's (the message the reply continues), else nothing (vLLM's rule)."""
+        if not self.echo or not self.messages or self.messages[-1].role != "assistant":
+            return ""
+        return self.messages[-1].text()
 
     def prompt_options(self) -> PromptOptions:
         tools = [msgspec.to_builtins(t) for t in self.tools] if self.tools else None

@@ -236,6 +236,7 @@ class ChatRender(Render):
         self.call_ids: dict[int, str] = {}  # a named call's id, per choice (stream)
         self.tool_parser = tool_parser  # "auto": the parser that finds calls in the text
         self.parsers: dict[int, ToolCallStream] = {}  # per choice (stream)
+        self.echoed = body.echoed()  # vLLM's echo: before each choice's content
 
     def logprobs(self, entries: list[TokenLogprobs]) -> dict | None:
         if not self.body.logprobs:
@@ -264,23 +265,20 @@ class ChatRender(Render):
         return {}
 
     def opening(self) -> list[dict]:
+        deltas = [{"role": "assistant", "content": ""}]
+        if self.echoed:
+            deltas.append({"content": self.echoed})
         return [
             self.envelope(
                 self.chunk_object_name,
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
+                [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
             )
+            for delta in deltas
             for i in range(self.body.n)
         ]
 
     def full_choice(self, choice: Choice) -> dict:
-        message: dict = {"role": "assistant", "content": choice.text}
+        message: dict = {"role": "assistant", "content": self.echoed + choice.text}
         finish_reason = choice.finish_reason
         calls = None if self.tools is None else self.tools.calls(choice.text)
         if calls is not None:
