@@ -25,6 +25,7 @@ ASSETS_DIR = Path(__file__).parent / "assets"
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tool_parsers.py
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # api/reasoning_parsers.py
 
 
 class ServerConfig(msgspec.Struct, kw_only=True):
@@ -53,6 +54,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     # "auto" tool choice: calls found in the reply's text by this parser (api/tool_parsers.py)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # a chat reply's <think>...</think> as its reasoning_content (api/reasoning_parsers.py)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -61,6 +64,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser {self.reasoning_parser!r} is not one of {REASONING_PARSERS}"
+            )
 
 
 class ProfileConfig(msgspec.Struct, kw_only=True):

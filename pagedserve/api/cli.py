@@ -11,7 +11,7 @@ from pagedserve.actors.messages import SamplingParams
 from pagedserve.api.bench_cli import add_bench_parser
 from pagedserve.api.engine_args import add_engine_args, engine_kwargs
 from pagedserve.api.top import add_top_parser
-from pagedserve.config import TOOL_CALL_PARSERS, ServerConfig
+from pagedserve.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
 
 DEAD_LINGER_S = 10.0  # a dead engine's server answers 503s this long before it exits
 
@@ -48,6 +48,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="the model's tool-call format (hermes: Hermes, Qwen2.5, Qwen3; llama3_json: "
         "Llama 3.1-3.3)",
     )  # fmt: skip
+    parser.add_argument(
+        "--reasoning-parser", choices=REASONING_PARSERS, default=None,
+        help="a chat reply's <think>...</think> as the message's reasoning_content "
+        "(deepseek_r1: the reply starts in thinking; qwen3: both tags in the reply)",
+    )  # fmt: skip
     group = parser.add_argument_group("server settings and request limits")
     defaults = ServerConfig()
     for name in SERVER_FLAGS:
@@ -69,6 +74,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         disable_log_requests=args.disable_log_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         **{name: getattr(args, name) for name in SERVER_FLAGS},
     )
 

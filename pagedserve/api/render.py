@@ -7,10 +7,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from pagedserve.actors.messages import RequestDelta, TokenLogprobs
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.generation import Choice, Event
 from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.api.reasoning_parsers import ReasoningStream, split_reasoning
 from pagedserve.api.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls
 from pagedserve.api.tools import new_call_id
 from pagedserve.outputs import logprob_dict
@@ -237,6 +240,8 @@ class ChatRender(Render):
         self.tool_parser = tool_parser  # "auto": the parser that finds calls in the text
         self.parsers: dict[int, ToolCallStream] = {}  # per choice (stream)
         self.echoed = body.echoed()  # vLLM's echo: before each choice's content
+        self.reasoning_parser = server.limits.reasoning_parser  # None: no reasoning split
+        self.reasoning: dict[int, ReasoningStream] = {}  # per choice (stream)
 
     def logprobs(self, entries: list[TokenLogprobs]) -> dict | None:
         if not self.body.logprobs:
@@ -278,19 +283,25 @@ class ChatRender(Render):
         ]
 
     def full_choice(self, choice: Choice) -> dict:
-        message: dict = {"role": "assistant", "content": self.echoed + choice.text}
+        text, reasoning = choice.text, None
+        if self.reasoning_parser is not None:
+            reasoning, text = split_reasoning(text, self.reasoning_parser)
+            text = text or ""
+        message: dict = {"role": "assistant", "content": self.echoed + text}
         finish_reason = choice.finish_reason
-        calls = None if self.tools is None else self.tools.calls(choice.text)
+        calls = None if self.tools is None else self.tools.calls(text)
         if calls is not None:
             assert self.tools is not None
             message = {"role": "assistant", "content": None, "tool_calls": calls}
             finish_reason = self.tools.finish_reason or finish_reason
         elif self.tool_parser is not None:
-            content, found = parse_tool_calls(choice.text, self.tool_parser)
+            content, found = parse_tool_calls(text, self.tool_parser)
             if found:
                 unindexed = [{k: v for k, v in c.items() if k != "index"} for c in found]
                 message = {"role": "assistant", "content": content, "tool_calls": unindexed}
                 finish_reason = "tool_calls"
+        if self.reasoning_parser is not None:
+            message["reasoning_content"] = reasoning
         body = {
             "index": choice.index,
             "message": message,
@@ -304,7 +315,14 @@ class ChatRender(Render):
 
     def delta_choice(self, choice: Choice, delta: RequestDelta) -> dict:
         done = delta.finish_reason is not None
+        reasoning = ""
+        if self.reasoning_parser is not None:
+            stream = self.reasoning.setdefault(choice.index, ReasoningStream(self.reasoning_parser))
+            reasoning, text = stream.feed(delta.text, final=done)
+            delta = msgspec.structs.replace(delta, text=text)
         content, finish_reason = self.streamed_content(choice, delta)
+        if reasoning:
+            content = {"reasoning_content": reasoning} | {k: v for k, v in content.items() if v}
         body = {
             "index": choice.index,
             "delta": content,
