@@ -188,6 +188,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # fcfs: waiting requests admitted in arrival order; priority: by (priority, arrival), a
     # request's `priority` (lower first, vLLM's), running ones preempted lowest priority first
     scheduling_policy: str = "fcfs"
+    # most logprobs (top tokens per position) a request may ask for, output or prompt (vLLM's)
+    max_logprobs: int = 20
     num_kv_blocks: int | None = None  # override the memory-derived number of KV blocks
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
@@ -277,6 +279,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("bus_spin_us must be between 0 and 1,000,000")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
+        if self.max_logprobs < 0:
+            raise ValueError("max_logprobs must be at least 0")
         if self.scheduling_policy not in ("fcfs", "priority"):
             policy = self.scheduling_policy
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {policy!r}")

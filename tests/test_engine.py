@@ -50,6 +50,7 @@ def llama_engine(llama_path: Path):
         max_num_batched_tokens=64,
         num_kv_blocks=256,
         chat_template=CHAT_TEMPLATE,
+        max_logprobs=25,
         supervision=NO_STANDBY,
     ) as llm:
         yield llm
@@ -275,6 +276,22 @@ def test_priority_scheduling_admits_waiting_requests_by_priority(llama_path: Pat
         assert [seqs[s] for s in started] == [1, 2, 3]
         outputs = llm.generate([[4, 5], [6, 7]], short, priority=[1, 0])
         assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 2]
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(llama_engine: LLM) -> None:
+    """vLLM's --max-logprobs (25 in this engine): 25 top logprobs a token and a prompt token
+    are given, in order; 26 is refused, before anything is scheduled."""
+    from pagedserve.api.client_core import EngineRequestError
+
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=25, prompt_logprobs=25)
+    output = llama_engine.generate([[5, 6, 7]], params)[0]
+    for position in output.outputs[0].logprobs + output.prompt_logprobs[1:]:
+        ranked = sorted(position.values(), key=lambda lp: lp.rank)
+        assert len(position) >= 25 and [lp.rank for lp in ranked[:25]] == list(range(1, 26))
+        assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:25]))
+    for asked in ({"logprobs": 26}, {"prompt_logprobs": 26}):
+        with pytest.raises(EngineRequestError, match="max-logprobs"):
+            llama_engine.generate([[5, 6]], SamplingParams(max_tokens=2, **asked))
 
 
 def test_text_prompts_and_token_prompts_agree(llama_engine: LLM) -> None:

@@ -125,8 +125,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if not ids or any(not 0 <= t < 2**63 for t in ids):
                 raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
         for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
-            if value is not None and not 0 <= value <= 20:
-                raise ValueError(f"{name} must be between 0 and 20, got {value}")
+            if value is not None and value < 0:  # the most: the engine's max_logprobs
+                raise ValueError(f"{name} must be non-negative, got {value}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError("presence_penalty must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -45,9 +45,11 @@ class PromptEncoder:
         vocab_size: int,
         max_model_len: int,
         grammars: GrammarChecker | None = None,
+        max_logprobs: int = 20,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.max_logprobs = min(max_logprobs, vocab_size)  # EngineConfig.max_logprobs
         self.max_chars = max_model_len * longest_token_chars(tokenizer)
         self.grammars = grammars  # checks structured outputs (None: no tokenizer)
 
@@ -127,6 +129,13 @@ class PromptEncoder:
         for ids in sampling.bad_words_token_ids or []:
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"bad_words_token_ids must be in [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(sampling, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise ValueError(
+                    f"{name}: {asked} asked, the most this engine gives is {self.max_logprobs} "
+                    "(--max-logprobs)"
+                )
 
     def check_grammar(self, request: GenerateRequest) -> None:
         structured = request.sampling.structured_outputs
@@ -186,8 +195,9 @@ class TokenizerActor(Actor):
                 self.config.tokenizer_path, model_vocab_size, self.eos_token_ids
             )
         self.encoder = PromptEncoder(
-            tokenizer, vocab_size, self.config.max_model_len or 0, grammars
-        )
+            tokenizer, vocab_size, self.config.max_model_len or 0, grammars,
+            self.config.max_logprobs,
+        )  # fmt: skip
 
     def queue_depths(self) -> dict[str, int]:
         return {"encoding": len(self.encoding)}

@@ -24,6 +24,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
         str,
         "fcfs (arrival order) or priority (each request's priority, lower first, then arrival)",
     ),
+    "max_logprobs": (int, "most logprobs (top tokens a position) a request may ask for"),
     "block_size": (int, "tokens per KV-cache block"),
     "num_kv_blocks": (int, "number of KV-cache blocks (default: from memory)"),
     "gpu_memory_utilization": (float, "fraction of GPU memory for weights, activations and KV"),

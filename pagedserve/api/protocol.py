@@ -22,7 +22,6 @@ from pagedserve.config import ServerConfig
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # what the engine can hold
 TokenPrompt = list[int]
-MAX_LOGPROBS = 20  # as OpenAI's API and vLLM's default --max-logprobs
 
 
 class StreamOptions(msgspec.Struct):
@@ -232,8 +231,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         return prompts
 
     def to_sampling(self, defaults: dict[str, Any]) -> SamplingParams:
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        if self.logprobs is not None and self.logprobs < 0:  # the most: --max-logprobs
+            raise ValueError("logprobs must be non-negative")
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:  # the echoed prompt's logprobs, as vLLM
             prompt_logprobs = self.logprobs
@@ -310,8 +309,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         return messages
 
     def to_sampling(self, defaults: dict[str, Any]) -> SamplingParams:
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}")
+        if self.top_logprobs is not None and self.top_logprobs < 0:  # the most: --max-logprobs
+            raise ValueError("top_logprobs must be non-negative")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
