@@ -5,6 +5,7 @@ Rules as in messages.py: add fields only at the end."""
 from __future__ import annotations
 
 import json
+import math
 
 import msgspec
 
@@ -71,10 +72,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
-        import math
+        self._check_representable()
+        self._check_sampling_ranges()
+        self._check_lengths()
+        self._check_token_lists()
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
 
-        # Integers the engine keeps in int64 arrays, floats it computes with: anything that
-        # cannot be represented is a ValueError here (a 400 at the API), never a crash later.
+    def _check_representable(self) -> None:
+        """Integers the engine keeps in int64 arrays, floats it computes with: anything that
+        cannot be represented is a ValueError here (a 400 at the API), never a crash later."""
         integers = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
         stop_ids = [("stop_token_ids", t) for t in self.stop_token_ids or []]
         for name, value in [*((n, getattr(self, n)) for n in integers), *stop_ids]:
@@ -89,6 +98,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for name in ("temperature", "top_p", "min_p", *penalties):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number")
+
+    def _check_sampling_ranges(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.seed is not None and self.seed + self.n - 1 >= 2**63:
@@ -103,6 +114,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError("presence_penalty must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("frequency_penalty must be in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError("repetition_penalty must be positive")
+
+    def _check_lengths(self) -> None:
+        """Output and prompt lengths, and how many logprobs (the most: the engine's
+        max_logprobs, checked by the tokenizer actor)."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -114,6 +135,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         truncate = self.truncate_prompt_tokens
         if truncate is not None and not (truncate == -1 or 1 <= truncate < 2**63):
             raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate}")
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be non-negative, got {value}")
+
+    def _check_token_lists(self) -> None:
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
@@ -124,19 +150,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for ids in self.bad_words_token_ids or []:
             if not ids or any(not 0 <= t < 2**63 for t in ids):
                 raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
-        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
-            if value is not None and value < 0:  # the most: the engine's max_logprobs
-                raise ValueError(f"{name} must be non-negative, got {value}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError("presence_penalty must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError("frequency_penalty must be in [-2, 2]")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError("repetition_penalty must be positive")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.top_k == -1:
-            self.top_k = 0
 
     @property
     def greedy(self) -> bool:

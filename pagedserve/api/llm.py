@@ -10,7 +10,7 @@ from __future__ import annotations
 import atexit
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
@@ -32,6 +32,16 @@ from pagedserve.outputs import CompletionOutput, RequestOutput, prompt_logprob_d
 
 PromptInput = str | list[int] | dict[str, Any]
 POLL_MS = 500
+
+
+class _Job(NamedTuple):
+    """One engine request of a generate call."""
+
+    priority: int
+    place: tuple[int, int]  # (prompt index, choice index): where its output goes
+    prompt: Prompt
+    sampling: SamplingParams
+    label: str
 
 
 class LLM:
@@ -116,11 +126,11 @@ class LLM:
         try:
             while jobs or owners:
                 while jobs and len(owners) < self._window:  # within the engine's queue limit
-                    prompt, sampling, label, place, rank = jobs.pop()
+                    job = jobs.pop()
                     seq = self.client.submit(
-                        prompt, sampling, label=label, options=options, priority=rank
+                        job.prompt, job.sampling, job.label, options, job.priority
                     )
-                    owners[seq] = place
+                    owners[seq] = job.place
                 self._apply(self._next_message(), results, owners, bar)
         except BaseException:
             self.client.abort_seqs(list(owners))
@@ -142,7 +152,7 @@ class LLM:
         items: list[tuple[str | None, Prompt]],
         params: list[SamplingParams],
         priority: list[int],
-    ) -> tuple[list[RequestOutput], list[tuple[Prompt, SamplingParams, str, tuple[int, int], int]]]:
+    ) -> tuple[list[RequestOutput], list[_Job]]:
         """The results to fill, and the engine requests to send (last first; by priority, then
         in order): n > 1 fans out."""
         results: list[RequestOutput] = []
@@ -152,11 +162,11 @@ class LLM:
             children = fan_out(sampling)
             outputs = [CompletionOutput(index=i) for i in range(len(children))]
             results.append(RequestOutput(request_id, text, [], outputs))
-            rank = priority[index]
             jobs += [
-                (prompt, child, request_id, (index, i), rank) for i, child in enumerate(children)
+                _Job(priority[index], (index, i), prompt, child, request_id)
+                for i, child in enumerate(children)
             ]
-        jobs.sort(key=lambda job: (job[4], job[3]))  # stable: the order of prompts within a rank
+        jobs.sort(key=lambda job: (job.priority, job.place))
         return results, jobs[::-1]
 
     def _next_message(self) -> RequestDelta | RequestError:

@@ -97,12 +97,15 @@ class Render:
         self, events: AsyncIterator[Event], include_usage: bool
     ) -> AsyncIterator[dict]:
         states: dict[int, Choice] = {}
-        first = await anext(aiter(events), None)  # a choice's first delta names the prompt
-        for chunk in self.opening():
-            if self.body.continuous_usage and first is not None:
+        openings = self.opening()
+        if openings and self.body.continuous_usage:  # their usage: the prompt's, from a delta
+            first = await anext(aiter(events), None)
+            for chunk in openings if first is not None else []:
                 chunk["usage"] = usage_of(len(first[1].prompt_token_ids or []), 0)
+            events = _after(first, events)
+        for chunk in openings:
             yield chunk
-        async for index, delta in _after(first, events):
+        async for index, delta in events:
             choice = states.get(index)
             if choice is None:
                 choice = states[index] = Choice(index)

@@ -6,9 +6,8 @@ OpenAI's `response_format` ({"type": "json_object"}, or {"type": "json_schema", 
 `guided_choice` and `guided_grammar` (Lark or GBNF), and structural tags (response_format
 {"type": "structural_tag", "structures": [...], "triggers": [...]}, or structured_outputs'
 `structural_tag`). A request gives one of them; two at once is a ValueError, which the server
-answers with a 400.
-Whether a schema, regex or grammar can be compiled is the engine's check (actors/grammars.py),
-before the request is scheduled.
+answers with a 400. Whether a schema, regex or grammar can be compiled is the engine's check
+(actors/grammars.py), before the request is scheduled.
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, np.int64)
         self.sampling = _SamplingColumns.allocate(max_num_reqs)
         self.seeds = np.zeros(max_num_reqs, np.int64)  # each request's RNG key
-        self.penalty_rows: set[int] = set()  # rows whose sampling reads their past tokens
+        # rows whose sampling reads their past tokens on the host (penalties, bad words)
+        self.history_rows: set[int] = set()
         self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (tokens, biases)
         self.allowed: dict[int, np.ndarray] = {}  # row -> the only tokens it may sample
         self.bad_words: dict[int, list[list[int]]] = {}  # row -> token sequences it must not end
@@ -137,13 +138,13 @@ class InputBatch:
             self.bad_words[row] = data.sampling.bad_words_token_ids
         self.seeds[row] = data.seed
         if self.needs_token_history(np.array([row])):
-            self.penalty_rows.add(row)
+            self.history_rows.add(row)
         return row
 
     def remove_request(self, handle: int) -> None:
         row = self.row_of.pop(handle, None)
         if row is not None:
-            self.penalty_rows.discard(row)
+            self.history_rows.discard(row)
             self.biases.pop(row, None)
             self.allowed.pop(row, None)
             self.bad_words.pop(row, None)

@@ -285,7 +285,7 @@ class ModelRunner(StaticPaths):
             self.proposer.coverage.track(plan, batch)  # a draft model's KV cache
 
     def _needs_host_tokens(self, plan: StepPlan) -> bool:
-        if not self.input_batch.penalty_rows:  # the usual case: no lookups per step
+        if not self.input_batch.history_rows:  # the usual case: no lookups per step
             return False
         row_of = self.input_batch.row_of
         rows = np.fromiter((row_of[h] for h in plan.scheduled), np.int64)

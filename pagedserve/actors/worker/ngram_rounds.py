@@ -49,9 +49,9 @@ def rounds_run_on_device(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) 
     Every request drafting: a device round verifies 1 + k rows whatever its drafts, and past
     small_batch_gemm_rows rows (1 by default) the linear layers leave the Triton GEMV for
     cuBLAS (models/linear.py), so a round without drafts cost about twice a decode step (H100,
-    the ~94M target). Requests
-    that found a match at the step's start tend to keep matching (a copied span); the others
-    take the host's loop, whose verifies are as wide as their drafts."""
+    the ~94M target). Requests that found a match at the step's start tend to keep matching (a
+    copied span); the others take the host's loop, whose verifies are as wide as their
+    drafts."""
     spec, step = runner.config.speculative_config, runner.decode_step
     return (
         spec is not None and spec.rounds_on_device and spec.num_rounds > 1 and plan.propose
