@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.actors.sampling_params import SamplingParams, StructuredOutputsParams
+    from pagedserve.api.beam_search import BeamSearchParams
     from pagedserve.api.llm import LLM
     from pagedserve.config import EngineConfig, ProfileConfig
     from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -17,6 +18,7 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "BeamSearchParams",
     "EngineConfig",
     "ProfileConfig",
     "RequestOutput",
@@ -29,6 +31,7 @@ _HOMES = {
     "LLM": "pagedserve.api.llm",
     "SamplingParams": "pagedserve.actors.sampling_params",
     "StructuredOutputsParams": "pagedserve.actors.sampling_params",
+    "BeamSearchParams": "pagedserve.api.beam_search",
     "EngineConfig": "pagedserve.config",
     "ProfileConfig": "pagedserve.config",
     "RequestOutput": "pagedserve.outputs",

@@ -23,7 +23,7 @@ from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import AsyncClient, Client
 from pagedserve.config import EngineConfig, ServerConfig
 from tests.engine_settings import NO_STANDBY
-from tests.tiny_models import pick_stop_string, save_tiny_model
+from tests.tiny_models import hf_beam_search, load_hf_model, pick_stop_string, save_tiny_model
 
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 256
@@ -622,7 +622,6 @@ def test_model_tokenize_detokenize_and_version_endpoints(server, api: openai.Ope
         ("/v1/completions", {"best_of": 3}),
         ("/v1/completions", {"suffix": "The end."}),
         # vLLM's extra fields that would change the output
-        ("/v1/chat/completions", {"use_beam_search": True}),
         ("/v1/completions", {"length_penalty": 0.5}),
         ("/v1/completions", {"priority": 1}),
         ("/v1/chat/completions", {"logits_processors": ["a.b"]}),
@@ -782,6 +781,34 @@ def test_vllm_token_fields_on_both_endpoints(server, api: openai.OpenAI) -> None
         c.model_extra["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c.model_extra
     ]
     assert streamed == token_ids and prompts == [chat.model_extra["prompt_token_ids"]]
+
+
+def test_beam_search_on_both_endpoints(server, api: openai.OpenAI, model_path: Path) -> None:
+    """use_beam_search (vLLM's, n beams): a completion's choices are the n best beams of the
+    plain search over transformers' logits, best first, whole and streamed, with logprobs of
+    the chosen tokens; chat answers n beams; what a beam search cannot follow is a 400."""
+    prompt = [5, 17, 99, 3, 42]
+    beams = {"use_beam_search": True, "length_penalty": 0.7, "return_token_ids": True}
+    fields = {"model": MODEL_NAME, "max_tokens": 5, "temperature": 0, "n": 3}
+    out = api.completions.create(prompt=prompt, logprobs=2, **fields, extra_body=beams)
+    eos = {0}  # the tiny tokenizer's <|endoftext|>, its generation config's EOS
+    expected = hf_beam_search(load_hf_model(model_path), prompt, 3, 5, eos, length_penalty=0.7)
+    assert [c.model_extra["token_ids"] for c in out.choices] == [t[5:] for t, _ in expected]
+    for choice, (_, cum) in zip(out.choices, expected):
+        assert sum(choice.logprobs.token_logprobs) == pytest.approx(cum, abs=1e-3)
+        assert len(choice.logprobs.top_logprobs) == len(choice.model_extra["token_ids"])
+    assert out.usage.completion_tokens == sum(len(t) - 5 for t, _ in expected)
+    chunks = list(api.completions.create(prompt=prompt, stream=True, **fields, extra_body=beams))
+    streamed = {c.choices[0].index: c.choices[0].text for c in chunks if c.choices}
+    assert [streamed[i] for i in range(3)] == [c.text for c in out.choices]
+    chat = api.chat.completions.create(messages=ASK, **fields, extra_body=beams)
+    assert len(chat.choices) == 3
+    assert len({tuple(c.model_extra["token_ids"]) for c in chat.choices}) == 3
+    for extra in ({"stop": ["the"]}, {"top_p": 0.5}, {"min_tokens": 2}, {"prompt_logprobs": 1}):
+        body = {**minimal_body("/v1/completions"), **fields, "use_beam_search": True, **extra}
+        response = httpx.post(server[1] + "/v1/completions", json=body)
+        assert response.status_code == 400
+        assert next(iter(extra)) in response.json()["error"]["message"]
 
 
 def streamed_calls(chunks: list) -> tuple[list[dict], str | None]:

@@ -68,6 +68,8 @@ SAMPLING = {  # valid values of every field both endpoints take
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "user": TEXT,
+    "use_beam_search": st.booleans(),
+    "length_penalty": st.floats(-2, 2),
 }
 COMPLETION = st.fixed_dictionaries(
     {

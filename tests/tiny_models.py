@@ -123,3 +123,38 @@ def pick_stop_string(text: str, length: int = 3) -> str:
         if "\ufffd" not in candidate and candidate.strip() and text.index(candidate) == start:
             return candidate
     raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def hf_beam_search(
+    model: transformers.PreTrainedModel,
+    prompt: list[int],
+    beam_width: int,
+    max_tokens: int,
+    eos_token_ids: set[int],
+    length_penalty: float = 1.0,
+) -> list[tuple[list[int], float]]:
+    """vLLM's beam search written plainly over transformers' next-token log-softmax (each
+    beam's 2 x beam_width best tokens; an EOS completes a beam; score = cumulative logprob /
+    length ** length_penalty, the length without a final EOS): the best (tokens with the
+    prompt's, cumulative logprob), best first."""
+
+    def score(beam: tuple[list[int], float]) -> float:
+        tokens, cum = beam
+        return cum / (len(tokens) - (tokens[-1] in eos_token_ids)) ** length_penalty
+
+    live: list[tuple[list[int], float]] = [(list(prompt), 0.0)]
+    done: list[tuple[list[int], float]] = []
+    for _ in range(max_tokens):
+        children = []
+        for tokens, cum in live:
+            with torch.inference_mode():
+                logits = model(torch.tensor([tokens])).logits[0, -1].float()
+            top = torch.topk(torch.log_softmax(logits, -1), 2 * beam_width)
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
+                child = (tokens + [token], cum + logprob)
+                (done if token in eos_token_ids else children).append(child)
+        children.sort(key=score, reverse=True)
+        live = children[:beam_width]
+        if not live:
+            break
+    return sorted(done + live, key=score, reverse=True)[:beam_width]

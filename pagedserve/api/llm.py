@@ -8,13 +8,14 @@ prompt at once through the ZeroMQ client and gathers the streamed deltas into vL
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
-from pagedserve.actors.chat import check_prompt_options
+from pagedserve.actors.chat import check_prompt_options, eos_token_ids, load_tokenizer
 from pagedserve.actors.messages import (
     ChatMessage,
     PromptOptions,
@@ -23,6 +24,12 @@ from pagedserve.actors.messages import (
     SamplingParams,
 )
 from pagedserve.actors.supervisor import EngineDeadError, Supervisor
+from pagedserve.api.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    Candidates,
+)
 from pagedserve.api.client import Client
 from pagedserve.api.client_core import EngineRequestError, Prompt, fan_out
 from pagedserve.api.preflight import prepare_config
@@ -100,6 +107,49 @@ class LLM:
         )
         check_prompt_options(options)
         return self._run(items, sampling_params, use_tqdm, options)
+
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (api/beam_search.py): each prompt's beam_width best beams,
+        best first, their tokens counting the prompt's and their text the output's."""
+        items = [_to_prompt(p) for p in _as_list(prompts)]
+        config = self.supervisor.sized_config
+        assert config.max_model_len is not None
+        searches = [BeamSearch(params, self._eos_token_ids, config.max_model_len) for _ in items]
+        step = params.step_sampling()
+        for search, output in zip(searches, self._run(items, step, use_tqdm, PromptOptions())):
+            search.start(output.prompt_token_ids, _step_candidates(output))
+        while live := [search for search in searches if not search.done]:
+            beams = [(None, list(beam.tokens)) for search in live for beam in search.live]
+            outputs = iter(self._run(beams, step, False, PromptOptions()))  # type: ignore[arg-type]
+            for search in live:
+                search.advance([_step_candidates(next(outputs)) for _ in search.live])
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = self._text_of(search.text_ids(beam))
+            results.append(BeamSearchOutput(best))
+        return results
+
+    @functools.cached_property
+    def _tokenizer(self) -> Any:
+        """The model's tokenizer in this process (beam texts); None with skip_tokenizer_init."""
+        if self.config.skip_tokenizer_init:
+            return None
+        return load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
+
+    @functools.cached_property
+    def _eos_token_ids(self) -> list[int]:
+        return eos_token_ids(self.config.model_path, self._tokenizer)
+
+    def _text_of(self, token_ids: list[int]) -> str | None:
+        tokenizer = self._tokenizer
+        return None if tokenizer is None else tokenizer.decode(token_ids)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults,
@@ -241,6 +291,13 @@ def _to_prompt(prompt: PromptInput) -> tuple[str | None, Prompt]:
             return None, list(prompt["prompt_token_ids"])
         return prompt["prompt"], prompt["prompt"]
     return None, list(prompt)
+
+
+def _step_candidates(output: RequestOutput) -> Candidates:
+    """A beam search step's next tokens: the logprobs of its one output token."""
+    logprobs = output.outputs[0].logprobs
+    assert logprobs, "a beam search step asks for logprobs"
+    return logprobs[0]
 
 
 def _per_prompt(

@@ -10,6 +10,7 @@ anything is decoded or queued.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import time
@@ -27,16 +28,22 @@ from starlette.routing import Route
 
 import pagedserve
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.chat import apply_chat_template, check_prompt_options, load_tokenizer
+from pagedserve.actors.chat import (
+    apply_chat_template,
+    check_prompt_options,
+    eos_token_ids,
+    load_tokenizer,
+)
 from pagedserve.actors.heap_trim import trim_heap_forever
 from pagedserve.actors.messages import SamplingParams
 from pagedserve.api.actor_status import AsyncStatusClient, render_prometheus
 from pagedserve.api.auth import APIKeyGuard
+from pagedserve.api.beam_search import BeamEngineFacts, BeamSearchParams, open_beams
 from pagedserve.api.body import read_json
 from pagedserve.api.client import AsyncClient
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.errors import APIError, on_api_error, on_http_exception
-from pagedserve.api.generation import Job, plan_jobs
+from pagedserve.api.generation import Job, open_choices, plan_jobs
 from pagedserve.api.metrics import Metrics
 from pagedserve.api.protocol import (
     ChatCompletionRequest,
@@ -66,6 +73,7 @@ class OpenAIServer:
         self.model_name = self.limits.served_model_name or config.model
         self.max_model_len = config.max_model_len
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids(config.model_path, tokenizer)  # beam search's
         self.vocab_size = (
             len(tokenizer)
             if tokenizer is not None
@@ -164,11 +172,12 @@ class OpenAIServer:
                 if not isinstance(prompt, str):
                     check_token_prompt(prompt, self.vocab_size, self.max_model_len)
             sampling = body.to_sampling(self.defaults)
+            beams = body.beam_search_params(sampling, self.max_model_len)
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
         render = CompletionRender(self, body, prompts)
         jobs = plan_jobs(prompts, sampling, body.prompt_options(), body.priority)
-        return self.generate(render, jobs, sampling, body.stream, body.include_usage, arrival)
+        return self.generate(render, jobs, sampling, body, arrival, beams)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -186,27 +195,42 @@ class OpenAIServer:
                     "serve with --enable-auto-tool-choice --tool-call-parser, or use "
                     'tool_choice "required", a named function or "none"'
                 )
+            beams = body.beam_search_params(sampling, self.max_model_len)
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
         if auto_tools:  # the parser reads the calls' tags, which may be special tokens
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         render = ChatRender(self, body, self.limits.tool_call_parser if auto_tools else None)
         jobs = plan_jobs([messages], sampling, body.prompt_options(), body.priority)
-        return self.generate(render, jobs, sampling, body.stream, body.include_usage, arrival)
+        return self.generate(render, jobs, sampling, body, arrival, beams)
 
     def generate(
         self,
         render: Render,
         jobs: list[Job],
         sampling: SamplingParams,
-        stream: bool,
-        include_usage: bool,
+        body: CompletionRequest | ChatCompletionRequest,
         arrival: float,
+        beams: BeamSearchParams | None,
     ) -> GenerationResponse:
         if not self.limits.disable_log_requests:
-            logger.info("%s: %d engine request(s), %s", render.id, len(jobs), sampling)
+            what = "engine request(s)" if beams is None else "beam(s) a step"
+            logger.info("%s: %d %s, %s", render.id, len(jobs), what, sampling)
+        source = open_choices
+        if beams is not None:
+            facts = BeamEngineFacts(
+                self.eos_token_ids, self.max_model_len, self.text_of, sampling.logprobs
+            )
+            source = functools.partial(open_beams, params=beams, engine=facts)
         return GenerationResponse(
-            self.client, self.metrics, render, jobs, stream, include_usage, arrival
+            self.client,
+            self.metrics,
+            render,
+            jobs,
+            body.stream,
+            body.include_usage,
+            arrival,
+            source,
         )
 
     def token_text(self, token_id: int) -> str:

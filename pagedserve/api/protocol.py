@@ -16,6 +16,7 @@ from pagedserve.actors.messages import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from pagedserve.api.beam_search import BeamSearchParams
 from pagedserve.api.structured import StructuredOutputFields
 from pagedserve.api.tools import Tool, ToolPlan, plan_tools
 from pagedserve.config import ServerConfig
@@ -84,10 +85,10 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
     bad_words: list[str] | None = None  # words the output must not contain
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}"
     return_token_ids: bool = False  # each choice's token ids (and the prompt's) in the answer
-    # vLLM's, not implemented: a 400 when they would change the output
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
+    use_beam_search: bool = False  # vLLM's: n beams (api/beam_search.py)
+    length_penalty: float = 1.0  # beam search's
     priority: Int64 = 0
+    # vLLM's, not implemented: a 400 when they would change the output
     logits_processors: list[Any] | None = None
     guided_whitespace_pattern: str | None = None
 
@@ -97,14 +98,54 @@ class _SamplingFields(StructuredOutputFields, kw_only=True):
         if self.stream and self.prompt_logprobs:  # as vLLM
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         unsupported = {
-            "use_beam_search (beam search)": self.use_beam_search,
-            "length_penalty (beam search)": self.length_penalty != 1.0,
             "logits_processors": bool(self.logits_processors),
             "guided_whitespace_pattern": self.guided_whitespace_pattern is not None,
         }
         for name, asked in unsupported.items():
             if asked:
                 raise ValueError(f"{name} is not supported")
+
+    def beam_search_params(
+        self, sampling: SamplingParams, max_model_len: int
+    ) -> BeamSearchParams | None:
+        """With use_beam_search, the search of `sampling`'s n beams (its temperature and
+        max_tokens resolved as for sampling; none: until the beams fill max_model_len).
+        The fields a beam search cannot honour are a 400, as is length_penalty without it."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty applies to beam search only (use_beam_search)")
+            return None
+        conflicts = [name for name, asked in self.beam_search_conflicts().items() if asked]
+        if conflicts:
+            raise ValueError(f"use_beam_search does not take {', '.join(conflicts)}")
+        return BeamSearchParams(
+            beam_width=sampling.n,
+            max_tokens=max_model_len if sampling.max_tokens is None else sampling.max_tokens,
+            ignore_eos=sampling.ignore_eos,
+            temperature=sampling.temperature,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
+        )
+
+    def beam_search_conflicts(self) -> dict[str, bool]:
+        """The fields asked for that a beam search would not follow (each step is a new
+        request of one token ranked by raw logprobs: no output history, no filters)."""
+        return {
+            "stop": bool(self.stop),
+            "stop_token_ids": bool(self.stop_token_ids),
+            "bad_words": bool(self.bad_words),
+            "min_tokens": self.min_tokens > 0,
+            "top_p": self.top_p not in (None, 1.0),
+            "top_k": self.top_k not in (None, 0, -1),
+            "min_p": self.min_p not in (None, 0.0),
+            "presence_penalty": self.presence_penalty not in (None, 0.0),
+            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured outputs": self.structured_output_params() is not None,
+        }
 
     def check_limits(self, limits: ServerConfig) -> None:
         for name, value in (("n", self.n), ("best_of", self.best_of)):

@@ -6,7 +6,8 @@ group, which aborts every unfinished engine request."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AbstractAsyncContextManager
 
 import anyio
 import msgspec
@@ -24,7 +25,13 @@ SSE_HEADERS = [
 ]
 
 
+EventSource = Callable[[AsyncClient, list[Job]], AbstractAsyncContextManager[AsyncIterator[Event]]]
+
+
 class GenerationResponse:
+    """`source` runs the jobs (open_choices: one engine request each; a beam search: its
+    steps) and gives their choices' deltas."""
+
     def __init__(
         self,
         client: AsyncClient,
@@ -34,8 +41,10 @@ class GenerationResponse:
         stream: bool,
         include_usage: bool,
         arrival: float,
+        source: EventSource = open_choices,
     ) -> None:
         self.client = client
+        self.source = source
         self.render = render
         self.jobs = jobs
         self.stream = stream
@@ -48,7 +57,7 @@ class GenerationResponse:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
                 try:
-                    async with open_choices(self.client, self.jobs) as events:
+                    async with self.source(self.client, self.jobs) as events:
                         respond = self.send_stream if self.stream else self.send_whole
                         await respond(self.timed(events), send)
                 except EngineRequestError as exc:  # raised before anything was sent
