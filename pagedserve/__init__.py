@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagedserve.actors.messages import LoRARequest
     from pagedserve.actors.sampling_params import SamplingParams, StructuredOutputsParams
     from pagedserve.api.beam_search import BeamSearchParams
     from pagedserve.api.llm import LLM
@@ -19,6 +20,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
     "BeamSearchParams",
+    "LoRARequest",
     "EngineConfig",
     "ProfileConfig",
     "RequestOutput",
@@ -32,6 +34,7 @@ _HOMES = {
     "SamplingParams": "pagedserve.actors.sampling_params",
     "StructuredOutputsParams": "pagedserve.actors.sampling_params",
     "BeamSearchParams": "pagedserve.api.beam_search",
+    "LoRARequest": "pagedserve.actors.messages",
     "EngineConfig": "pagedserve.config",
     "ProfileConfig": "pagedserve.config",
     "RequestOutput": "pagedserve.outputs",

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from pagedserve.cpus import usable_cpus
 from pagedserve.layout import check_layout
+from pagedserve.models.model_config import context_limit
 
 DEFAULT_MODEL = "pagedserve/tiny-shakespeare"
 # vLLM's names (models/quantization/config.py says what each means)
@@ -56,6 +58,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None
     # a chat reply's <think>...</think> as its reasoning_content (api/reasoning_parsers.py)
     reasoning_parser: str | None = None
+    # LoRA adapters served by name (the request's `model`): name -> adapter directory
+    lora_modules: dict[str, str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -248,6 +252,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     skip_tokenizer_init: bool = False  # token ids in and out only (models with no tokenizer)
     profile: ProfileConfig | None = None  # profile a window of worker steps (rank 0)
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (LoRARequest): up to max_loras in a step, of rank up to max_lora_rank;
+    # steps then run eagerly (no CUDA graphs)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    # vLLM's --hf-overrides: config.json fields replaced, e.g. a YaRN rope_scaling
+    hf_overrides: dict[str, Any] | None = None
     chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's
     generation_config: str = "auto"  # defaults from generation_config.json: auto | vllm | DIR
     trust_remote_code: bool = False  # accepted for vLLM compatibility: only local code runs
@@ -279,6 +290,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("bus_spin_us must be between 0 and 1,000,000")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("LoRA adapters and speculative decoding do not combine")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError("hf_overrides must be a JSON object of config.json fields")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be at least 0")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -319,10 +336,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     def resolve(self) -> EngineConfig:
         """Fill the fields that depend on the model (max_model_len) and the machine (device)."""
-        hf = read_hf_config(self.model_path)
+        hf = read_hf_config(self.model_path, self.hf_overrides)
         if self.speculative_config is not None:
             check_draft_model(self.speculative_config, hf)
-        limit = hf.get("max_position_embeddings") or 2048
+        limit = context_limit(hf)
         max_len = min(self.max_model_len or limit, limit)
         device = self.device
         if device == "auto":
@@ -342,6 +359,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             attention_backend=backend,
             bus_spin_us=spin_us,
             max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
+            enforce_eager=self.enforce_eager or self.enable_lora,  # LoRA's steps: lora.py
         )
 
 
@@ -403,9 +421,10 @@ def resolve_model_path(name: str) -> str:
         ) from exc
 
 
-def read_hf_config(model_path: str) -> dict:
+def read_hf_config(model_path: str, overrides: dict[str, Any] | None = None) -> dict:
+    """config.json as a dict, with `overrides` (EngineConfig.hf_overrides) over its fields."""
     with open(os.path.join(model_path, "config.json")) as f:
-        return json.load(f)
+        return json.load(f) | (overrides or {})
 
 
 _codec_encoder = msgspec.msgpack.Encoder()

@@ -5,7 +5,9 @@ transformers is the oracle: greedy tokens must be identical and logprobs close.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -385,3 +387,23 @@ def test_a_custom_chat_template_renders_chat_prompts(llama_engine: LLM) -> None:
 
     out = llama_engine.chat([{"role": "user", "content": "To be"}], GREEDY)[0]
     assert out.prompt_token_ids == build_tokenizer().encode("<<To be>>")
+
+
+def test_hf_overrides_stretch_the_context_with_yarn(tmp_path: Path) -> None:
+    """vLLM's hf_overrides: a YaRN rope_scaling given at start-up (Qwen's recipe for long
+    contexts) sets the context limit to original_max_position_embeddings x factor, and the
+    engine's greedy tokens and logprobs are transformers' on the overridden config."""
+    path = save_tiny_model("qwen3", tmp_path / "model")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 40}
+    reference = tmp_path / "reference"
+    shutil.copytree(path, reference)
+    config = json.loads((reference / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps({**config, "rope_scaling": yarn}))
+    prompts = random_prompts(400, [3, 50, 90], seed=4)
+    with LLM(str(path), hf_overrides={"rope_scaling": yarn}, supervision=NO_STANDBY) as llm:
+        assert llm.supervisor.sized_config.max_model_len == 160
+        outputs = llm.generate(prompts, GREEDY)
+    assert_matches_transformers(reference, prompts, outputs)
+    with LLM(str(path), num_kv_blocks=64, supervision=NO_STANDBY) as plain:
+        unscaled = plain.generate(prompts[1:2], GREEDY)[0].outputs[0].token_ids
+    assert unscaled != outputs[1].outputs[0].token_ids  # the override changed the model

@@ -12,7 +12,7 @@ import httpx2 as httpx
 import pytest
 
 from pagedserve.actors.chat import load_tokenizer
-from pagedserve.actors.messages import PromptOptions, RequestDelta, SamplingParams
+from pagedserve.actors.messages import LoRARequest, PromptOptions, RequestDelta, SamplingParams
 from pagedserve.api.client_core import EngineRequestError, Prompt
 from pagedserve.api.errors import RETRY_AFTER_S
 from pagedserve.api.openai_server import OpenAIServer, build_app
@@ -33,6 +33,7 @@ class RefusingEngine:
         request_id: str | None = None,
         options: PromptOptions | None = None,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         raise EngineRequestError("the engine's waiting queue is full", self.status_code)
         yield  # an async generator, like the real client's

@@ -54,10 +54,14 @@ LLAMA3_ROPE = dict(
     original_max_position_embeddings=32,
     rope_theta=5000.0,
 )
+YARN_ROPE = dict(  # Qwen's recipe for long contexts, at a tiny scale
+    rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0
+)
 HF_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**COMMON, rope_scaling=LLAMA3_ROPE),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),
+    "qwen3-yarn": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, rope_scaling=YARN_ROPE),
 }
 
 

@@ -15,7 +15,13 @@ import openai
 import pytest
 
 from pagedserve.actors.chat import load_tokenizer
-from pagedserve.actors.messages import FinishReason, PromptOptions, RequestDelta, SamplingParams
+from pagedserve.actors.messages import (
+    FinishReason,
+    LoRARequest,
+    PromptOptions,
+    RequestDelta,
+    SamplingParams,
+)
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.openai_server import OpenAIServer, build_app
 from pagedserve.api.tool_parsers import PARSERS, parse_tool_calls
@@ -100,6 +106,7 @@ class ScriptedEngine:
         request_id: str | None = None,
         options: PromptOptions | None = None,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         self.sampling.append(sampling)
         size = -(-len(self.reply) // self.pieces)

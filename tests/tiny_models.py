@@ -3,6 +3,7 @@ the way a user would: from a model directory."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -158,3 +159,56 @@ def hf_beam_search(
         if not live:
             break
     return sorted(done + live, key=score, reverse=True)[:beam_width]
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_lora_adapter(
+    base: Path,
+    path: Path,
+    seed: int,
+    rank: int = 4,
+    alpha: int = 8,
+    targets: list[str] = LORA_TARGETS,
+) -> Path:
+    """A random LoRA adapter for the model at `base`, in PEFT's layout (adapter_config.json,
+    adapter_model.safetensors: A [r, in], B [out, r] of every target in every layer), large
+    enough to change greedy tokens."""
+    from safetensors.torch import save_file
+
+    model = load_hf_model(base)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for index, layer in enumerate(model.model.layers):
+        for target in targets:
+            block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            linear = getattr(getattr(layer, block), target)
+            prefix = f"base_model.model.model.layers.{index}.{block}.{target}"
+            shape_a, shape_b = (rank, linear.in_features), (linear.out_features, rank)
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(shape_a, generator=generator) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(shape_b, generator=generator) * 0.3
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
+              "bias": "none", "base_model_name_or_path": str(base)}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def merge_lora(base: Path, adapter: Path) -> transformers.PreTrainedModel:
+    """transformers' model of `base` with the adapter merged into its weights (W + s B A): the
+    oracle of a request that runs with the adapter."""
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    model = load_hf_model(base)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            key = f"base_model.model.{name}.lora_A.weight"
+            if key in tensors:
+                b = tensors[key.replace("lora_A", "lora_B")]
+                module.weight += scale * b @ tensors[key]
+    return model

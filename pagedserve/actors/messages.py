@@ -81,6 +81,15 @@ class PromptOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     tools: list[dict[str, Any]] | None = None  # chat: the request's tools, for the template
 
 
+class LoRARequest(msgspec.Struct, frozen=True):
+    """vLLM's LoRARequest: a LoRA adapter (PEFT's directory format) a request runs with.
+    `lora_int_id` (> 0) names it in the engine: one id, one adapter."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     seq: int  # the client's number for this request (unique per client)
     sampling: SamplingParams
@@ -92,6 +101,7 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     resume_token_ids: list[int] = []
     options: PromptOptions = msgspec.field(default_factory=PromptOptions)
     priority: int = 0  # with scheduling_policy "priority": lower is admitted first
+    lora: LoRARequest | None = None  # the adapter it runs with (enable_lora)
 
 
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -170,6 +180,7 @@ class AddRequest(msgspec.Struct, tag=True, kw_only=True):
     arrival_time: float = 0.0
     resume_token_ids: list[int] = []  # see GenerateRequest
     priority: int = 0  # see GenerateRequest
+    lora: LoRARequest | None = None  # see GenerateRequest
 
 
 class StopRequests(msgspec.Struct, tag=True):
@@ -265,6 +276,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     seed: int  # the request's counter-based RNG key (its own seed, or one the scheduler drew)
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
+    lora: LoRARequest | None = None  # the adapter it runs with
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

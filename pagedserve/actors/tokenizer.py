@@ -29,6 +29,8 @@ from pagedserve.actors.messages import (
     SchedulerInbound,
 )
 from pagedserve.config import read_hf_config
+from pagedserve.models.lora_format import AdapterChecks
+from pagedserve.models.model_config import load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +183,9 @@ class TokenizerActor(Actor):
 
     def prepare(self) -> None:
         tokenizer, grammars = None, None
-        model_vocab_size = int(read_hf_config(self.config.model_path)["vocab_size"])
+        model_vocab_size = int(
+            read_hf_config(self.config.model_path, self.config.hf_overrides)["vocab_size"]
+        )
         if self.config.skip_tokenizer_init:
             vocab_size = model_vocab_size
         else:
@@ -194,6 +198,8 @@ class TokenizerActor(Actor):
             grammars = GrammarChecker(
                 self.config.tokenizer_path, model_vocab_size, self.eos_token_ids
             )
+        model = load_model_config(self.config.model_path, self.config.hf_overrides)
+        self.adapters = AdapterChecks(model, self.config.enable_lora, self.config.max_lora_rank)
         self.encoder = PromptEncoder(
             tokenizer, vocab_size, self.config.max_model_len or 0, grammars,
             self.config.max_logprobs,
@@ -239,6 +245,8 @@ class TokenizerActor(Actor):
         """Encode and validate, then hand the request to the scheduler (or refuse it)."""
         arrival = time.time()
         try:
+            if request.lora is not None:
+                self.adapters.check(request.lora.lora_int_id, request.lora.lora_path)
             self.encoder.check_size(request)
             if off_loop:
                 ids = await anyio.to_thread.run_sync(
@@ -260,5 +268,6 @@ class TokenizerActor(Actor):
                 client=client, seq=request.seq, prompt_token_ids=ids, sampling=request.sampling,
                 eos_token_ids=self.eos_token_ids, arrival_time=arrival,
                 resume_token_ids=request.resume_token_ids, priority=request.priority,
+                lora=request.lora,
             )
         )  # fmt: skip

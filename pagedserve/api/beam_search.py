@@ -202,14 +202,16 @@ async def open_beams(
     roots = jobs[:: params.beam_width]
     step = params.step_sampling(engine.top_logprobs or 0, roots[0].sampling.seed)
     searches = [BeamSearch(params, engine.eos_token_ids, engine.max_model_len) for _ in roots]
-    first = [Job(i, job.prompt, step, job.options, job.priority) for i, job in enumerate(roots)]
+    first = [
+        Job(i, job.prompt, step, job.options, job.priority, job.lora) for i, job in enumerate(roots)
+    ]
     for search, choice in zip(searches, await _step(client, first)):
         search.start(choice.prompt_token_ids, _candidates(choice))
     while live := [search for search in searches if not search.done]:
         beams = [beam for search in live for beam in search.live]
-        priority = roots[0].priority
+        priority, lora = roots[0].priority, roots[0].lora
         requests = [
-            Job(i, list(beam.tokens), step, PromptOptions(), priority)
+            Job(i, list(beam.tokens), step, PromptOptions(), priority, lora)
             for i, beam in enumerate(beams)
         ]
         choices = iter(await _step(client, requests))

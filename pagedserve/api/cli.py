@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -53,6 +54,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="a chat reply's <think>...</think> as the message's reasoning_content "
         "(deepseek_r1: the reply starts in thinking; qwen3: both tags in the reply)",
     )  # fmt: skip
+    parser.add_argument(
+        "--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+        help="LoRA adapters served by name (a request's model), with --enable-lora; also "
+        'vLLM\'s JSON form \'{"name": NAME, "path": PATH}\'',
+    )  # fmt: skip
     group = parser.add_argument_group("server settings and request limits")
     defaults = ServerConfig()
     for name in SERVER_FLAGS:
@@ -75,8 +81,23 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=dict(args.lora_modules),
         **{name: getattr(args, name) for name in SERVER_FLAGS},
     )
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' NAME=PATH, or vLLM's JSON object with name and path."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            return str(spec["name"]), str(spec["path"])
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"not a LoRA module: {text!r}") from None
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"a LoRA module is NAME=PATH, got {text!r}")
+    return name, path
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -43,6 +43,7 @@ from pagedserve.actors.messages import (
     ClientOutbound,
     GenerateRequest,
     Hello,
+    LoRARequest,
     Ping,
     Pong,
     PromptOptions,
@@ -135,11 +136,13 @@ class Client:
         label: str | None = None,
         options: PromptOptions | None = None,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> int:
         """Send a request; returns its seq (deltas and errors name it). `options`: how the
         engine's tokenizer makes the prompt's ids (special tokens, chat template settings);
-        `priority`: with priority scheduling, lower is admitted first."""
-        request = self.core.track(prompt, sampling, label, options, priority)
+        `priority`: with priority scheduling, lower is admitted first; `lora`: the LoRA
+        adapter it runs with (an engine with enable_lora)."""
+        request = self.core.track(prompt, sampling, label, options, priority, lora)
         refusal = self.core.refusal(request.seq)
         if refusal is not None:
             self._pending.append(refusal)
@@ -177,9 +180,11 @@ class Client:
         sampling: SamplingParams | None = None,
         options: PromptOptions | None = None,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> Iterator[Any]:
         """Stream one request's deltas (n must be 1; use `submit` for many at once)."""
-        seq = self.submit(prompt, sampling or SamplingParams(), options=options, priority=priority)
+        sampling = sampling or SamplingParams()
+        seq = self.submit(prompt, sampling, options=options, priority=priority, lora=lora)
         finished = False
         try:
             while not finished:
@@ -376,12 +381,13 @@ class AsyncClient:
         request_id: str | None = None,
         options: PromptOptions | None = None,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[Any]:
         """Stream one request's deltas (`request_id`: a label for them; deltas that wait for
-        the consumer arrive merged; `options` and `priority` as Client.submit's); leaving the
-        loop early aborts the request."""
+        the consumer arrive merged; `options`, `priority` and `lora` as Client.submit's);
+        leaving the loop early aborts the request."""
         request = self.core.track(
-            prompt, sampling or SamplingParams(), request_id, options, priority
+            prompt, sampling or SamplingParams(), request_id, options, priority, lora
         )
         raise_if_error(self.core.refusal(request.seq))
         collector = self._open(request.seq)

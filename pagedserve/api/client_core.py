@@ -25,6 +25,7 @@ from pagedserve.actors.messages import (
     ChatMessage,
     DeltaBatch,
     GenerateRequest,
+    LoRARequest,
     Pong,
     PromptOptions,
     RequestDelta,
@@ -64,12 +65,14 @@ def make_request(
     sampling: SamplingParams,
     options: PromptOptions | None = None,
     priority: int = 0,
+    lora: LoRARequest | None = None,
 ) -> GenerateRequest:
     """The request for a prompt; `options`: how the tokenizer makes its ids (None: defaults);
-    `priority`: its place with priority scheduling (lower first)."""
+    `priority`: its place with priority scheduling (lower first); `lora`: its adapter."""
     request = GenerateRequest(
-        seq=seq, sampling=sampling, options=options or PromptOptions(), priority=priority
-    )
+        seq=seq, sampling=sampling, options=options or PromptOptions(), priority=priority,
+        lora=lora,
+    )  # fmt: skip
     if isinstance(prompt, str):
         request.prompt = prompt
     elif prompt and isinstance(prompt[0], ChatMessage):
@@ -120,9 +123,10 @@ class ClientCore:
         label: str | None = None,
         options: PromptOptions | None = None,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> GenerateRequest:
         """A new request (labelled `label`, or identity-seq) to send."""
-        request = make_request(self.next_seq(), prompt, sampling, options, priority)
+        request = make_request(self.next_seq(), prompt, sampling, options, priority, lora)
         label = label if label is not None else f"{self.identity.decode()}-{request.seq}"
         self.requests[request.seq] = TrackedRequest(request, label)
         return request

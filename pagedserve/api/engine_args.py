@@ -48,6 +48,11 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
         'or \'{"model": PATH, "num_speculative_tokens": 4}\'',
     ),
     "chat_template": (str, "a Jinja chat template, or the path of a file holding one"),
+    "hf_overrides": (
+        json.loads,
+        'config.json fields to replace, as JSON, e.g. \'{"rope_scaling": {"rope_type": '
+        '"yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\'',
+    ),
     "generation_config": (
         str,
         "sampling defaults for fields a request leaves unset: auto (the model's "
@@ -55,11 +60,14 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     ),
     "quantization": (str, "fp8, gptq, awq, compressed-tensors or int8 (default: the checkpoint's)"),
     "kv_cache_dtype": (str, "auto (the model's dtype) or fp8 (E4M3, per-tensor scales)"),
+    "max_loras": (int, "with --enable-lora: most LoRA adapters in one step"),
+    "max_lora_rank": (int, "with --enable-lora: the largest adapter rank"),
 }
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
 ENGINE_SWITCHES = {  # vLLM's on/off flags; unset leaves the engine's default
     "skip_tokenizer_init": "no tokenizer: token ids in and out",
     "enforce_eager": "no CUDA graphs",
+    "enable_lora": "serve LoRA adapters (requests name one; steps then run without CUDA graphs)",
     "trust_remote_code": "accepted for vLLM compatibility; pagedserve runs only its own code",
 }
 

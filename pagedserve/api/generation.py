@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.abc
 
-from pagedserve.actors.messages import PromptOptions, RequestDelta, SamplingParams, TokenLogprobs
+from pagedserve.actors.messages import (
+    LoRARequest,
+    PromptOptions,
+    RequestDelta,
+    SamplingParams,
+    TokenLogprobs,
+)
 from pagedserve.api.client import AsyncClient
 from pagedserve.api.client_core import Prompt, fan_out
 
@@ -53,16 +59,22 @@ class Job:
     sampling: SamplingParams
     options: PromptOptions
     priority: int = 0
+    lora: LoRARequest | None = None
 
 
 def plan_jobs(
-    prompts: list[Prompt], sampling: SamplingParams, options: PromptOptions, priority: int = 0
+    prompts: list[Prompt],
+    sampling: SamplingParams,
+    options: PromptOptions,
+    priority: int = 0,
+    lora: LoRARequest | None = None,
 ) -> list[Job]:
     """Choice index = prompt index * n + child index."""
     jobs = []
     for p_index, prompt in enumerate(prompts):
         for c_index, child in enumerate(fan_out(sampling)):
-            jobs.append(Job(p_index * sampling.n + c_index, prompt, child, options, priority))
+            index = p_index * sampling.n + c_index
+            jobs.append(Job(index, prompt, child, options, priority, lora))
     return jobs
 
 
@@ -75,7 +87,7 @@ async def open_choices(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[As
     if len(jobs) == 1:
         job = jobs[0]
         deltas = client.generate(
-            job.prompt, job.sampling, options=job.options, priority=job.priority
+            job.prompt, job.sampling, options=job.options, priority=job.priority, lora=job.lora
         )
         try:
             yield _tagged(job.index, deltas)
@@ -107,7 +119,7 @@ async def _pump(
 ) -> None:
     try:
         deltas = client.generate(
-            job.prompt, job.sampling, options=job.options, priority=job.priority
+            job.prompt, job.sampling, options=job.options, priority=job.priority, lora=job.lora
         )
         async for delta in deltas:
             await send.send((job.index, delta))

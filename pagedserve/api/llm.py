@@ -18,6 +18,7 @@ from tqdm import tqdm
 from pagedserve.actors.chat import check_prompt_options, eos_token_ids, load_tokenizer
 from pagedserve.actors.messages import (
     ChatMessage,
+    LoRARequest,
     PromptOptions,
     RequestDelta,
     RequestError,
@@ -49,6 +50,7 @@ class _Job(NamedTuple):
     prompt: Prompt
     sampling: SamplingParams
     label: str
+    lora: LoRARequest | None
 
 
 class LLM:
@@ -76,13 +78,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's LLM.generate; `priority` (one per prompt, lower first) needs the engine's
-        scheduling_policy "priority"."""
+        scheduling_policy "priority"; `lora_request` (one, or one per prompt) needs
+        enable_lora."""
         items = [_to_prompt(p) for p in _as_list(prompts)]
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"priority has {len(priority)} entries for {len(items)} prompts")
-        return self._run(items, sampling_params, use_tqdm, PromptOptions(), priority)
+        loras = _per_prompt_lora(lora_request, len(items))
+        return self._run(items, sampling_params, use_tqdm, PromptOptions(), priority, loras)
 
     def chat(
         self,
@@ -113,19 +118,23 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search (api/beam_search.py): each prompt's beam_width best beams,
         best first, their tokens counting the prompt's and their text the output's."""
         items = [_to_prompt(p) for p in _as_list(prompts)]
+        lora = [lora_request] * len(items)
         config = self.supervisor.sized_config
         assert config.max_model_len is not None
         searches = [BeamSearch(params, self._eos_token_ids, config.max_model_len) for _ in items]
         step = params.step_sampling()
-        for search, output in zip(searches, self._run(items, step, use_tqdm, PromptOptions())):
+        firsts = self._run(items, step, use_tqdm, PromptOptions(), loras=lora)
+        for search, output in zip(searches, firsts):
             search.start(output.prompt_token_ids, _step_candidates(output))
         while live := [search for search in searches if not search.done]:
             beams = [(None, list(beam.tokens)) for search in live for beam in search.live]
-            outputs = iter(self._run(beams, step, False, PromptOptions()))  # type: ignore[arg-type]
+            loras = [lora_request] * len(beams)
+            outputs = iter(self._run(beams, step, False, PromptOptions(), loras=loras))  # type: ignore[arg-type]
             for search in live:
                 search.advance([_step_candidates(next(outputs)) for _ in search.live])
         results = []
@@ -166,11 +175,13 @@ class LLM:
         use_tqdm: bool,
         options: PromptOptions,
         priority: list[int] | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.default_sampling_params
         params = _per_prompt(sampling_params, len(items))
-        results, jobs = self._plan(items, params, priority or [0] * len(items))
+        count = len(items)
+        results, jobs = self._plan(items, params, priority or [0] * count, loras or [None] * count)
         owners: dict[int, tuple[int, int]] = {}  # engine request (seq) -> its place
         bar = tqdm(total=len(results), desc="generate", disable=not use_tqdm or len(items) < 16)
         try:
@@ -178,7 +189,7 @@ class LLM:
                 while jobs and len(owners) < self._window:  # within the engine's queue limit
                     job = jobs.pop()
                     seq = self.client.submit(
-                        job.prompt, job.sampling, job.label, options, job.priority
+                        job.prompt, job.sampling, job.label, options, job.priority, job.lora
                     )
                     owners[seq] = job.place
                 self._apply(self._next_message(), results, owners, bar)
@@ -202,6 +213,7 @@ class LLM:
         items: list[tuple[str | None, Prompt]],
         params: list[SamplingParams],
         priority: list[int],
+        loras: list[LoRARequest | None],
     ) -> tuple[list[RequestOutput], list[_Job]]:
         """The results to fill, and the engine requests to send (last first; by priority, then
         in order): n > 1 fans out."""
@@ -213,7 +225,7 @@ class LLM:
             outputs = [CompletionOutput(index=i) for i in range(len(children))]
             results.append(RequestOutput(request_id, text, [], outputs))
             jobs += [
-                _Job(priority[index], (index, i), prompt, child, request_id)
+                _Job(priority[index], (index, i), prompt, child, request_id, loras[index])
                 for i, child in enumerate(children)
             ]
         jobs.sort(key=lambda job: (job.priority, job.place))
@@ -298,6 +310,16 @@ def _step_candidates(output: RequestOutput) -> Candidates:
     logprobs = output.outputs[0].logprobs
     assert logprobs, "a beam search step asks for logprobs"
     return logprobs[0]
+
+
+def _per_prompt_lora(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if len(lora_request) != count:
+        raise ValueError("give one LoRARequest, or one per prompt")
+    return list(lora_request)
 
 
 def _per_prompt(

@@ -35,7 +35,7 @@ from pagedserve.actors.chat import (
     load_tokenizer,
 )
 from pagedserve.actors.heap_trim import trim_heap_forever
-from pagedserve.actors.messages import SamplingParams
+from pagedserve.actors.messages import LoRARequest, SamplingParams
 from pagedserve.api.actor_status import AsyncStatusClient, render_prometheus
 from pagedserve.api.auth import APIKeyGuard
 from pagedserve.api.beam_search import BeamEngineFacts, BeamSearchParams, open_beams
@@ -74,10 +74,14 @@ class OpenAIServer:
         self.max_model_len = config.max_model_len
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(config.model_path, tokenizer)  # beam search's
+        self.loras = {  # the served LoRA adapters, by the name a request's `model` gives
+            name: LoRARequest(name, index, path)
+            for index, (name, path) in enumerate(self.limits.lora_modules.items(), 1)
+        }
         self.vocab_size = (
             len(tokenizer)
             if tokenizer is not None
-            else read_hf_config(config.model_path)["vocab_size"]
+            else read_hf_config(config.model_path, config.hf_overrides)["vocab_size"]
         )
         self.defaults = defaults
         self.metrics = Metrics()
@@ -118,31 +122,37 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         await self.require_engine()
-        return JSONResponse({"object": "list", "data": [self.model_card()]})
+        cards = [self.model_card(), *(self.model_card(lora) for lora in self.loras.values())]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
-        self.check_model(request.path_params["model_id"])
+        lora = self.check_model(request.path_params["model_id"])
         await self.require_engine()
-        return JSONResponse(self.model_card())
+        return JSONResponse(self.model_card(lora))
 
     async def require_engine(self) -> None:
         if not await self.engine_ready():
             raise APIError("the engine is not ready to serve requests", 503)
 
-    def model_card(self) -> dict:
+    def model_card(self, lora: LoRARequest | None = None) -> dict:
+        """The served model's card, or a LoRA adapter's (its parent the model, as vLLM's)."""
         return {
-            "id": self.model_name,
+            "id": self.model_name if lora is None else lora.lora_name,
             "object": "model",
             "created": self.created,
             "owned_by": "pagedserve",
-            "root": self.model_name,
-            "parent": None,
+            "root": self.model_name if lora is None else lora.lora_path,
+            "parent": None if lora is None else self.model_name,
             "max_model_len": self.max_model_len,
         }
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist.", 404, "model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the model itself), else a 404."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.loras:
+            return self.loras[model]
+        raise APIError(f"The model `{model}` does not exist.", 404, "model_not_found")
 
     async def prometheus(self, request: Request) -> Response:
         try:
@@ -163,7 +173,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
         body = await read_json(request, CompletionRequest, self.limits)
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         try:
             body.check_supported()
             body.check_limits(self.limits)
@@ -176,13 +186,13 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
         render = CompletionRender(self, body, prompts)
-        jobs = plan_jobs(prompts, sampling, body.prompt_options(), body.priority)
+        jobs = plan_jobs(prompts, sampling, body.prompt_options(), body.priority, lora)
         return self.generate(render, jobs, sampling, body, arrival, beams)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
         body = await read_json(request, ChatCompletionRequest, self.limits)
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         try:
             body.check_supported()
             body.check_limits(self.limits)
@@ -201,7 +211,7 @@ class OpenAIServer:
         if auto_tools:  # the parser reads the calls' tags, which may be special tokens
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         render = ChatRender(self, body, self.limits.tool_call_parser if auto_tools else None)
-        jobs = plan_jobs([messages], sampling, body.prompt_options(), body.priority)
+        jobs = plan_jobs([messages], sampling, body.prompt_options(), body.priority, lora)
         return self.generate(render, jobs, sampling, body, arrival, beams)
 
     def generate(

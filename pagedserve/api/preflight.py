@@ -13,6 +13,8 @@ import msgspec
 from pagedserve.actors.chat import resolve_chat_template
 from pagedserve.api.sampling_defaults import sampling_defaults
 from pagedserve.config import EngineConfig
+from pagedserve.models.lora_format import check_adapter
+from pagedserve.models.model_config import load_model_config
 
 # A directory holding any of these has a tokenizer transformers can load
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json")
@@ -23,6 +25,7 @@ def prepare_config(config: EngineConfig) -> EngineConfig:
     """`config` checked, with its chat template read from a file when given one; ValueError
     with the fix when it cannot work."""
     check_tokenizer_files(config)
+    check_lora_modules(config)
     sampling_defaults(config)  # an unusable --generation-config fails now
     if config.chat_template is not None:
         template = resolve_chat_template(config.chat_template)
@@ -43,6 +46,21 @@ def check_tokenizer_files(config: EngineConfig) -> None:
             "tokenizer=DIR (--tokenizer DIR), or run with skip_tokenizer_init=True "
             "(--skip-tokenizer-init) to send and receive token ids only"
         )
+
+
+def check_lora_modules(config: EngineConfig) -> None:
+    """The served LoRA adapters (--lora-modules) need --enable-lora and must fit the model."""
+    modules = config.server.lora_modules if config.server is not None else {}
+    if not modules:
+        return
+    if not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    model = load_model_config(config.model_path, config.hf_overrides)
+    for name, path in modules.items():
+        try:
+            check_adapter(path, model, config.max_lora_rank)
+        except ValueError as exc:
+            raise ValueError(f"LoRA module {name!r}: {exc}") from None
 
 
 def check_port_free(host: str, port: int) -> None:

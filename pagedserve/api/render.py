@@ -84,7 +84,7 @@ class Render:
             "id": self.id,
             "object": object_name,
             "created": self.created,
-            "model": self.server.model_name,
+            "model": self.body.model or self.server.model_name,  # or a LoRA adapter's name
             "choices": choices,
         }
 

@@ -100,18 +100,65 @@ class RMSNorm(nn.Module):
 
 def rope_inverse_frequencies(
     head_dim: int, rope_theta: float, rope_scaling: dict | None
-) -> torch.Tensor:
-    """inv_freq[i] = theta^(-2i / head_dim), adjusted by `rope_type` (default, linear, llama3)."""
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention factor): inv_freq[i] = theta^(-2i / head_dim), adjusted by
+    `rope_type` (default, linear, llama3, yarn); the factor scales cos and sin (YaRN's, else 1)."""
     inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     scaling = rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("partial rotary embeddings are not supported")
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
     if rope_type == "llama3":
-        return _llama3_inverse_frequencies(inv_freq, scaling)
+        return _llama3_inverse_frequencies(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, rope_theta, scaling)
     raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+
+
+def _yarn_inverse_frequencies(
+    inv_freq: torch.Tensor, rope_theta: float, scaling: dict
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071), as transformers computes it: the frequencies that turn fewer
+    than beta_slow times over the original context are divided by `factor` (interpolated),
+    those that turn more than beta_fast times are kept (extrapolated), a linear ramp between;
+    cos and sin are scaled by 0.1 ln(factor) + 1 (or the ratio of two such mscales, or the
+    config's attention_factor). `scaling` holds original_max_position_embeddings and factor
+    (`llama.rope_settings` fills them in as transformers does)."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    dim = 2 * len(inv_freq)
+
+    def turns_to_dim(turns: float) -> float:  # the dimension that turns `turns` times
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low, high = (
+        turns_to_dim(scaling.get("beta_fast") or 32),
+        turns_to_dim(scaling.get("beta_slow") or 1),
+    )
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no empty ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of the extrapolated (original) frequency
+    inv_freq = inv_freq / factor * (1 - kept) + inv_freq * kept
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -148,11 +195,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.fused_ops: FusedOps = config.fused_ops
         self.dependent_launch = config.dependent_launch
-        inv_freq = rope_inverse_frequencies(head_dim, rope_theta, rope_scaling)
+        inv_freq, factor = rope_inverse_frequencies(head_dim, rope_theta, rope_scaling)
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
         dtype = torch.get_default_dtype()
-        self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
+        self.register_buffer("cos_cache", (freqs.cos() * factor).to(dtype), persistent=False)
+        self.register_buffer("sin_cache", (freqs.sin() * factor).to(dtype), persistent=False)
         self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
 
     def new_step(self) -> None:

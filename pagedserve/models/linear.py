@@ -19,13 +19,16 @@ from __future__ import annotations
 import functools
 import math
 from types import ModuleType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.models.layer_config import LayerConfig
+
+if TYPE_CHECKING:
+    from pagedserve.models.lora import LoRALayer
 from pagedserve.models.weights import (
     VECTOR,
     OutputShard,
@@ -159,6 +162,7 @@ class LinearBase(nn.Module):
     every output channel) and `input_range()` (None: every input channel)."""
 
     bias: nn.Parameter | None
+    lora: LoRALayer | None = None  # adapters' deltas (models/lora.py: enable_lora)
 
     def __init__(self, input_size: int, output_size: int, bias: bool, config: LayerConfig) -> None:
         super().__init__()
@@ -191,7 +195,10 @@ class LinearBase(nn.Module):
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        y = self.method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.add_delta(x, y)
+        return y
 
 
 class ColumnParallelLinear(LinearBase):
@@ -283,6 +290,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)
+        if self.lora is not None:  # this rank's share of the delta, summed with the rest
+            self.lora.add_delta(x, y)
         self.tp.all_reduce(y)
         return y
 

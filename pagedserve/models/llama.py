@@ -21,7 +21,7 @@ from pagedserve.models.linear import (
     RowParallelLinear,
     VocabEmbedding,
 )
-from pagedserve.models.model_config import ModelConfig
+from pagedserve.models.model_config import ModelConfig, context_limit, rope_scaling_of
 from pagedserve.models.stages import MissingLayer, StageActivations, lm_head_is_tied
 
 
@@ -30,12 +30,19 @@ def model_head_dim(config: ModelConfig) -> int:
 
 
 def rope_settings(config: ModelConfig) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict) from transformers 5 `rope_parameters` or the older fields."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    params = dict(params or {})
+    """(rope_theta, scaling dict) from transformers 5 `rope_parameters` or the older fields;
+    YaRN's original_max_position_embeddings and factor filled in as transformers does."""
+    params = rope_scaling_of(config.to_dict())
     theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
     if params == {"rope_type": "default"}:  # what transformers 5 fills in for no scaling
         params = {}
+    if params.get("rope_type", params.get("type")) == "yarn":
+        original = params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original or config.max_position_embeddings
+        if params.get("factor") is None:
+            params["factor"] = (
+                config.max_position_embeddings / params["original_max_position_embeddings"]
+            )
     return float(theta), params or None
 
 
@@ -154,7 +161,7 @@ class LlamaModel(nn.Module):
         theta, scaling = rope_settings(config)
         # one rotary embedding shared by every layer, whose per-step tables each forward resets
         self.rotary_emb = RotaryEmbedding(
-            model_head_dim(config), config.max_position_embeddings, theta, scaling, layer_config
+            model_head_dim(config), context_limit(config.to_dict()), theta, scaling, layer_config
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, layer_config, attention_cls, self.rotary_emb)

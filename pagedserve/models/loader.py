@@ -156,7 +156,7 @@ def load_model(
     config: EngineConfig, device: torch.device, layer_config: LayerConfig | None = None
 ) -> nn.Module:
     """The model with its weights; layer_config None: build_layer_config's."""
-    hf_config = load_model_config(config.model_path)
+    hf_config = load_model_config(config.model_path, config.hf_overrides)
     if layer_config is None:
         layer_config = build_layer_config(config, hf_config, device)
     model = build_model(hf_config, layer_config)

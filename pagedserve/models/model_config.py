@@ -60,6 +60,32 @@ class ModelConfig:
         return f"ModelConfig({self.__dict__})"
 
 
-def load_model_config(model_path: str) -> ModelConfig:
+def load_model_config(model_path: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """config.json with `overrides` (EngineConfig.hf_overrides) over its fields."""
     with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-        return ModelConfig(json.load(f))
+        return ModelConfig(json.load(f) | (overrides or {}))
+
+
+def rope_scaling_of(values: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE fields: transformers 5's `rope_parameters`, with a legacy `rope_scaling` over
+    them when the config (or an hf_overrides) sets one, as transformers 5 reads both."""
+    params = dict(values.get("rope_parameters") or {})
+    legacy = values.get("rope_scaling")
+    if legacy:
+        theta = {"rope_theta": params["rope_theta"]} if "rope_theta" in params else {}
+        params = theta | dict(legacy)
+    return params
+
+
+def context_limit(values: dict[str, Any]) -> int:
+    """The longest context a model's positions cover, as vLLM derives it: the config's
+    max_position_embeddings, stretched by a linear or YaRN RoPE scaling factor (YaRN's from
+    its original_max_position_embeddings)."""
+    limit = int(values.get("max_position_embeddings") or 2048)
+    scaling = rope_scaling_of(values)
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "yarn":
+        limit = int(scaling.get("original_max_position_embeddings") or limit)
+    if rope_type in ("linear", "yarn") and scaling.get("factor"):
+        limit = int(limit * float(scaling["factor"]))
+    return limit

@@ -29,6 +29,8 @@ def refusal(
     max_model_len = config.max_model_len
     if not msg.prompt_token_ids:
         return "the prompt is empty", 400
+    if msg.lora is not None and not config.enable_lora:
+        return "LoRA adapters need an engine started with --enable-lora", 400
     if msg.priority and config.scheduling_policy != "priority":
         return "a priority needs priority scheduling (--scheduling-policy priority)", 400
     if num_tokens >= max_len:
@@ -51,3 +53,9 @@ def count(counters: SchedulerStats, req: Request, num_hit: int, prefix_caching: 
     if req.num_cached_tokens < 0:  # first time scheduled
         req.num_cached_tokens = num_hit
         counters.num_prompt_tokens += req.num_prompt_tokens
+
+
+def lora_fits(req: Request, running: list[Request], config: EngineConfig) -> bool:
+    """Whether `req`'s adapter can run now: it already runs, or fewer than max_loras do."""
+    active = {r.lora for r in running if r.lora is not None}
+    return req.lora in active or len(active) < config.max_loras

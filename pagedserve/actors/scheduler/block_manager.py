@@ -162,7 +162,7 @@ class BlockManager:
         bs = self.block_size
         assert num_blocks * bs <= req.num_tokens, "only blocks of known tokens can be hashed"
         for i in range(len(req.block_hashes), num_blocks):
-            parent = req.block_hashes[i - 1] if i else b""
+            parent = req.block_hashes[i - 1] if i else req.hash_root
             req.block_hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs]))
 
     def _pop_free(self) -> int:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pagedserve.actors.messages import (
     AddRequest,
     FinishReason,
+    LoRARequest,
+    NewRequestData,
     RequestOutput,
     Route,
     SamplingParams,
@@ -41,6 +43,7 @@ class Request:
     row: int
     arrival_time: float = 0.0
     priority: int = 0  # scheduling_policy "priority": lower goes first
+    lora: LoRARequest | None = None  # the adapter it runs with (enable_lora)
     status: RequestStatus = RequestStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of `token_ids` (content only; survives preemption).
@@ -91,6 +94,7 @@ class Request:
             row=-1,
             arrival_time=msg.arrival_time,
             priority=msg.priority,
+            lora=msg.lora,
             prompt_logprobs=[] if msg.sampling.prompt_logprobs is None else [None],
         )
         wants_prompt_logprobs = msg.sampling.prompt_logprobs is not None
@@ -98,6 +102,20 @@ class Request:
             handle, request.num_prompt_tokens, limit, request.stop_tokens, wants_prompt_logprobs
         )
         return request
+
+    def new_request_data(self) -> NewRequestData:
+        """What a worker that does not hold it gets of it (the plan's wire form)."""
+        return NewRequestData(
+            self.handle, list(self.token_ids), self.num_prompt_tokens, self.sampling, self.seed,
+            list(self.block_table), self.num_computed_tokens, self.lora,
+        )  # fmt: skip
+
+    @property
+    def hash_root(self) -> bytes:
+        """The parent of its first block's hash: prompts under different adapters (or none)
+        share no KV in the prefix cache."""
+        lora = self.lora
+        return b"" if lora is None else f"lora:{lora.lora_int_id}:{lora.lora_path}".encode()
 
     def release(self) -> None:
         """It finished: give its row back (its counters read 0 from now on)."""

@@ -27,7 +27,6 @@ from pagedserve.actors.messages import (
     AddRequest,
     CachedRequestData,
     FinishReason,
-    NewRequestData,
     RequestError,
     RequestOutput,
     Route,
@@ -207,6 +206,8 @@ class Scheduler:
                 return
             if req.num_inflight:  # preempted with a token in flight: resume it later
                 continue
+            if req.lora is not None and not admission.lora_fits(req, self.running, self.config):
+                continue
             cached = [] if req.prompt_logprobs else self.block_manager.find_cached_prefix(req)
             num_hit = len(cached) * self.block_size
             n = min(req.num_tokens - num_hit, budget)
@@ -253,17 +254,7 @@ class Scheduler:
                 cached.num_new_tokens.append(len(new_tokens))
                 cached.new_token_ids += new_tokens
         else:
-            plan.new_requests.append(
-                NewRequestData(
-                    req.handle,
-                    list(req.token_ids),
-                    req.num_prompt_tokens,
-                    req.sampling,
-                    req.seed,
-                    list(req.block_table),
-                    req.num_computed_tokens,
-                )
-            )
+            plan.new_requests.append(req.new_request_data())
             req.in_worker = True
         req.num_sent_tokens = req.num_tokens
         plan.scheduled.append(req.handle)

@@ -29,6 +29,7 @@ from pagedserve.actors.messages import StepPlan, StepResult
 from pagedserve.actors.worker.cpu_tuning import tune_cpu_malloc
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.input_batch import InputBatch
+from pagedserve.actors.worker.lora_slots import LoRASlots
 from pagedserve.actors.worker.parallel_groups import WorkerGroups, stage_layer_config
 from pagedserve.actors.worker.pipeline import StageDecodeStep, StageLink, run_stage
 from pagedserve.actors.worker.prefill_graphs import PrefillStep, prefill_rows
@@ -102,6 +103,7 @@ class ModelRunner(StaticPaths):
         self.sampler = Sampler(use_triton=self.device.type == "cuda")
         self.model: nn.Module | None = None
         self.proposer: Proposer | None = None  # speculative decoding's drafts (load_model)
+        self.lora_slots: LoRASlots | None = None  # enable_lora: the adapters (load_model)
         self.attention_layers: list[Attention] = []
         self.kv_cache: torch.Tensor | None = None
         self.decode_step: DecodeStep | None = None  # decode steps' static path (startup.py)
@@ -112,7 +114,7 @@ class ModelRunner(StaticPaths):
         # sets it where they were captured
         self.prefill_step: PrefillStep | None = None
         self.pending: PendingStep | None = None  # the step launched last, not yet finished
-        vocab_size = int(read_hf_config(config.model_path)["vocab_size"])
+        vocab_size = int(read_hf_config(config.model_path, config.hf_overrides)["vocab_size"])
         self.structured = StructuredOutputs(config, vocab_size, self.device)  # grammar masks
         self.settled: StepResult | None = None  # the result of the step finished during launch
         # the last step's sampled ids, batch order: the next step takes its fed tokens here
@@ -152,6 +154,9 @@ class ModelRunner(StaticPaths):
         self.proposer = make_proposer(self.config, self.device)
         self.logits = StepLogits(self.model.compute_logits, self.structured, self._settle_pending)
         self.link = StageLink.of(self.groups, self.model, self.device)
+        if self.config.enable_lora:
+            self.lora_slots = LoRASlots(self.model, self.config, self.device)
+            self.inputs.narrow_last_layer = False
         self.timed("load_model", start)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -266,6 +271,8 @@ class ModelRunner(StaticPaths):
             batch.remove_request(handle)
         for new_request in plan.new_requests:
             row = batch.add_request(new_request)
+            if self.lora_slots is not None:
+                self.lora_slots.assign(row, new_request.lora, list(batch.row_of.values()))
             output_ids = new_request.token_ids[new_request.num_prompt_tokens :]
             self.structured.add(row, new_request.sampling.structured_outputs, output_ids)
         cached = plan.cached_requests
@@ -299,6 +306,8 @@ class ModelRunner(StaticPaths):
         assert self.model is not None, "load_model() first"
         row_of, handles = self.input_batch.row_of, plan.scheduled
         rows = np.fromiter((row_of[h] for h in handles), np.int64, len(handles))
+        if self.lora_slots is not None:
+            self.lora_slots.prepare(rows, plan.num_scheduled_tokens)
         pending_index = self._pending_index()[rows]
         if self._is_lone_prefill(plan, rows):
             layout = static_rows(

@@ -34,7 +34,7 @@ class WorkerGroups:
 
 def join_worker_groups(config: EngineConfig, run_dir: str, rank: int, epoch: int) -> WorkerGroups:
     layout = ParallelLayout.of(config)
-    num_layers = int(load_model_config(config.model_path).num_hidden_layers)
+    num_layers = int(load_model_config(config.model_path, config.hf_overrides).num_hidden_layers)
     stage = stage_of(config, num_layers, rank)
     if layout.world_size == 1:
         return WorkerGroups(rank, layout, TensorParallel(), stage)
@@ -65,5 +65,5 @@ def stage_layer_config(
     without groups: the loader's own, for one worker or the default group)."""
     if groups is None:
         return None
-    hf_config = load_model_config(config.model_path)
+    hf_config = load_model_config(config.model_path, config.hf_overrides)
     return build_layer_config(config, hf_config, device, groups.tp, groups.stage)

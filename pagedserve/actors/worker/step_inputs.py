@@ -134,6 +134,9 @@ class StepInputBuilder:
     ) -> None:
         self.batch, self.uploader, self.sampled = batch, uploader, sampled
         self.block_size = block_size
+        # a step with prefill runs its last layer on the logits rows only (output_rows); off
+        # where each token's layers must see the whole step (LoRA's token groups: lora.py)
+        self.narrow_last_layer = True
 
     def build(
         self,
@@ -187,7 +190,7 @@ class StepInputBuilder:
         arrays += [t.numpy() for t in metadata_inputs(*host)]
         # prefill in the step: the last layer needs only the logits rows past its k/v
         rows_host = None
-        if 0 < len(out.indices) < len(tokens.slot_mapping):
+        if self.narrow_last_layer and 0 < len(out.indices) < len(tokens.slot_mapping):
             rows_host = _metadata_host(
                 np.ones(len(out.indices), np.int64), out.seq_lens,
                 block_tables[out.requests], tokens.slot_mapping[out.indices],

@@ -1,0 +1,62 @@
+"""A worker's LoRA adapters (models/lora.py): which adapter each slot holds, which slot each
+row of the persistent batch runs with, and a step's tokens grouped by slot.
+
+The scheduler never runs more than max_loras adapters at once (admission.py), and a request
+leaves the worker's batch when it finishes or is preempted, so an adapter a new request needs
+either holds a slot already or finds one that no row uses (the least recently loaded such).
+Loading writes the slot's weights on the device's stream, after any step still reading them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.actors.messages import LoRARequest
+from pagedserve.config import EngineConfig
+from pagedserve.models.lora import attach_lora, load_adapter
+from pagedserve.models.lora_format import read_adapter_config
+
+
+class LoRASlots:
+    def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device) -> None:
+        self.layers, self.context = attach_lora(
+            model, config.max_loras, config.max_lora_rank, model.layer_config
+        )
+        self.device = device
+        self.slot_of: OrderedDict[tuple[int, str], int] = OrderedDict()  # adapter -> slot
+        self.free = list(range(config.max_loras))
+        self.row_slot = np.full(config.max_num_seqs, -1, np.int64)
+
+    def assign(self, row: int, lora: LoRARequest | None, live_rows: list[int]) -> None:
+        """Row `row` (a new request) runs with `lora`: load it if no slot holds it."""
+        if lora is None:
+            self.row_slot[row] = -1
+            return
+        key = (lora.lora_int_id, lora.lora_path)
+        if key not in self.slot_of:
+            slot = self._take_slot(set(self.row_slot[live_rows].tolist()))
+            load_adapter(self.layers, slot, lora.lora_path, read_adapter_config(lora.lora_path))
+            self.slot_of[key] = slot
+        self.slot_of.move_to_end(key)
+        self.row_slot[row] = self.slot_of[key]
+
+    def _take_slot(self, in_use: set[int]) -> int:
+        if self.free:
+            return self.free.pop()
+        for key, slot in self.slot_of.items():  # the least recently used first
+            if slot not in in_use:
+                del self.slot_of[key]
+                return slot
+        raise RuntimeError("every LoRA slot is in use: more adapters than max_loras at once")
+
+    def prepare(self, rows: np.ndarray, num_tokens: list[int]) -> None:
+        """The step's tokens (rows' tokens one row after another) grouped by slot."""
+        slots = np.repeat(self.row_slot[rows], num_tokens)
+        self.context.groups = [
+            (int(slot), torch.from_numpy(np.flatnonzero(slots == slot)).to(self.device))
+            for slot in np.unique(slots[slots >= 0])
+        ]
