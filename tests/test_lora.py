@@ -83,6 +83,7 @@ def test_each_request_runs_with_its_own_adapter(models, max_loras: int, tp: int)
             prompts * 3, GREEDY, lora_request=[lora_a] * 2 + [lora_b] * 2 + [None] * 2
         )
         stats = llm.get_stats()
+        assert not llm.supervisor.restarts  # no actor failed on the way
     for prompt, output in zip(prompts, plain):
         check(output, expected(references[None], prompt))
     for i, (name, prompt) in enumerate(zip(["a", "a", "b", "b", None, None], prompts * 3)):
@@ -120,6 +121,7 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(models, tmp_path:
             with pytest.raises(EngineRequestError, match=message):
                 llm.generate(prompt, GREEDY, lora_request=lora)
         served = llm.generate(prompt, GREEDY, lora_request=LoRARequest("a", 1, str(models["a"])))
+        assert not llm.supervisor.restarts
     check(served[0], expected(merge_lora(models["base"], models["a"]), prompt))
     with LLM(str(models["base"]), num_kv_blocks=32, supervision=NO_STANDBY) as plain:
         with pytest.raises(EngineRequestError, match="--enable-lora"):

@@ -33,8 +33,8 @@ class LoRASlots:
 
     def assign(self, row: int, lora: LoRARequest | None, live_rows: list[int]) -> None:
         """Row `row` (a new request) runs with `lora`: load it if no slot holds it."""
+        self.row_slot[row] = -1  # not its previous request's any more
         if lora is None:
-            self.row_slot[row] = -1
             return
         key = (lora.lora_int_id, lora.lora_path)
         if key not in self.slot_of:

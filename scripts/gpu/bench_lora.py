@@ -1,0 +1,176 @@
+"""LoRA adapters on the GPU: a check against transformers, then what adapters cost a decode-heavy
+workload. One markdown report:
+
+    python scripts/gpu/bench_lora.py --out FILE [--requests 256] [--rank 16]
+
+check   a tiny Llama (float32, on the GPU) with two adapters and none in one batch: each
+        request's greedy tokens must equal transformers' (CPU) on the model with its adapter
+        merged into the weights (tests/test_lora.py's oracle), with max_loras 2 and 1.
+timing  Qwen3-0.6B (dummy weights, bf16): REQUESTS prompts of 128 tokens, 128 output tokens each
+        (ignore_eos), one engine a row: the plain engine (CUDA graphs), the plain engine eager
+        (enforce_eager: LoRA's steps run eagerly), and enable_lora with no adapter, one adapter
+        for every request, and four adapters spread over the requests (max_loras 4); random
+        adapters of rank RANK on all seven projections. Output tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_workloads import QWEN, engine_args, free_gpu  # noqa: E402
+
+from pagedserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+from pagedserve.models.lora_format import AdapterConfig, expected_shapes  # noqa: E402
+from pagedserve.models.model_config import load_model_config  # noqa: E402
+from tests.tiny_models import (  # noqa: E402
+    hf_greedy,
+    load_hf_model,
+    merge_lora,
+    random_prompts,
+    save_lora_adapter,
+    save_tiny_model,
+)
+
+
+def check(root: Path) -> list[str]:
+    base = save_tiny_model("llama", root / "tiny")
+    adapters = {
+        "a": save_lora_adapter(base, root / "a", seed=1),
+        "b": save_lora_adapter(base, root / "b", seed=2, rank=8, targets=["q_proj", "down_proj"]),
+    }
+    prompts = random_prompts(400, [40, 7, 23], seed=5)
+    names = ["a", "b", None] * 3
+    loras = [None if n is None else LoRARequest(n, i, str(adapters[n]))
+             for n, i in zip(names, [1, 2, 0] * 3)]  # fmt: skip
+    models = {None: load_hf_model(base), **{n: merge_lora(base, p) for n, p in adapters.items()}}
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    lines = [
+        "| engine | adapter: each request's greedy tokens against transformers' (equal; a tie at"
+        " the first difference: transformers' logprob gap there; wrong) |",
+        "|---|---|",
+    ]
+    for max_loras in (0, 2, 1):
+        lora = {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": 8}
+        with LLM(str(base), num_kv_blocks=256, device="cuda", **(lora if max_loras else {})) as llm:
+            outputs = llm.generate(prompts * 3, greedy, lora_request=loras if max_loras else None)
+        verdicts: dict[str | None, list[str]] = {name: [] for name in models}
+        for out, name, prompt in zip(outputs, names, prompts * 3):
+            name = name if max_loras else None
+            verdicts[name].append(verdict(models[name], prompt, out.outputs[0].token_ids))
+        label = f"max_loras {max_loras}" if max_loras else "plain engine (no LoRA)"
+        counts = "; ".join(f"{name or 'none'}: {' '.join(v)}" for name, v in verdicts.items())
+        lines.append(f"| {label} | {counts} |")
+        free_gpu()
+    return lines
+
+
+def verdict(model, prompt: list[int], tokens: list[int], tie: float = 0.02) -> str:
+    """ "equal", "tie(gap)" when the first token that differs from transformers' greedy one
+    was within `tie` of it in transformers' own logprobs (a near-tie that TF32 matmuls on the
+    GPU may break either way), else "wrong(gap)"."""
+    expected = hf_greedy(model, prompt, len(tokens))[0]
+    if tokens == expected:
+        return "equal"
+    at = next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens[:at]])).logits[0, -1].float()
+    logprobs = torch.log_softmax(logits, -1)
+    gap = float(logprobs[expected[at]] - logprobs[tokens[at]])
+    return f"{'tie' if gap < tie else 'wrong'}({gap:.3f})"
+
+
+def random_adapter(path: Path, model: str, rank: int, seed: int) -> Path:
+    """A PEFT adapter of random A, B for `model`'s shapes (all seven projections)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    targets = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    config = AdapterConfig(rank, 1.0, targets)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        for name, shape in expected_shapes(load_model_config(model), config).items()
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    peft = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets)}
+    (path / "adapter_config.json").write_text(json.dumps(peft))
+    return path
+
+
+def timing(root: Path, requests: int, rank: int) -> list[str]:
+    vocab = int(load_model_config(QWEN).vocab_size)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(128)] for _ in range(requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    loras = [
+        LoRARequest(f"r{i}", i + 1, str(random_adapter(root / f"r{i}", QWEN, rank, i)))
+        for i in range(4)
+    ]
+    rows = [
+        ("plain (CUDA graphs)", {}, None),
+        ("plain, enforce_eager", {"enforce_eager": True}, None),
+        ("enable_lora, no adapter", {"enable_lora": True, "max_lora_rank": rank}, None),
+        ("enable_lora, 1 adapter", {"enable_lora": True, "max_lora_rank": rank}, [loras[0]]),
+        ("enable_lora, 4 adapters", {"enable_lora": True, "max_lora_rank": rank, "max_loras": 4},
+         loras),
+    ]  # fmt: skip
+    lines = ["| engine | output tok/s | vs plain eager |", "|---|---:|---:|"]
+    eager = None
+    for label, extra, adapters in rows:
+        with LLM(**engine_args(QWEN, **extra)) as llm:
+            per_prompt = None if adapters is None else [adapters[i % len(adapters)]
+                                                        for i in range(requests)]  # fmt: skip
+            llm.generate(prompts[:8], params, use_tqdm=False, lora_request=(
+                None if per_prompt is None else per_prompt[:8]))  # fmt: skip
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)
+            rate = requests * 128 / (time.perf_counter() - start)
+        eager = rate if label == "plain, enforce_eager" else eager
+        ratio = f"{rate / eager:.2f}" if eager else ""
+        lines.append(f"| {label} | {rate:,.0f} | {ratio} |")
+        print(lines[-1], flush=True)
+        free_gpu()
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--only", nargs="+", default=["check", "timing"])
+    args = parser.parse_args()
+    report = [f"# LoRA on {torch.cuda.get_device_name()}, {datetime.datetime.now():%Y-%m-%d %H:%M}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        parts = {
+            "check": lambda: check(Path(tmp)),
+            "timing": lambda: timing(Path(tmp), args.requests, args.rank),
+        }
+        for title, run in parts.items():
+            if title not in args.only:
+                continue
+            report.append(f"\n## {title}\n")
+            try:
+                report += run()
+            except Exception:
+                report.append("```\n" + traceback.format_exc() + "```")
+            print("\n".join(report), flush=True)
+    Path(args.out).write_text("\n".join(report) + "\n")
+
+
+if __name__ == "__main__":
+    main()
