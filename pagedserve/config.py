@@ -252,8 +252,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     skip_tokenizer_init: bool = False  # token ids in and out only (models with no tokenizer)
     profile: ProfileConfig | None = None  # profile a window of worker steps (rank 0)
     speculative_config: SpeculativeConfig | None = None
-    # LoRA adapters (LoRARequest): up to max_loras in a step, of rank up to max_lora_rank;
-    # steps then run eagerly (no CUDA graphs)
+    # LoRA adapters (LoRARequest): up to max_loras in a step, of rank up to max_lora_rank
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -359,7 +358,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             attention_backend=backend,
             bus_spin_us=spin_us,
             max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
-            enforce_eager=self.enforce_eager or self.enable_lora,  # LoRA's steps: lora.py
         )
 
 

@@ -70,6 +70,7 @@ ta = _interpreted("pagedserve.kernels.triton_attention", "_prefill_kernel")
 tops = _interpreted("pagedserve.kernels.triton_ops", "_rms_norm_kernel")
 ts = _interpreted("pagedserve.kernels.triton_sampling", "_sample_kernel")
 targ = _interpreted("pagedserve.kernels.triton_argmax", "_argmax_kernel")
+tlora = _interpreted("pagedserve.kernels.triton_lora", "_shrink_kernel")
 
 
 FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_interpreter_process"
@@ -753,3 +754,43 @@ def test_greedy_argmax_rejects_bad_arguments() -> None:
         targ.greedy_argmax(logits.t(), torch.empty(10, dtype=torch.int64))
     with pytest.raises(ValueError, match="empty vocabulary"):
         targ.greedy_argmax(torch.zeros(2, 0), torch.empty(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("part_sizes, rank", [([48], 16), ([40, 24], 32), ([64, 16, 16], 16)])
+def test_lora_delta_matches_the_reference(
+    dtype: torch.dtype, part_sizes: list[int], rank: int
+) -> None:
+    """Tokens of three slots and none (-1), K not a multiple of the column block, fused parts
+    of unequal sizes: y + the reference delta (fp32), within the output dtype's rounding;
+    tokens without an adapter keep y bit for bit."""
+    gen = torch.Generator().manual_seed(rank + len(part_sizes))
+    t, k, slots_n, n = 7, 300, 3, sum(part_sizes)
+    x = torch.randn(t, k, generator=gen).to(dtype)
+    a = (torch.randn(slots_n, len(part_sizes), rank, k, generator=gen) * 0.1).to(dtype)
+    b = (torch.randn(slots_n, n, rank, generator=gen) * 0.1).to(dtype)
+    slots = torch.tensor([2, -1, 0, 0, 1, -1, 2, 5], dtype=torch.int32)  # one past T
+    y = torch.randn(t, n, generator=gen).to(dtype)
+    want = y.float() + tlora.reference_lora_delta(x, a, b, slots[:t], part_sizes)
+    got = y.clone()
+    tlora.add_lora_delta(x, got, a, b, slots, part_sizes)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+    untouched = slots[:t] < 0
+    assert torch.equal(got[untouched], y[untouched])
+
+
+def test_lora_delta_rejects_bad_arguments() -> None:
+    x, y = torch.zeros(2, 8), torch.zeros(2, 16)
+    a, b, slots = (
+        torch.zeros(1, 1, 16, 8),
+        torch.zeros(1, 16, 16),
+        torch.zeros(2, dtype=torch.int32),
+    )
+    tlora.add_lora_delta(x, y, a, b, slots, [16])  # fits
+    with pytest.raises(ValueError, match="power-of-two rank"):
+        tlora.add_lora_delta(x, y, a[:, :, :12], b[:, :, :12].contiguous(), slots, [16])
+    with pytest.raises(ValueError, match="int32"):
+        tlora.add_lora_delta(x, y, a, b, slots.long(), [16])
+    with pytest.raises(ValueError, match="does not fit"):
+        tlora.add_lora_delta(x, y, a, b, slots, [8, 8])

@@ -67,7 +67,7 @@ SHORT_FLAGS = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"
 ENGINE_SWITCHES = {  # vLLM's on/off flags; unset leaves the engine's default
     "skip_tokenizer_init": "no tokenizer: token ids in and out",
     "enforce_eager": "no CUDA graphs",
-    "enable_lora": "serve LoRA adapters (requests name one; steps then run without CUDA graphs)",
+    "enable_lora": "serve LoRA adapters (a request names one: LoRARequest, --lora-modules)",
     "trust_remote_code": "accepted for vLLM compatibility; pagedserve runs only its own code",
 }
 

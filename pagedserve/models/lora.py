@@ -32,10 +32,20 @@ LAYER_PARTS: dict[str, list[str | int | None]] = {  # our layers' fused parts, i
 
 @dataclass
 class LoRAContext:
-    """A step's tokens grouped by adapter slot: (slot, token indices), set by the worker
-    before each forward (empty: no adapter in the step)."""
+    """A step's tokens by adapter slot, set by the worker before each forward: either the
+    groups (slot, token indices) of the grouped torch path, or, for a step of at most
+    len(slots) tokens on a GPU (`use_kernel`), each token's slot in the device buffer `slots`
+    (-1: none) that the Triton kernels and the CUDA graphs read."""
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    slots: torch.Tensor | None = None  # [rows] int32, device (CUDA only)
+    use_kernel: bool = False
+
+
+def kernel_rank(max_lora_rank: int) -> int:
+    """The slots' rank: max_lora_rank padded to a power of two of at least 16 (the kernels'
+    block), the padding zeros."""
+    return max(16, 1 << (max_lora_rank - 1).bit_length())
 
 
 class LoRALayer:
@@ -57,6 +67,13 @@ class LoRALayer:
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if self.context.use_kernel:
+            from pagedserve.kernels.triton_lora import add_lora_delta  # GPU only
+
+            assert self.context.slots is not None
+            x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+            add_lora_delta(x2, y2, self.a, self.b, self.context.slots, self.sizes)
+            return
         for slot, tokens in self.context.groups:
             xs = x2.index_select(0, tokens).to(self.a.dtype)
             start = 0

@@ -16,20 +16,29 @@ import torch
 from torch import nn
 
 from pagedserve.actors.messages import LoRARequest
+from pagedserve.actors.worker.prefill_graphs import prefill_rows
+from pagedserve.actors.worker.speculative import decode_rows
+from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.config import EngineConfig
-from pagedserve.models.lora import attach_lora, load_adapter
+from pagedserve.models.lora import attach_lora, kernel_rank, load_adapter
 from pagedserve.models.lora_format import read_adapter_config
 
 
 class LoRASlots:
     def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device) -> None:
-        self.layers, self.context = attach_lora(
-            model, config.max_loras, config.max_lora_rank, model.layer_config
-        )
+        rank = kernel_rank(config.max_lora_rank)
+        self.layers, self.context = attach_lora(model, config.max_loras, rank, model.layer_config)
         self.device = device
         self.slot_of: OrderedDict[tuple[int, str], int] = OrderedDict()  # adapter -> slot
         self.free = list(range(config.max_loras))
         self.row_slot = np.full(config.max_num_seqs, -1, np.int64)
+        self.uploader: Uploader | None = None
+        if device.type == "cuda":  # the kernels' path, CUDA graphs included (triton_lora.py)
+            longest_chunk = min(config.max_num_batched_tokens, config.max_model_len or 0)
+            rows = max(decode_rows(config), prefill_rows(config.prefill_graph_sizes, longest_chunk))
+            self.context.slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
+            self.context.use_kernel = True  # graphs captured at start-up take the kernels
+            self.uploader = Uploader(device)  # its own: the step's uploader's buffer is in use
 
     def assign(self, row: int, lora: LoRARequest | None, live_rows: list[int]) -> None:
         """Row `row` (a new request) runs with `lora`: load it if no slot holds it."""
@@ -54,9 +63,20 @@ class LoRASlots:
         raise RuntimeError("every LoRA slot is in use: more adapters than max_loras at once")
 
     def prepare(self, rows: np.ndarray, num_tokens: list[int]) -> None:
-        """The step's tokens (rows' tokens one row after another) grouped by slot."""
+        """The step's tokens (rows' tokens one row after another) by slot: each token's slot
+        in the kernels' buffer (GPU, a step that fits it), else grouped."""
         slots = np.repeat(self.row_slot[rows], num_tokens)
-        self.context.groups = [
+        context = self.context
+        buffer = context.slots
+        context.use_kernel = buffer is not None and len(slots) <= len(buffer)
+        if context.use_kernel:
+            assert buffer is not None and self.uploader is not None
+            padded = np.full(len(buffer), -1, np.int32)
+            padded[: len(slots)] = slots
+            buffer.copy_(self.uploader.upload([padded])[0])  # ordered after the last step
+            context.groups = []
+            return
+        context.groups = [
             (int(slot), torch.from_numpy(np.flatnonzero(slots == slot)).to(self.device))
             for slot in np.unique(slots[slots >= 0])
         ]
