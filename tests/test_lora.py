@@ -61,12 +61,16 @@ def check(output, reference: tuple[list[int], list[float]]) -> None:
     assert got == pytest.approx(reference[1], abs=LOGPROB_ATOL)
 
 
-@pytest.mark.parametrize("max_loras, tp", [(2, 1), (1, 2)])
-def test_each_request_runs_with_its_own_adapter(models, max_loras: int, tp: int) -> None:
+@pytest.mark.parametrize(
+    "max_loras, layout",
+    [(2, {}), (1, {"tensor_parallel_size": 2}), (2, {"pipeline_parallel_size": 2})],
+)
+def test_each_request_runs_with_its_own_adapter(models, max_loras: int, layout: dict) -> None:
     """One batch mixes two adapters and none, on the same prompts: each request equals its
     merged model (max_loras 1: the adapters take turns in the one slot; here with tp 2: the
-    adapters sharded as the weights). The same prompt under another adapter never reuses the first's
-    KV from the prefix cache; every block is free afterwards."""
+    adapters sharded as the weights; pp 2: each stage adapts its own layers). The same prompt
+    under another adapter never reuses the first's KV from the prefix cache; every block is
+    free afterwards."""
     prompts = random_prompts(400, [40, 7], seed=5)
     lora_a, lora_b = (LoRARequest(name, i, str(models[name])) for i, name in ((1, "a"), (2, "b")))
     references = {
@@ -76,7 +80,7 @@ def test_each_request_runs_with_its_own_adapter(models, max_loras: int, tp: int)
     }
     with LLM(
         str(models["base"]), enable_lora=True, max_loras=max_loras, max_lora_rank=8,
-        tensor_parallel_size=tp, num_kv_blocks=64, supervision=NO_STANDBY,
+        num_kv_blocks=64, supervision=NO_STANDBY, **layout,
     ) as llm:  # fmt: skip
         plain = llm.generate(prompts, GREEDY)
         mixed = llm.generate(
