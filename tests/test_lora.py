@@ -124,9 +124,14 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(models, tmp_path:
         for message, lora in cases.items():
             with pytest.raises(EngineRequestError, match=message):
                 llm.generate(prompt, GREEDY, lora_request=lora)
-        served = llm.generate(prompt, GREEDY, lora_request=LoRARequest("a", 1, str(models["a"])))
+        lora = LoRARequest("a", 1, str(models["a"]))
+        served = llm.generate(prompt, GREEDY, lora_request=lora)
+        chat = [{"role": "user", "content": "To be"}]
+        chatted = llm.chat(chat, GREEDY, lora_request=lora)[0].outputs[0].token_ids
+        unadapted = llm.chat(chat, GREEDY)[0].outputs[0].token_ids
         assert not llm.supervisor.restarts
     check(served[0], expected(merge_lora(models["base"], models["a"]), prompt))
+    assert chatted != unadapted  # LLM.chat takes the adapter too
     with LLM(str(models["base"]), num_kv_blocks=32, supervision=NO_STANDBY) as plain:
         with pytest.raises(EngineRequestError, match="--enable-lora"):
             plain.generate(prompt, GREEDY, lora_request=LoRARequest("a", 1, str(models["a"])))

@@ -97,9 +97,10 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: each conversation through the chat template (PromptOptions says
-        what the template options do)."""
+        what the template options do); `lora_request` as generate's."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         items: list[tuple[str | None, Prompt]] = [
             (None, [ChatMessage(m["role"], m["content"]) for m in conv])  # type: ignore[index]
@@ -111,7 +112,8 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs or {},
         )
         check_prompt_options(options)
-        return self._run(items, sampling_params, use_tqdm, options)
+        loras = _per_prompt_lora(lora_request, len(items))
+        return self._run(items, sampling_params, use_tqdm, options, loras=loras)
 
     def beam_search(
         self,
