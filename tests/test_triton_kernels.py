@@ -794,3 +794,44 @@ def test_lora_delta_rejects_bad_arguments() -> None:
         tlora.add_lora_delta(x, y, a, b, slots.long(), [16])
     with pytest.raises(ValueError, match="does not fit"):
         tlora.add_lora_delta(x, y, a, b, slots, [8, 8])
+
+
+def test_lora_kernels_in_the_model_runner(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's LoRA path, run by the model runner on the CPU through the interpreter: each
+    token's adapter slot in the buffer the kernels read (lora_slots.py fills it per step) and
+    the shrink / expand kernels in every projection; requests 0 and 2 run with an adapter and
+    give the merged model's greedy tokens, request 1 the base model's."""
+    from pagedserve.actors.messages import LoRARequest
+    from pagedserve.actors.worker.uploader import Uploader
+    from tests import test_model_parity as parity
+    from tests.tiny_models import (
+        hf_greedy,
+        load_hf_model,
+        merge_lora,
+        save_lora_adapter,
+        save_tiny_model,
+    )
+
+    monkeypatch.setattr(parity, "MAX_NEW_TOKENS", 6)
+    base = save_tiny_model("llama", tmp_path / "base")
+    adapter = save_lora_adapter(base, tmp_path / "adapter", seed=1)
+    runner = parity.make_runner(base, enable_lora=True, max_lora_rank=8)
+    slots = runner.lora_slots
+    slots.context.slots = torch.full((64,), -1, dtype=torch.int32)
+    slots.context.use_kernel = True
+    slots.uploader = Uploader(torch.device("cpu"))
+    lora, execute = LoRARequest("a", 1, str(adapter)), runner.execute
+
+    def with_adapter(plan):
+        for data in plan.new_requests:
+            data.lora = lora if data.handle in (0, 2) else None
+        return execute(plan)
+
+    runner.execute = with_adapter
+    prompts = [[5, 17, 99, 3, 42] * 3, [7] * 9, list(range(30, 52))]
+    params = parity.SamplingParams(temperature=0.0, logprobs=0, max_tokens=6)
+    requests = parity.MiniScheduler(prompts, params).run(runner)
+    merged, plain = merge_lora(base, adapter), load_hf_model(base)
+    for request, prompt in zip(requests, prompts):
+        model = merged if request.handle in (0, 2) else plain
+        assert request.outputs == hf_greedy(model, prompt, 6)[0], request.handle

@@ -67,12 +67,13 @@ class LoRALayer:
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        if self.context.use_kernel:
+        slots = self.context.slots
+        # (a start-up forward larger than the buffer, before any step: no adapter, no groups)
+        if self.context.use_kernel and slots is not None and x2.shape[0] <= len(slots):
             from pagedserve.kernels.triton_lora import add_lora_delta  # GPU only
 
-            assert self.context.slots is not None
             x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-            add_lora_delta(x2, y2, self.a, self.b, self.context.slots, self.sizes)
+            add_lora_delta(x2, y2, self.a, self.b, slots, self.sizes)
             return
         for slot, tokens in self.context.groups:
             xs = x2.index_select(0, tokens).to(self.a.dtype)
