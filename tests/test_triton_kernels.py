@@ -802,7 +802,6 @@ def test_lora_kernels_in_the_model_runner(tmp_path, monkeypatch: pytest.MonkeyPa
     the shrink / expand kernels in every projection; requests 0 and 2 run with an adapter and
     give the merged model's greedy tokens, request 1 the base model's."""
     from pagedserve.actors.messages import LoRARequest
-    from pagedserve.actors.worker.uploader import Uploader
     from tests import test_model_parity as parity
     from tests.tiny_models import (
         hf_greedy,
@@ -816,10 +815,7 @@ def test_lora_kernels_in_the_model_runner(tmp_path, monkeypatch: pytest.MonkeyPa
     base = save_tiny_model("llama", tmp_path / "base")
     adapter = save_lora_adapter(base, tmp_path / "adapter", seed=1)
     runner = parity.make_runner(base, enable_lora=True, max_lora_rank=8)
-    slots = runner.lora_slots
-    slots.context.slots = torch.full((64,), -1, dtype=torch.int32)
-    slots.context.use_kernel = True
-    slots.uploader = Uploader(torch.device("cpu"))
+    runner.lora_slots.use_kernels(64)  # as on a GPU
     lora, execute = LoRARequest("a", 1, str(adapter)), runner.execute
 
     def with_adapter(plan):

@@ -11,7 +11,7 @@ import atexit
 import functools
 import itertools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from tqdm import tqdm
 
@@ -39,6 +39,7 @@ from pagedserve.config import DEFAULT_MODEL, EngineConfig
 from pagedserve.outputs import CompletionOutput, RequestOutput, prompt_logprob_dicts
 
 PromptInput = str | list[int] | dict[str, Any]
+T = TypeVar("T")
 POLL_MS = 500
 
 
@@ -86,7 +87,7 @@ class LLM:
         items = [_to_prompt(p) for p in _as_list(prompts)]
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"priority has {len(priority)} entries for {len(items)} prompts")
-        loras = _per_prompt_lora(lora_request, len(items))
+        loras = _per_prompt(lora_request, len(items), (LoRARequest, type(None)))
         return self._run(items, sampling_params, use_tqdm, PromptOptions(), priority, loras)
 
     def chat(
@@ -112,7 +113,7 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs or {},
         )
         check_prompt_options(options)
-        loras = _per_prompt_lora(lora_request, len(items))
+        loras = _per_prompt(lora_request, len(items), (LoRARequest, type(None)))
         return self._run(items, sampling_params, use_tqdm, options, loras=loras)
 
     def beam_search(
@@ -181,7 +182,7 @@ class LLM:
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.default_sampling_params
-        params = _per_prompt(sampling_params, len(items))
+        params = _per_prompt(sampling_params, len(items), SamplingParams)
         count = len(items)
         results, jobs = self._plan(items, params, priority or [0] * count, loras or [None] * count)
         owners: dict[int, tuple[int, int]] = {}  # engine request (seq) -> its place
@@ -314,21 +315,10 @@ def _step_candidates(output: RequestOutput) -> Candidates:
     return logprobs[0]
 
 
-def _per_prompt_lora(
-    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
-) -> list[LoRARequest | None]:
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * count
-    if len(lora_request) != count:
-        raise ValueError("give one LoRARequest, or one per prompt")
-    return list(lora_request)
-
-
-def _per_prompt(
-    sampling_params: SamplingParams | Sequence[SamplingParams], count: int
-) -> list[SamplingParams]:
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * count
-    if len(sampling_params) != count:
-        raise ValueError("give one SamplingParams, or one per prompt")
-    return list(sampling_params)
+def _per_prompt(value: T | Sequence[T], count: int, single: type | tuple[type, ...]) -> list[T]:
+    """One value for every prompt, or one per prompt (`single`: the types of one value)."""
+    if isinstance(value, single):
+        return [value] * count  # type: ignore[list-item]
+    if len(value) != count:  # type: ignore[arg-type]
+        raise ValueError("give one value, or one per prompt")
+    return list(value)  # type: ignore[arg-type]

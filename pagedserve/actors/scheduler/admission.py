@@ -9,7 +9,7 @@ request's first scheduling is counted here too (prompt tokens, prefix-cache hits
 
 from __future__ import annotations
 
-from pagedserve.actors.messages import AddRequest, SchedulerStats
+from pagedserve.actors.messages import AddRequest, LoRARequest, SchedulerStats
 from pagedserve.actors.scheduler.request import Request
 from pagedserve.config import EngineConfig
 
@@ -55,7 +55,11 @@ def count(counters: SchedulerStats, req: Request, num_hit: int, prefix_caching: 
         counters.num_prompt_tokens += req.num_prompt_tokens
 
 
-def lora_fits(req: Request, running: list[Request], config: EngineConfig) -> bool:
-    """Whether `req`'s adapter can run now: it already runs, or fewer than max_loras do."""
-    active = {r.lora for r in running if r.lora is not None}
-    return req.lora in active or len(active) < config.max_loras
+def running_loras(running: list[Request]) -> set[LoRARequest]:
+    """The adapters the running requests use (counted once a scheduling pass)."""
+    return {r.lora for r in running if r.lora is not None}
+
+
+def lora_fits(lora: LoRARequest, active: set[LoRARequest], config: EngineConfig) -> bool:
+    """Whether an adapter can run now: it already runs, or fewer than max_loras do."""
+    return lora in active or len(active) < config.max_loras

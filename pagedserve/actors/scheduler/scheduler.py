@@ -200,13 +200,14 @@ class Scheduler:
         return budget, preempted
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, cap: int) -> None:
+        loras = admission.running_loras(self.running) if self.config.enable_lora else set()
         for req in list(self.waiting):
             full = len(self.running) >= self.config.max_num_seqs or len(plan.scheduled) >= cap
             if budget == 0 or full:
                 return
             if req.num_inflight:  # preempted with a token in flight: resume it later
                 continue
-            if req.lora is not None and not admission.lora_fits(req, self.running, self.config):
+            if req.lora is not None and not admission.lora_fits(req.lora, loras, self.config):
                 continue
             cached = [] if req.prompt_logprobs else self.block_manager.find_cached_prefix(req)
             num_hit = len(cached) * self.block_size
@@ -223,6 +224,8 @@ class Scheduler:
             self._running_rows = None
             self._add_to_plan(plan, req, n, [], [])
             budget -= n
+            if req.lora is not None:
+                loras.add(req.lora)
 
     def _slots(self, num_computed: int, n: int, speculate: bool) -> int:
         """KV slots past `num_computed` to hold for `n` more tokens: in a step that

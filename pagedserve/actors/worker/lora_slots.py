@@ -36,9 +36,15 @@ class LoRASlots:
         if device.type == "cuda":  # the kernels' path, CUDA graphs included (triton_lora.py)
             longest_chunk = min(config.max_num_batched_tokens, config.max_model_len or 0)
             rows = max(decode_rows(config), prefill_rows(config.prefill_graph_sizes, longest_chunk))
-            self.context.slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
-            self.context.use_kernel = True  # graphs captured at start-up take the kernels
-            self.uploader = Uploader(device)  # its own: the step's uploader's buffer is in use
+            self.use_kernels(rows)
+
+    def use_kernels(self, rows: int) -> None:
+        """Steps of at most `rows` tokens take the kernels, which read each token's slot from
+        a device buffer (the graphs captured at start-up take them too)."""
+        self.context.slots = torch.full((rows,), -1, dtype=torch.int32, device=self.device)
+        self.context.use_kernel = True
+        self.host_slots = np.full(rows, -1, np.int32)  # the buffer's next contents
+        self.uploader = Uploader(self.device)  # its own: the step's uploader's buffer is in use
 
     def assign(self, row: int, lora: LoRARequest | None, live_rows: list[int]) -> None:
         """Row `row` (a new request) runs with `lora`: load it if no slot holds it."""
@@ -71,9 +77,10 @@ class LoRASlots:
         context.use_kernel = buffer is not None and len(slots) <= len(buffer)
         if context.use_kernel:
             assert buffer is not None and self.uploader is not None
-            padded = np.full(len(buffer), -1, np.int32)
-            padded[: len(slots)] = slots
-            buffer.copy_(self.uploader.upload([padded])[0])  # ordered after the last step
+            host = self.host_slots  # the upload copies it: free to rewrite next step
+            host[: len(slots)] = slots
+            host[len(slots) :] = -1
+            buffer.copy_(self.uploader.upload([host])[0])  # ordered after the last step
             context.groups = []
             return
         context.groups = [
