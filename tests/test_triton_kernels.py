@@ -22,6 +22,7 @@ import importlib
 import os
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
@@ -756,44 +757,58 @@ def test_greedy_argmax_rejects_bad_arguments() -> None:
         targ.greedy_argmax(torch.zeros(2, 0), torch.empty(2, dtype=torch.int64))
 
 
+def _sorted_by_slot(slots: list[int], num_slots: int, capacity: int):
+    from pagedserve.models.lora import tokens_by_slot
+
+    meta = torch.from_numpy(tokens_by_slot(np.array(slots), num_slots, capacity))
+    return meta[:capacity], meta[capacity:]
+
+
+def test_tokens_by_slot_sorts_the_adapters_tokens_and_counts_each_slot() -> None:
+    order, starts = _sorted_by_slot([2, -1, 0, 0, 1, -1, 2], 4, 9)
+    assert order.tolist() == [2, 3, 4, 0, 6, 0, 0, 0, 0]  # stable, padded
+    assert starts.tolist() == [0, 2, 3, 5, 5]  # slot 3: none
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("part_sizes, rank", [([48], 16), ([40, 24], 32), ([64, 16, 16], 16)])
+@pytest.mark.parametrize("tokens", [7, 40])  # a small step (K split over programs), a larger
 def test_lora_delta_matches_the_reference(
-    dtype: torch.dtype, part_sizes: list[int], rank: int
+    dtype: torch.dtype, part_sizes: list[int], rank: int, tokens: int
 ) -> None:
-    """Tokens of three slots and none (-1), K not a multiple of the column block, fused parts
-    of unequal sizes: y + the reference delta (fp32), within the output dtype's rounding;
-    tokens without an adapter keep y bit for bit."""
-    gen = torch.Generator().manual_seed(rank + len(part_sizes))
-    t, k, slots_n, n = 7, 300, 3, sum(part_sizes)
-    x = torch.randn(t, k, generator=gen).to(dtype)
+    """Tokens of three slots and none, K not a multiple of the column block, fused parts of
+    unequal sizes (a column block holding two parts): y + the reference delta (fp32), within
+    the output dtype's rounding; tokens without an adapter keep y bit for bit."""
+    gen = torch.Generator().manual_seed(rank + len(part_sizes) + tokens)
+    k, slots_n, n = 300, 3, sum(part_sizes)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
     a = (torch.randn(slots_n, len(part_sizes), rank, k, generator=gen) * 0.1).to(dtype)
     b = (torch.randn(slots_n, n, rank, generator=gen) * 0.1).to(dtype)
-    slots = torch.tensor([2, -1, 0, 0, 1, -1, 2, 5], dtype=torch.int32)  # one past T
-    y = torch.randn(t, n, generator=gen).to(dtype)
-    want = y.float() + tlora.reference_lora_delta(x, a, b, slots[:t], part_sizes)
+    slots = torch.tensor(([2, -1, 0, 0, 1, -1, 2] * 6)[:tokens])
+    y = torch.randn(tokens, n, generator=gen).to(dtype)
+    want = y.float() + tlora.reference_lora_delta(x, a, b, slots, part_sizes)
     got = y.clone()
-    tlora.add_lora_delta(x, got, a, b, slots, part_sizes)
+    order, starts = _sorted_by_slot(slots.tolist(), slots_n, tokens + 3)
+    tlora.add_lora_delta(x, got, a, b, order, starts, part_sizes)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
-    untouched = slots[:t] < 0
+    untouched = slots < 0
     assert torch.equal(got[untouched], y[untouched])
 
 
 def test_lora_delta_rejects_bad_arguments() -> None:
     x, y = torch.zeros(2, 8), torch.zeros(2, 16)
-    a, b, slots = (
-        torch.zeros(1, 1, 16, 8),
-        torch.zeros(1, 16, 16),
-        torch.zeros(2, dtype=torch.int32),
-    )
-    tlora.add_lora_delta(x, y, a, b, slots, [16])  # fits
+    a, b = torch.zeros(1, 1, 16, 8), torch.zeros(1, 16, 16)
+    order, starts = _sorted_by_slot([0, -1], 1, 2)
+    tlora.add_lora_delta(x, y, a, b, order, starts, [16])  # fits
     with pytest.raises(ValueError, match="power-of-two rank"):
-        tlora.add_lora_delta(x, y, a[:, :, :12], b[:, :, :12].contiguous(), slots, [16])
+        tlora.add_lora_delta(x, y, a[:, :, :12], b[:, :, :12].contiguous(), order, starts, [16])
     with pytest.raises(ValueError, match="int32"):
-        tlora.add_lora_delta(x, y, a, b, slots.long(), [16])
+        tlora.add_lora_delta(x, y, a, b, order.long(), starts, [16])
     with pytest.raises(ValueError, match="does not fit"):
-        tlora.add_lora_delta(x, y, a, b, slots, [8, 8])
+        tlora.add_lora_delta(x, y, a, b, order, starts, [8, 8])
+    with pytest.raises(ValueError, match="order needs"):
+        tlora.add_lora_delta(x, y, a, b, order[:1], starts, [16])
 
 
 def test_lora_kernels_in_the_model_runner(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

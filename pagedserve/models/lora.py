@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,12 +35,25 @@ LAYER_PARTS: dict[str, list[str | int | None]] = {  # our layers' fused parts, i
 class LoRAContext:
     """A step's tokens by adapter slot, set by the worker before each forward: either the
     groups (slot, token indices) of the grouped torch path, or, for a step of at most
-    len(slots) tokens on a GPU (`use_kernel`), each token's slot in the device buffer `slots`
-    (-1: none) that the Triton kernels and the CUDA graphs read."""
+    len(order) tokens on a GPU (`use_kernel`), the tokens sorted by slot in the device buffers
+    that the Triton kernels and the CUDA graphs read (`tokens_by_slot`'s two parts)."""
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    slots: torch.Tensor | None = None  # [rows] int32, device (CUDA only)
+    order: torch.Tensor | None = None  # [rows] int32, device (CUDA only)
+    starts: torch.Tensor | None = None  # [slots + 1] int32, device
     use_kernel: bool = False
+
+
+def tokens_by_slot(slots: np.ndarray, num_slots: int, capacity: int) -> np.ndarray:
+    """The kernels' view of a step (triton_lora.py), one int32 array: the tokens that have an
+    adapter (`slots[t]` >= 0), sorted by slot and padded to `capacity`, then `num_slots + 1`
+    starts (slot s's tokens are order[starts[s] : starts[s + 1]])."""
+    with_adapter = np.flatnonzero(slots >= 0)
+    by_slot = with_adapter[np.argsort(slots[with_adapter], kind="stable")]
+    out = np.zeros(capacity + num_slots + 1, np.int32)
+    out[: len(by_slot)] = by_slot
+    out[capacity + 1 :] = np.cumsum(np.bincount(slots[with_adapter], minlength=num_slots))
+    return out
 
 
 def kernel_rank(max_lora_rank: int) -> int:
@@ -67,13 +81,14 @@ class LoRALayer:
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        slots = self.context.slots
+        order, starts = self.context.order, self.context.starts
         # (a start-up forward larger than the buffer, before any step: no adapter, no groups)
-        if self.context.use_kernel and slots is not None and x2.shape[0] <= len(slots):
+        if self.context.use_kernel and order is not None and x2.shape[0] <= len(order):
             from pagedserve.kernels.triton_lora import add_lora_delta  # GPU only
 
+            assert starts is not None
             x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-            add_lora_delta(x2, y2, self.a, self.b, slots, self.sizes)
+            add_lora_delta(x2.to(self.a.dtype), y2, self.a, self.b, order, starts, self.sizes)
             return
         for slot, tokens in self.context.groups:
             xs = x2.index_select(0, tokens).to(self.a.dtype)

@@ -1,8 +1,11 @@
-"""LoRA adapters on the GPU: a check against transformers, then what adapters cost a decode-heavy
-workload. One markdown report:
+"""LoRA adapters on the GPU: the kernels against their reference, a check against transformers,
+then what adapters cost a decode-heavy workload. One markdown report:
 
     python scripts/gpu/bench_lora.py --out FILE [--requests 256] [--rank 16]
 
+kernels the shrink / expand kernels (triton_lora.py) against their reference on Qwen3-0.6B's
+        projections, eager and replayed in a CUDA graph with other slots than at capture, and
+        their time a call.
 check   a tiny Llama (float32, on the GPU) with two adapters and none in one batch: each
         request's greedy tokens must equal transformers' (CPU) on the model with its adapter
         merged into the weights (tests/test_lora.py's oracle), with max_loras 2 and 1.
@@ -24,6 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +118,88 @@ def random_adapter(path: Path, model: str, rank: int, seed: int) -> Path:
     return path
 
 
+QWEN_PROJECTIONS = {  # Qwen3-0.6B: input size, fused parts' output sizes
+    "qkv": (1024, [2048, 1024, 1024]),
+    "o": (2048, [1024]),
+    "gate_up": (1024, [3072, 3072]),
+    "down": (3072, [1024]),
+}
+
+
+def kernels() -> list[str]:
+    """add_lora_delta on the GPU against reference_lora_delta (CPU, fp32) on Qwen3-0.6B's
+    projections, 4 slots of rank 16: eager with tokens of every slot and none, and replayed in
+    a CUDA graph captured with every token on slot 0, then given the mixed step; µs a call
+    (bf16) in a graph of 20 calls."""
+    from pagedserve.kernels.triton_lora import add_lora_delta, reference_lora_delta
+    from pagedserve.models.lora import tokens_by_slot
+
+    gen = torch.Generator().manual_seed(0)
+    lines = [
+        "| projection | dtype | tokens | max error / max delta: eager, graph | µs a call |",
+        "|---|---|---:|---:|---:|",
+    ]
+    step_us: dict[int, float] = {}
+    capacity, slots_n, rank = 256, 4, 16
+    for name, (k, sizes) in QWEN_PROJECTIONS.items():
+        n = sum(sizes)
+        for dtype in (torch.bfloat16, torch.float32):
+            for t in (1, 8, 64, 256):
+                x = torch.randn(t, k, generator=gen).to(dtype)
+                a = (torch.randn(slots_n, len(sizes), rank, k, generator=gen) * 0.05).to(dtype)
+                b = (torch.randn(slots_n, n, rank, generator=gen) * 0.05).to(dtype)
+                y = torch.randn(t, n, generator=gen).to(dtype)
+                mixed = np.array([i % (slots_n + 1) - 1 for i in range(t)])  # -1 (none) .. 3
+                delta = reference_lora_delta(x, a, b, torch.from_numpy(mixed), sizes)
+                want = y.float() + delta
+                cuda = [v.cuda() for v in (x, a, b, y)]
+                xd, ad, bd, yd = cuda
+
+                def metadata(slots: np.ndarray) -> torch.Tensor:
+                    return torch.from_numpy(tokens_by_slot(slots, slots_n, capacity)).cuda()
+
+                meta = metadata(mixed)
+                out = yd.clone()
+                add_lora_delta(xd, out, ad, bd, meta[:capacity], meta[capacity:], sizes)
+                scale = float(delta.abs().max()) or 1.0
+                eager = float((out.cpu().float() - want).abs().max()) / scale
+                meta.copy_(metadata(np.zeros(t, np.int64)))
+                out = yd.clone()
+                graph = torch.cuda.CUDAGraph()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    add_lora_delta(xd, out, ad, bd, meta[:capacity], meta[capacity:], sizes)
+                meta.copy_(metadata(mixed))
+                out.copy_(yd)
+                graph.replay()
+                replayed = float((out.cpu().float() - want).abs().max()) / scale
+                us = ""
+                if dtype == torch.bfloat16:
+                    meta.copy_(metadata(np.zeros(t, np.int64)))  # every token adapted
+                    timed = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(timed):
+                        for _ in range(20):
+                            add_lora_delta(xd, out, ad, bd, meta[:capacity], meta[capacity:], sizes)
+                    timed.replay()
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(10):
+                        timed.replay()
+                    torch.cuda.synchronize()
+                    call = (time.perf_counter() - start) / 200 * 1e6
+                    step_us[t] = step_us.get(t, 0.0) + call
+                    us = f"{call:.1f}"
+                bound = 1e-4 if dtype == torch.float32 else 2e-2
+                verdict = "ok" if max(eager, replayed) < bound else "**FAIL**"
+                lines.append(
+                    f"| {name} | {str(dtype)[6:]} | {t} | {eager:.1e}, {replayed:.1e} {verdict} "
+                    f"| {us} |"
+                )
+    for t, us in step_us.items():
+        lines.append(f"| 28 layers x the four (Qwen3-0.6B step) | bf16 | {t} | | {28 * us:.0f} |")
+    return lines
+
+
 def timing(root: Path, requests: int, rank: int) -> list[str]:
     vocab = int(load_model_config(QWEN).vocab_size)
     rng = random.Random(0)
@@ -160,11 +246,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--only", nargs="+", default=["check", "timing"])
+    parser.add_argument("--only", nargs="+", default=["kernels", "check", "timing"])
     args = parser.parse_args()
     report = [f"# LoRA on {torch.cuda.get_device_name()}, {datetime.datetime.now():%Y-%m-%d %H:%M}"]
     with tempfile.TemporaryDirectory() as tmp:
         parts = {
+            "kernels": kernels,
             "check": lambda: check(Path(tmp)),
             "timing": lambda: timing(Path(tmp), args.requests, args.rank),
         }

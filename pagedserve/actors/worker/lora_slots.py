@@ -20,7 +20,7 @@ from pagedserve.actors.worker.prefill_graphs import prefill_rows
 from pagedserve.actors.worker.speculative import decode_rows
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.config import EngineConfig
-from pagedserve.models.lora import attach_lora, kernel_rank, load_adapter
+from pagedserve.models.lora import attach_lora, kernel_rank, load_adapter, tokens_by_slot
 from pagedserve.models.lora_format import read_adapter_config
 
 
@@ -30,6 +30,7 @@ class LoRASlots:
         self.layers, self.context = attach_lora(model, config.max_loras, rank, model.layer_config)
         self.device = device
         self.slot_of: OrderedDict[tuple[int, str], int] = OrderedDict()  # adapter -> slot
+        self.num_slots = config.max_loras
         self.free = list(range(config.max_loras))
         self.row_slot = np.full(config.max_num_seqs, -1, np.int64)
         self.uploader: Uploader | None = None
@@ -39,11 +40,11 @@ class LoRASlots:
             self.use_kernels(rows)
 
     def use_kernels(self, rows: int) -> None:
-        """Steps of at most `rows` tokens take the kernels, which read each token's slot from
-        a device buffer (the graphs captured at start-up take them too)."""
-        self.context.slots = torch.full((rows,), -1, dtype=torch.int32, device=self.device)
+        """Steps of at most `rows` tokens take the kernels, which read the tokens sorted by
+        slot from a device buffer (the graphs captured at start-up take them too)."""
+        self.buffer = torch.zeros(rows + self.num_slots + 1, dtype=torch.int32, device=self.device)
+        self.context.order, self.context.starts = self.buffer[:rows], self.buffer[rows:]
         self.context.use_kernel = True
-        self.host_slots = np.full(rows, -1, np.int32)  # the buffer's next contents
         self.uploader = Uploader(self.device)  # its own: the step's uploader's buffer is in use
 
     def assign(self, row: int, lora: LoRARequest | None, live_rows: list[int]) -> None:
@@ -69,18 +70,16 @@ class LoRASlots:
         raise RuntimeError("every LoRA slot is in use: more adapters than max_loras at once")
 
     def prepare(self, rows: np.ndarray, num_tokens: list[int]) -> None:
-        """The step's tokens (rows' tokens one row after another) by slot: each token's slot
-        in the kernels' buffer (GPU, a step that fits it), else grouped."""
+        """The step's tokens (rows' tokens one row after another) by slot: sorted by slot in
+        the kernels' buffer (GPU, a step that fits it), else grouped."""
         slots = np.repeat(self.row_slot[rows], num_tokens)
         context = self.context
-        buffer = context.slots
-        context.use_kernel = buffer is not None and len(slots) <= len(buffer)
+        order = context.order
+        context.use_kernel = order is not None and len(slots) <= len(order)
         if context.use_kernel:
-            assert buffer is not None and self.uploader is not None
-            host = self.host_slots  # the upload copies it: free to rewrite next step
-            host[: len(slots)] = slots
-            host[len(slots) :] = -1
-            buffer.copy_(self.uploader.upload([host])[0])  # ordered after the last step
+            assert order is not None and self.uploader is not None
+            host = tokens_by_slot(slots, self.num_slots, len(order))
+            self.buffer.copy_(self.uploader.upload([host])[0])  # ordered after the last step
             context.groups = []
             return
         context.groups = [
