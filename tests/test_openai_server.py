@@ -409,13 +409,14 @@ async def test_many_streams_with_disconnects_free_every_block(server) -> None:
 
 async def assert_the_server_client_holds_nothing(base: str) -> None:
     """The API server's engine client keeps nothing of finished or abandoned requests: its
-    queue depths (from its heartbeats, in /metrics) go back to 0."""
+    queue depths (from its heartbeats, in /metrics, which has none before the first) go back
+    to 0."""
     names = [f'pagedserve:actor_queue_depth{{actor="api-server",queue="{q}"}}'
              for q in ("requests", "streams")]  # fmt: skip
     async with httpx.AsyncClient() as http:
         for _ in range(60):  # a heartbeat a second; one may be taken while /metrics waits
             text = (await http.get(base + "/metrics")).text
-            depths = [metric(text, name) for name in names]
+            depths = [metric(text, name, default=-1.0) for name in names]
             if depths == [0, 0]:
                 return
             await anyio.sleep(0.1)
