@@ -6,8 +6,9 @@ holds, for every slot, A [parts, max_lora_rank, in] and B [out, max_lora_rank] (
 parts' rows one after another; ranks zero-padded, the scale s folded into B), sharded as the
 layer's own weight is: B by the layer's output shard, A by its input range (a row-parallel
 layer adds its partial delta before the all-reduce, which sums it with the rest). Before a
-forward the worker groups the step's tokens by slot (`LoRAContext`); a layer then adds, for
-each slot in use, the delta of that slot's tokens: a gather, two skinny matmuls, an index_add.
+forward the worker groups the step's tokens by slot (`LoRAContext`); a layer then adds each
+slot's delta to its tokens: on a GPU by the kernels of kernels/triton_lora.py, else for each
+slot in use by a gather, two skinny matmuls and an index_add.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from pagedserve.actors.messages import LoRARequest
-from pagedserve.actors.worker.prefill_graphs import prefill_rows
 from pagedserve.actors.worker.speculative import decode_rows
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.config import EngineConfig
@@ -34,10 +33,8 @@ class LoRASlots:
         self.free = list(range(config.max_loras))
         self.row_slot = np.full(config.max_num_seqs, -1, np.int64)
         self.uploader: Uploader | None = None
-        if device.type == "cuda":  # the kernels' path, CUDA graphs included (triton_lora.py)
-            longest_chunk = min(config.max_num_batched_tokens, config.max_model_len or 0)
-            rows = max(decode_rows(config), prefill_rows(config.prefill_graph_sizes, longest_chunk))
-            self.use_kernels(rows)
+        if device.type == "cuda":  # the kernels' path for every step, CUDA graphs included
+            self.use_kernels(max(decode_rows(config), config.max_num_batched_tokens))
 
     def use_kernels(self, rows: int) -> None:
         """Steps of at most `rows` tokens take the kernels, which read the tokens sorted by
