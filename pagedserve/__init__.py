@@ -9,16 +9,24 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.actors.messages import LoRARequest
+    from pagedserve.actors.pooling_params import PoolingParams
     from pagedserve.actors.sampling_params import SamplingParams, StructuredOutputsParams
     from pagedserve.api.beam_search import BeamSearchParams
     from pagedserve.api.llm import LLM
     from pagedserve.config import EngineConfig, ProfileConfig
-    from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedserve.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestOutput,
+    )
 
 __all__ = [
     "LLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "PoolingParams",
     "BeamSearchParams",
     "LoRARequest",
     "EngineConfig",
@@ -26,6 +34,8 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
 ]
 __version__ = "0.1.0"
 
@@ -33,6 +43,7 @@ _HOMES = {
     "LLM": "pagedserve.api.llm",
     "SamplingParams": "pagedserve.actors.sampling_params",
     "StructuredOutputsParams": "pagedserve.actors.sampling_params",
+    "PoolingParams": "pagedserve.actors.pooling_params",
     "BeamSearchParams": "pagedserve.api.beam_search",
     "LoRARequest": "pagedserve.actors.messages",
     "EngineConfig": "pagedserve.config",
@@ -40,6 +51,8 @@ _HOMES = {
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "Logprob": "pagedserve.outputs",
+    "EmbeddingRequestOutput": "pagedserve.outputs",
+    "EmbeddingOutput": "pagedserve.outputs",
 }
 
 

@@ -18,6 +18,7 @@ import msgspec
 from pagedserve.cpus import usable_cpus
 from pagedserve.layout import check_layout
 from pagedserve.models.model_config import context_limit
+from pagedserve.models.pooling_layout import model_pooling
 
 DEFAULT_MODEL = "pagedserve/tiny-shakespeare"
 # vLLM's names (models/quantization/config.py says what each means)
@@ -133,6 +134,57 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         (1 + k each) and a draft model's k decodes."""
         k = self.num_speculative_tokens
         return (self.num_rounds - 1) * (1 + k) + (k if self.method == "draft_model" else 0)
+
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+class PoolerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How an embedding pools the prompt's final hidden states into one vector, vLLM's
+    `pooler_config`: {"pooling_type": "MEAN", "normalize": false}. LAST: the last prompt
+    token's; MEAN: the mean over every prompt token; CLS: the first token's. `normalize`: the
+    vector (after PoolingParams.dimensions) is scaled to unit length, unless a request says
+    otherwise. Unset fields come from the model directory's sentence-transformers layout
+    (models/pooling_layout.py), else LAST with normalize (vLLM's default for decoder models);
+    `EngineConfig.resolve()` fills them."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            if self.pooling_type.upper() not in POOLING_TYPES:
+                raise ValueError(
+                    f"pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                    f"got {self.pooling_type!r}"
+                )
+            self.pooling_type = self.pooling_type.upper()
+
+    @property
+    def pools_every_position(self) -> bool:
+        """Whether a request needs positions before its last (MEAN, CLS): it takes no
+        prefix-cache hit, whose positions would never run."""
+        return self.pooling_type in ("MEAN", "CLS")
+
+    def resolved(self, model_path: str) -> PoolerConfig:
+        """The fields left unset filled from the model directory, or vLLM's defaults."""
+        if self.pooling_type is not None and self.normalize is not None:
+            return self
+        layout = model_pooling(model_path)
+        pooling_type, normalize = self.pooling_type, self.normalize
+        if pooling_type is None:
+            pooling_type = (layout.pooling_type() if layout is not None else None) or "LAST"
+        if normalize is None:
+            normalize = layout.normalize if layout is not None else True
+        return PoolerConfig(pooling_type=pooling_type, normalize=normalize)
+
+
+def pooler_config(value: dict) -> PoolerConfig:
+    """A PoolerConfig from vLLM's dict form; ValueError with a clear message otherwise."""
+    try:
+        return msgspec.convert(value, PoolerConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid pooler_config: {exc}") from None
 
 
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -261,11 +313,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's
     generation_config: str = "auto"  # defaults from generation_config.json: auto | vllm | DIR
     trust_remote_code: bool = False  # accepted for vLLM compatibility: only local code runs
+    # embeddings (PoolingParams): how a prompt is pooled; unset fields filled by resolve()
+    pooler_config: PoolerConfig = msgspec.field(default_factory=PoolerConfig)
     supervision: SupervisionConfig = msgspec.field(default_factory=SupervisionConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...})
             self.speculative_config = speculative_config(self.speculative_config)
+        if isinstance(self.pooler_config, dict):  # LLM(pooler_config={...}), --pooler-config
+            self.pooler_config = pooler_config(self.pooler_config)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs <= 0:
@@ -357,6 +413,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             device=device,
             attention_backend=backend,
             bus_spin_us=spin_us,
+            pooler_config=self.pooler_config.resolved(self.model_path),
             max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
         )
 

@@ -1,8 +1,11 @@
-"""Results of the offline API, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+"""Results of the offline API, shaped like vLLM's `RequestOutput` / `CompletionOutput` and
+`EmbeddingRequestOutput` / `EmbeddingOutput`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pagedserve.actors.messages import RequestDelta, TokenLogprobs
 
@@ -66,3 +69,28 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finished() for o in self.outputs)
+
+
+def embedding_floats(vector: bytes) -> list[float]:
+    """An embedding's values from the engine's wire form (little-endian float32 bytes)."""
+    return np.frombuffer(vector, dtype="<f4").tolist()
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """How many values the embedding has (vLLM's name)."""
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (LLM.embed), vLLM's shape."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool

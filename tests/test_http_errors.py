@@ -12,7 +12,13 @@ import httpx2 as httpx
 import pytest
 
 from pagedserve.actors.chat import load_tokenizer
-from pagedserve.actors.messages import LoRARequest, PromptOptions, RequestDelta, SamplingParams
+from pagedserve.actors.messages import (
+    LoRARequest,
+    PoolingParams,
+    PromptOptions,
+    RequestDelta,
+    SamplingParams,
+)
 from pagedserve.api.client_core import EngineRequestError, Prompt
 from pagedserve.api.errors import RETRY_AFTER_S
 from pagedserve.api.openai_server import OpenAIServer, build_app
@@ -34,6 +40,7 @@ class RefusingEngine:
         options: PromptOptions | None = None,
         priority: int = 0,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestDelta]:
         raise EngineRequestError("the engine's waiting queue is full", self.status_code)
         yield  # an async generator, like the real client's

@@ -18,6 +18,7 @@ from pagedserve.actors.chat import load_tokenizer
 from pagedserve.actors.messages import (
     FinishReason,
     LoRARequest,
+    PoolingParams,
     PromptOptions,
     RequestDelta,
     SamplingParams,
@@ -107,6 +108,7 @@ class ScriptedEngine:
         options: PromptOptions | None = None,
         priority: int = 0,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestDelta]:
         self.sampling.append(sampling)
         size = -(-len(self.reply) // self.pieces)

@@ -5,7 +5,8 @@ request, the prompt and the sampling settings) before the request's first tokens
 ordered channel, so the detokenizer learns every route from the request's owner. For each step
 it turns new tokens into text (incremental, UTF-8 safe, stop strings), and sends each client
 one frame with all its deltas. A stop string ends the request here: the final delta goes out
-and the scheduler is told to stop computing it. Refusals from the tokenizer and the scheduler
+and the scheduler is told to stop computing it. A pooling request's one output is its final
+delta, with its vector (`embedding`) and no tokens. Refusals from the tokenizer and the scheduler
 and stats replies reach their clients through here too: clients have one way in.
 
 Clients connect a DEALER to its ROUTER (Hello -> Welcome) and probe it (Ping -> Pong); both
@@ -220,6 +221,7 @@ class DetokenizerActor(Actor):
             if stream is not None and (route.output_token_ids or route.finish_reason is not None):
                 delta = stream.push(route.output_token_ids, None, route.finish_reason,
                                     route.stop_reason, 0)  # fmt: skip
+                delta.embedding = route.pooled
                 self.close_if_final(route.handle, delta, route.finish_reason, stopped)
                 batches[stream.client].append(delta)
         for error in message.errors:
@@ -233,7 +235,7 @@ class DetokenizerActor(Actor):
                 continue  # its route, in this message, carried these tokens already
             delta = stream.push(token_ids, logprobs, output.finish_reason, output.stop_reason,
                                 output.num_cached_tokens)  # fmt: skip
-            delta.prompt_logprobs = output.prompt_logprobs
+            delta.prompt_logprobs, delta.embedding = output.prompt_logprobs, output.pooled
             self.close_if_final(output.handle, delta, output.finish_reason, stopped)
             batches[stream.client].append(delta)
         if self.timeline is not None:  # marked before the sends: a client may be quicker

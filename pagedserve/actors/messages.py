@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from pagedserve.actors.pooling_params import PoolingParams as PoolingParams
 from pagedserve.actors.sampling_params import SamplingParams as SamplingParams
 from pagedserve.actors.sampling_params import StructuredOutputsParams as StructuredOutputsParams
 
@@ -102,6 +103,7 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     options: PromptOptions = msgspec.field(default_factory=PromptOptions)
     priority: int = 0  # with scheduling_policy "priority": lower is admitted first
     lora: LoRARequest | None = None  # the adapter it runs with (enable_lora)
+    pooling: PoolingParams | None = None  # an embedding: the prompt pooled, no output tokens
 
 
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -151,6 +153,7 @@ class RequestDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     text_offset: int = 0  # index of text[0] in the output text
     request_id: str = ""  # the client's label: filled in by the client, never sent
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # None for token 0; sent once
+    embedding: bytes | None = None  # a pooling request's vector (little-endian float32), final
 
 
 class DeltaBatch(msgspec.Struct, tag=True):
@@ -181,6 +184,7 @@ class AddRequest(msgspec.Struct, tag=True, kw_only=True):
     resume_token_ids: list[int] = []  # see GenerateRequest
     priority: int = 0  # see GenerateRequest
     lora: LoRARequest | None = None  # see GenerateRequest
+    pooling: PoolingParams | None = None  # see GenerateRequest
 
 
 class StopRequests(msgspec.Struct, tag=True):
@@ -200,6 +204,7 @@ class Route(msgspec.Struct, array_like=True):
     output_token_ids: list[int]  # generated before this route was sent (a resume or rebuild)
     finish_reason: FinishReason | None = None  # set when re-sending a finished request's route
     stop_reason: int | None = None
+    pooled: bytes | None = None  # a finished pooling request's vector (RequestDelta.embedding)
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
@@ -213,6 +218,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     output_offset: int  # how many output tokens came before new_token_ids
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first output tokens
+    pooled: bytes | None = None  # a pooling request's vector, with its final output
 
 
 class EngineOutputs(msgspec.Struct, tag=True, kw_only=True):
@@ -277,6 +283,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
     lora: LoRARequest | None = None  # the adapter it runs with
+    pooling: PoolingParams | None = None  # a pooling request: it never samples (worker/pooling.py)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -337,6 +344,7 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     draft_token_ids: list[list[int]] = []  # proposals for each request's next step
     prompt_logprobs: list[PromptLogprobs] = []  # chunks of prompts computed this step
     grammar_done: list[int] = []  # requests whose structured output these tokens complete
+    pooled: dict[int, bytes] = {}  # pooling requests whose prompt ends this step: their vectors
 
 
 class Shutdown(msgspec.Struct, tag=True):

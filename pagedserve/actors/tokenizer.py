@@ -48,9 +48,11 @@ class PromptEncoder:
         max_model_len: int,
         grammars: GrammarChecker | None = None,
         max_logprobs: int = 20,
+        hidden_size: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.hidden_size = hidden_size  # the most values an embedding has (PoolingParams)
         self.max_logprobs = min(max_logprobs, vocab_size)  # EngineConfig.max_logprobs
         self.max_chars = max_model_len * longest_token_chars(tokenizer)
         self.grammars = grammars  # checks structured outputs (None: no tokenizer)
@@ -89,8 +91,10 @@ class PromptEncoder:
             )
         else:
             raise ValueError("a request needs a prompt, prompt token ids or chat messages")
-        ids = self.truncated(ids, request.sampling.truncate_prompt_tokens)
-        self.check_ids(ids, request.resume_token_ids)
+        room = 0 if request.pooling is not None else 1  # for output: an embedding has none
+        ids = self.truncated(ids, request.sampling.truncate_prompt_tokens, room)
+        self.check_ids(ids, request.resume_token_ids, room)
+        self.check_dimensions(request)
         self.check_grammar(request)
         self.resolve_bad_words(request)
         self.check_sampling_token_ids(request)
@@ -115,11 +119,11 @@ class PromptEncoder:
                 sequences.append(spaced)
         sampling.bad_words_token_ids = sequences
 
-    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
-        """The prompt's last `keep` tokens (-1: max_model_len - 1, room for one output token)."""
+    def truncated(self, ids: list[int], keep: int | None, room: int) -> list[int]:
+        """The prompt's last `keep` tokens (-1: max_model_len - room, room for output)."""
         if keep is None:
             return ids
-        keep = self.max_model_len - 1 if keep == -1 else keep
+        keep = self.max_model_len - room if keep == -1 else keep
         return ids[-keep:] if keep > 0 else []
 
     def check_sampling_token_ids(self, request: GenerateRequest) -> None:
@@ -147,15 +151,26 @@ class PromptEncoder:
             raise ValueError("structured outputs need the model's tokenizer (skip_tokenizer_init)")
         self.grammars.check(structured)
 
-    def check_ids(self, ids: list[int], resume_ids: list[int]) -> None:
+    def check_ids(self, ids: list[int], resume_ids: list[int], room: int) -> None:
+        """Token ids the model knows, leaving `room` tokens for output within max_model_len."""
         if not ids:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in ids + resume_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
+        if len(ids) + room > self.max_model_len:
+            rest = ", which leaves no room for output" if room else ""
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt has {len(ids)} tokens, which leaves no room for output."
+                f"prompt has {len(ids)} tokens{rest}."
+            )
+
+    def check_dimensions(self, request: GenerateRequest) -> None:
+        """An embedding keeps at most the model's hidden size of values."""
+        dimensions = request.pooling.dimensions if request.pooling is not None else None
+        if dimensions is not None and dimensions > self.hidden_size:
+            raise ValueError(
+                f"dimensions must be at most the model's hidden size, {self.hidden_size}; "
+                f"got {dimensions}"
             )
 
 
@@ -202,7 +217,7 @@ class TokenizerActor(Actor):
         self.adapters = AdapterChecks(model, self.config.enable_lora, self.config.max_lora_rank)
         self.encoder = PromptEncoder(
             tokenizer, vocab_size, self.config.max_model_len or 0, grammars,
-            self.config.max_logprobs,
+            self.config.max_logprobs, model.hidden_size,
         )  # fmt: skip
 
     def queue_depths(self) -> dict[str, int]:
@@ -268,6 +283,6 @@ class TokenizerActor(Actor):
                 client=client, seq=request.seq, prompt_token_ids=ids, sampling=request.sampling,
                 eos_token_ids=self.eos_token_ids, arrival_time=arrival,
                 resume_token_ids=request.resume_token_ids, priority=request.priority,
-                lora=request.lora,
+                lora=request.lora, pooling=request.pooling,
             )
         )  # fmt: skip

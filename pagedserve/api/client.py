@@ -46,6 +46,7 @@ from pagedserve.actors.messages import (
     LoRARequest,
     Ping,
     Pong,
+    PoolingParams,
     PromptOptions,
     RequestDelta,
     RequestError,
@@ -137,12 +138,14 @@ class Client:
         options: PromptOptions | None = None,
         priority: int = 0,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> int:
         """Send a request; returns its seq (deltas and errors name it). `options`: how the
         engine's tokenizer makes the prompt's ids (special tokens, chat template settings);
         `priority`: with priority scheduling, lower is admitted first; `lora`: the LoRA
-        adapter it runs with (an engine with enable_lora)."""
-        request = self.core.track(prompt, sampling, label, options, priority, lora)
+        adapter it runs with (an engine with enable_lora); `pooling`: an embedding of the
+        prompt (its one delta's `embedding`) rather than output tokens."""
+        request = self.core.track(prompt, sampling, label, options, priority, lora, pooling)
         refusal = self.core.refusal(request.seq)
         if refusal is not None:
             self._pending.append(refusal)
@@ -382,12 +385,13 @@ class AsyncClient:
         options: PromptOptions | None = None,
         priority: int = 0,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[Any]:
         """Stream one request's deltas (`request_id`: a label for them; deltas that wait for
-        the consumer arrive merged; `options`, `priority` and `lora` as Client.submit's);
-        leaving the loop early aborts the request."""
+        the consumer arrive merged; `options`, `priority`, `lora` and `pooling` as
+        Client.submit's); leaving the loop early aborts the request."""
         request = self.core.track(
-            prompt, sampling or SamplingParams(), request_id, options, priority, lora
+            prompt, sampling or SamplingParams(), request_id, options, priority, lora, pooling
         )
         raise_if_error(self.core.refusal(request.seq))
         collector = self._open(request.seq)

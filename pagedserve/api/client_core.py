@@ -27,6 +27,7 @@ from pagedserve.actors.messages import (
     GenerateRequest,
     LoRARequest,
     Pong,
+    PoolingParams,
     PromptOptions,
     RequestDelta,
     RequestError,
@@ -66,12 +67,14 @@ def make_request(
     options: PromptOptions | None = None,
     priority: int = 0,
     lora: LoRARequest | None = None,
+    pooling: PoolingParams | None = None,
 ) -> GenerateRequest:
     """The request for a prompt; `options`: how the tokenizer makes its ids (None: defaults);
-    `priority`: its place with priority scheduling (lower first); `lora`: its adapter."""
+    `priority`: its place with priority scheduling (lower first); `lora`: its adapter;
+    `pooling`: an embedding of the prompt instead of output tokens."""
     request = GenerateRequest(
         seq=seq, sampling=sampling, options=options or PromptOptions(), priority=priority,
-        lora=lora,
+        lora=lora, pooling=pooling,
     )  # fmt: skip
     if isinstance(prompt, str):
         request.prompt = prompt
@@ -124,9 +127,10 @@ class ClientCore:
         options: PromptOptions | None = None,
         priority: int = 0,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> GenerateRequest:
         """A new request (labelled `label`, or identity-seq) to send."""
-        request = make_request(self.next_seq(), prompt, sampling, options, priority, lora)
+        request = make_request(self.next_seq(), prompt, sampling, options, priority, lora, pooling)
         label = label if label is not None else f"{self.identity.decode()}-{request.seq}"
         self.requests[request.seq] = TrackedRequest(request, label)
         return request
@@ -229,6 +233,8 @@ def merge_delta(pending: RequestDelta, later: RequestDelta) -> None:
         pending.num_cached_tokens = later.num_cached_tokens
     if pending.prompt_logprobs is None:
         pending.prompt_logprobs = later.prompt_logprobs
+    if later.embedding is not None:
+        pending.embedding = later.embedding
     pending.finish_reason, pending.stop_reason = later.finish_reason, later.stop_reason
 
 

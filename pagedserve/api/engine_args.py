@@ -47,6 +47,12 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         'or \'{"model": PATH, "num_speculative_tokens": 4}\'',
     ),
+    "pooler_config": (
+        json.loads,
+        'how embeddings pool a prompt, as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": '
+        "false}' (LAST, MEAN or CLS; default: the model's sentence-transformers layout, else "
+        "LAST, normalized)",
+    ),
     "chat_template": (str, "a Jinja chat template, or the path of a file holding one"),
     "hf_overrides": (
         json.loads,

@@ -12,6 +12,7 @@ import anyio.abc
 
 from pagedserve.actors.messages import (
     LoRARequest,
+    PoolingParams,
     PromptOptions,
     RequestDelta,
     SamplingParams,
@@ -36,6 +37,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    embedding: bytes | None = None  # an embedding request's vector
 
     def add(self, delta: RequestDelta) -> None:
         self.text += delta.text
@@ -45,6 +47,8 @@ class Choice:
             self.prompt_token_ids = delta.prompt_token_ids
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason.openai_name
             self.stop_reason = delta.stop_reason
@@ -60,6 +64,7 @@ class Job:
     options: PromptOptions
     priority: int = 0
     lora: LoRARequest | None = None
+    pooling: PoolingParams | None = None  # an embedding of the prompt
 
 
 def plan_jobs(
@@ -68,13 +73,14 @@ def plan_jobs(
     options: PromptOptions,
     priority: int = 0,
     lora: LoRARequest | None = None,
+    pooling: PoolingParams | None = None,
 ) -> list[Job]:
     """Choice index = prompt index * n + child index."""
     jobs = []
     for p_index, prompt in enumerate(prompts):
         for c_index, child in enumerate(fan_out(sampling)):
             index = p_index * sampling.n + c_index
-            jobs.append(Job(index, prompt, child, options, priority, lora))
+            jobs.append(Job(index, prompt, child, options, priority, lora, pooling))
     return jobs
 
 
@@ -86,9 +92,7 @@ async def open_choices(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[As
     leaving the block early (an error, a cancelled request) aborts every unfinished job."""
     if len(jobs) == 1:
         job = jobs[0]
-        deltas = client.generate(
-            job.prompt, job.sampling, options=job.options, priority=job.priority, lora=job.lora
-        )
+        deltas = _generate(client, job)
         try:
             yield _tagged(job.index, deltas)
         finally:
@@ -109,6 +113,14 @@ async def open_choices(client: AsyncClient, jobs: list[Job]) -> AsyncIterator[As
         raise error
 
 
+def _generate(client: AsyncClient, job: Job) -> AsyncIterator[RequestDelta]:
+    """The job's engine request: its deltas."""
+    return client.generate(
+        job.prompt, job.sampling, options=job.options, priority=job.priority, lora=job.lora,
+        pooling=job.pooling,
+    )  # fmt: skip
+
+
 async def _tagged(index: int, deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[Event]:
     async for delta in deltas:
         yield index, delta
@@ -118,10 +130,7 @@ async def _pump(
     client: AsyncClient, job: Job, send: anyio.abc.ObjectSendStream[Event | Exception]
 ) -> None:
     try:
-        deltas = client.generate(
-            job.prompt, job.sampling, options=job.options, priority=job.priority, lora=job.lora
-        )
-        async for delta in deltas:
+        async for delta in _generate(client, job):
             await send.send((job.index, delta))
     except Exception as exc:  # raised in the consumer, which leaves and so cancels the rest
         await send.send(exc)

@@ -1,8 +1,9 @@
-"""Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`.
+"""Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`, and
+embeddings: `LLM(model).embed(prompts, PoolingParams(...))`.
 
 It starts the same actor processes as the server (tokenizer, scheduler, workers), submits every
 prompt at once through the ZeroMQ client and gathers the streamed deltas into vLLM-shaped
-`RequestOutput`s, in prompt order.
+`RequestOutput`s (`EmbeddingRequestOutput`s), in prompt order.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from tqdm import tqdm
@@ -19,11 +20,13 @@ from pagedserve.actors.chat import check_prompt_options, eos_token_ids, load_tok
 from pagedserve.actors.messages import (
     ChatMessage,
     LoRARequest,
+    PoolingParams,
     PromptOptions,
     RequestDelta,
     RequestError,
     SamplingParams,
 )
+from pagedserve.actors.pooling_params import pooling_sampling
 from pagedserve.actors.supervisor import EngineDeadError, Supervisor
 from pagedserve.api.beam_search import (
     BeamSearch,
@@ -36,7 +39,14 @@ from pagedserve.api.client_core import EngineRequestError, Prompt, fan_out
 from pagedserve.api.preflight import prepare_config
 from pagedserve.api.sampling_defaults import sampling_defaults
 from pagedserve.config import DEFAULT_MODEL, EngineConfig
-from pagedserve.outputs import CompletionOutput, RequestOutput, prompt_logprob_dicts
+from pagedserve.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    embedding_floats,
+    prompt_logprob_dicts,
+)
 
 PromptInput = str | list[int] | dict[str, Any]
 T = TypeVar("T")
@@ -52,6 +62,10 @@ class _Job(NamedTuple):
     sampling: SamplingParams
     label: str
     lora: LoRARequest | None
+    pooling: PoolingParams | None = None  # an embedding of the prompt
+
+
+Fold = Callable[[RequestDelta, tuple[int, int]], None]  # a delta into its place's result
 
 
 class LLM:
@@ -115,6 +129,46 @@ class LLM:
         check_prompt_options(options)
         loras = _per_prompt(lora_request, len(items), (LoRARequest, type(None)))
         return self._run(items, sampling_params, use_tqdm, options, loras=loras)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: each prompt's final hidden states pooled into one vector as the
+        engine's pooler_config says (PoolingParams: `dimensions`, `normalize`), in prompt
+        order; `truncate_prompt_tokens` keeps the prompts' last k tokens (-1: what fits);
+        `lora_request` as generate's."""
+        items = [_to_prompt(p) for p in _as_list(prompts)]
+        pooling = _per_prompt(pooling_params or PoolingParams(), len(items), PoolingParams)
+        loras = _per_prompt(lora_request, len(items), (LoRARequest, type(None)))
+        sampling = pooling_sampling(truncate_prompt_tokens)
+        labels = [str(next(self._request_counter)) for _ in items]
+        results = [
+            EmbeddingRequestOutput(label, EmbeddingOutput([]), [], False) for label in labels
+        ]
+        jobs = [
+            _Job(0, (index, 0), prompt, sampling, labels[index], loras[index], pooling[index])
+            for index, (_, prompt) in enumerate(items)
+        ]
+        bar = tqdm(total=len(results), desc="embed", disable=not use_tqdm or len(items) < 16)
+
+        def fold(delta: RequestDelta, place: tuple[int, int]) -> None:
+            result = results[place[0]]
+            if delta.prompt_token_ids is not None:
+                result.prompt_token_ids = delta.prompt_token_ids
+            if delta.embedding is not None:  # its one delta, the final one
+                result.outputs = EmbeddingOutput(embedding_floats(delta.embedding))
+                result.finished = True
+                bar.update(1)
+
+        with bar:
+            self._drive(jobs[::-1], PromptOptions(), fold)
+        return results
 
     def beam_search(
         self,
@@ -185,23 +239,41 @@ class LLM:
         params = _per_prompt(sampling_params, len(items), SamplingParams)
         count = len(items)
         results, jobs = self._plan(items, params, priority or [0] * count, loras or [None] * count)
-        owners: dict[int, tuple[int, int]] = {}  # engine request (seq) -> its place
         bar = tqdm(total=len(results), desc="generate", disable=not use_tqdm or len(items) < 16)
+
+        def fold(delta: RequestDelta, place: tuple[int, int]) -> None:
+            if self._fold(delta, results[place[0]], place[1]):
+                bar.update(1)
+
+        with bar:
+            self._drive(jobs, options, fold)
+        return results
+
+    def _drive(self, jobs: list[_Job], options: PromptOptions, fold: Fold) -> None:
+        """Send the jobs (last first), as many at once as the window allows, and fold each
+        delta into its place until every one has finished; an engine error is raised (and
+        every request still running aborted)."""
+        owners: dict[int, tuple[int, int]] = {}  # engine request (seq) -> its place
         try:
             while jobs or owners:
                 while jobs and len(owners) < self._window:  # within the engine's queue limit
                     job = jobs.pop()
                     seq = self.client.submit(
-                        job.prompt, job.sampling, job.label, options, job.priority, job.lora
-                    )
+                        job.prompt, job.sampling, job.label, options, job.priority, job.lora,
+                        job.pooling,
+                    )  # fmt: skip
                     owners[seq] = job.place
-                self._apply(self._next_message(), results, owners, bar)
+                message = self._next_message()
+                if message.seq not in owners:
+                    continue
+                if isinstance(message, RequestError):
+                    raise EngineRequestError(message.message, message.status_code)
+                fold(message, owners[message.seq])
+                if message.finish_reason is not None:
+                    del owners[message.seq]
         except BaseException:
             self.client.abort_seqs(list(owners))
             raise
-        finally:
-            bar.close()
-        return results
 
     @property
     def _window(self) -> int:
@@ -243,31 +315,15 @@ class LLM:
                 return message
 
     @staticmethod
-    def _apply(
-        message: RequestDelta | RequestError,
-        results: list[RequestOutput],
-        owners: dict[int, tuple[int, int]],
-        bar: tqdm,
-    ) -> int:
-        """Fold one delta into its result; returns how many engine requests finished (0/1)."""
-        if message.seq not in owners:
-            return 0
-        if isinstance(message, RequestError):
-            raise EngineRequestError(message.message, message.status_code)
-        index, child = owners[message.seq]
-        result = results[index]
-        if message.prompt_token_ids is not None:
-            result.prompt_token_ids = message.prompt_token_ids
-            result.num_cached_tokens = message.num_cached_tokens
-        if message.prompt_logprobs is not None:
-            result.prompt_logprobs = prompt_logprob_dicts(message.prompt_logprobs)
-        result.outputs[child].add(message)
-        if message.finish_reason is None:
-            return 0
-        del owners[message.seq]
-        if result.finished:
-            bar.update(1)
-        return 1
+    def _fold(delta: RequestDelta, result: RequestOutput, child: int) -> bool:
+        """Fold one delta into its result (choice `child`); whether it finished the result."""
+        if delta.prompt_token_ids is not None:
+            result.prompt_token_ids = delta.prompt_token_ids
+            result.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            result.prompt_logprobs = prompt_logprob_dicts(delta.prompt_logprobs)
+        result.outputs[child].add(delta)
+        return delta.finish_reason is not None and result.finished
 
     def shutdown(self) -> None:
         if getattr(self, "client", None) is not None:

@@ -1,11 +1,11 @@
 """OpenAI-compatible HTTP server: a Starlette app on uvicorn, running as its own actor process.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
-ending in `data: [DONE]`, or not), GET /v1/models and /v1/models/{id}, POST /tokenize and
-/detokenize (vLLM's shapes), GET /health and GET or POST /ping (200 only while the engine
-answers), /metrics and /version. It reaches the engine only through the async ZeroMQ client,
-like any other client. Every request is checked against `ServerConfig`'s limits before
-anything is decoded or queued.
+ending in `data: [DONE]`, or not), POST /v1/embeddings, GET /v1/models and /v1/models/{id},
+POST /tokenize and /detokenize (vLLM's shapes), GET /health and GET or POST /ping (200 only
+while the engine answers), /metrics and /version. It reaches the engine only through the async
+ZeroMQ client, like any other client. Every request is checked against `ServerConfig`'s limits
+before anything is decoded or queued.
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ from pagedserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     check_token_prompt,
 )
-from pagedserve.api.render import ChatRender, CompletionRender, Render
+from pagedserve.api.render import ChatRender, CompletionRender, EmbeddingRender, Render
 from pagedserve.api.responses import GenerationResponse
 from pagedserve.api.sampling_defaults import sampling_defaults
 from pagedserve.config import EngineConfig, ServerConfig, read_hf_config
@@ -93,6 +94,7 @@ class OpenAIServer:
         return [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -213,6 +215,26 @@ class OpenAIServer:
         render = ChatRender(self, body, self.limits.tool_call_parser if auto_tools else None)
         jobs = plan_jobs([messages], sampling, body.prompt_options(), body.priority, lora)
         return self.generate(render, jobs, sampling, body, arrival, beams)
+
+    async def embeddings(self, request: Request) -> Response:
+        """Each input pooled into one vector by the engine (the engine's pooler_config)."""
+        arrival = time.perf_counter()
+        body = await read_json(request, EmbeddingRequest, self.limits)
+        lora = self.check_model(body.model)
+        try:
+            body.check_supported()
+            prompts: list[Prompt] = list(body.prompts(self.limits))
+            for prompt in prompts:
+                if not isinstance(prompt, str):
+                    check_token_prompt(prompt, self.vocab_size, self.max_model_len, room=0)
+            pooling, sampling = body.pooling_params(), body.to_sampling()
+        except ValueError as exc:
+            raise APIError(str(exc), 400) from None
+        render = EmbeddingRender(self, body)
+        jobs = plan_jobs(prompts, sampling, body.prompt_options(), body.priority, lora, pooling)
+        if not self.limits.disable_log_requests:
+            logger.info("%s: %d engine request(s), %s", render.id, len(jobs), pooling)
+        return GenerationResponse(self.client, self.metrics, render, jobs, False, False, arrival)
 
     def generate(
         self,

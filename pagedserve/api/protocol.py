@@ -1,7 +1,8 @@
 """OpenAI request bodies as msgspec Structs (decoding is validation), their limits, and their
-mapping to `SamplingParams`. Unknown fields are ignored and wrong types are a 400, as with
-OpenAI; a known field that would change the output but is not implemented is a 400 too, never
-silently ignored. Every check here raises ValueError, which the server answers with a 400."""
+mapping to `SamplingParams` (and `PoolingParams`). Unknown fields are ignored and wrong types
+are a 400, as with OpenAI; a known field that would change the output but is not implemented is
+a 400 too, never silently ignored. Every check here raises ValueError, which the server answers
+with a 400."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import msgspec
 from pagedserve.actors.chat import check_prompt_options
 from pagedserve.actors.messages import (
     ChatMessage,
+    PoolingParams,
     PromptOptions,
     SamplingParams,
     StructuredOutputsParams,
 )
+from pagedserve.actors.pooling_params import pooling_sampling
 from pagedserve.api.beam_search import BeamSearchParams
 from pagedserve.api.structured import StructuredOutputFields
 from pagedserve.api.tools import Tool, ToolPlan, plan_tools
@@ -253,23 +256,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         return PromptOptions(add_special_tokens=self.add_special_tokens)
 
     def prompts(self, limits: ServerConfig) -> list[str | TokenPrompt]:
-        p = self.prompt
-        if isinstance(p, str):
-            prompts: list[str | TokenPrompt] = [p]
-        elif not p:
-            raise ValueError("prompt must not be empty")
-        elif all(isinstance(t, int) for t in p):
-            prompts = [list(p)]  # type: ignore[arg-type]
-        elif all(isinstance(t, str) for t in p) or all(isinstance(t, list) for t in p):
-            prompts = list(p)  # type: ignore[arg-type]
-        else:
-            raise ValueError("prompt must be a string, a list of strings, token ids or id lists")
-        if len(prompts) > limits.max_prompts_per_request:
-            raise ValueError(f"at most {limits.max_prompts_per_request} prompts per request")
-        for prompt in prompts:
-            if isinstance(prompt, str) and len(prompt) > limits.max_prompt_chars:
-                raise ValueError(f"a prompt is at most {limits.max_prompt_chars} characters")
-        return prompts
+        return prompt_list(self.prompt, "prompt", limits)
 
     def to_sampling(self, defaults: dict[str, Any]) -> SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:  # the most: --max-logprobs
@@ -363,6 +350,38 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         return self.sampling(limit, logprobs, defaults, self.prompt_logprobs)
 
 
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    """OpenAI's /v1/embeddings body, with vLLM's extra fields (add_special_tokens,
+    truncate_prompt_tokens, priority); `user` is accepted and ignored."""
+
+    input: str | list[str | Int64 | list[Int64]]  # text, texts, token ids, or lists of ids
+    model: str | None = None
+    encoding_format: str = "float"  # or "base64": little-endian float32 bytes, base64
+    dimensions: Int64 | None = None  # the first that many values (Matryoshka embeddings)
+    user: str | None = None
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: Int64 | None = None  # the input's last k tokens (-1: what fits)
+    priority: Int64 = 0
+
+    def check_supported(self) -> None:
+        if self.encoding_format not in ("float", "base64"):
+            raise ValueError(
+                f"encoding_format must be float or base64, not {self.encoding_format!r}"
+            )
+
+    def prompts(self, limits: ServerConfig) -> list[str | TokenPrompt]:
+        return prompt_list(self.input, "input", limits)
+
+    def prompt_options(self) -> PromptOptions:
+        return PromptOptions(add_special_tokens=self.add_special_tokens)
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(dimensions=self.dimensions)
+
+    def to_sampling(self) -> SamplingParams:
+        return pooling_sampling(self.truncate_prompt_tokens)
+
+
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's /tokenize: a prompt (TokenizeCompletionRequest) or messages (TokenizeChatRequest)."""
 
@@ -398,14 +417,40 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[Int64]
 
 
-def check_token_prompt(prompt: TokenPrompt, vocab_size: int, max_model_len: int) -> None:
-    """A prompt given as token ids, checked before anything is queued."""
+def prompt_list(
+    value: str | list[str | int | list[int]], name: str, limits: ServerConfig
+) -> list[str | TokenPrompt]:
+    """A body's prompts (its field `name`): one text, texts, token ids or lists of ids."""
+    if isinstance(value, str):
+        prompts: list[str | TokenPrompt] = [value]
+    elif not value:
+        raise ValueError(f"{name} must not be empty")
+    elif all(isinstance(t, int) for t in value):
+        prompts = [list(value)]  # type: ignore[arg-type]
+    elif all(isinstance(t, str) for t in value) or all(isinstance(t, list) for t in value):
+        prompts = list(value)  # type: ignore[arg-type]
+    else:
+        raise ValueError(f"{name} must be a string, a list of strings, token ids or id lists")
+    if len(prompts) > limits.max_prompts_per_request:
+        raise ValueError(f"at most {limits.max_prompts_per_request} prompts per request")
+    for prompt in prompts:
+        if isinstance(prompt, str) and len(prompt) > limits.max_prompt_chars:
+            raise ValueError(f"a prompt is at most {limits.max_prompt_chars} characters")
+    return prompts
+
+
+def check_token_prompt(
+    prompt: TokenPrompt, vocab_size: int, max_model_len: int, room: int = 1
+) -> None:
+    """A prompt given as token ids, checked before anything is queued: it leaves `room`
+    tokens for output (an embedding has none)."""
     if not prompt:
         raise ValueError("a prompt of token ids must not be empty")
     if any(not 0 <= t < vocab_size for t in prompt):
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-    if len(prompt) >= max_model_len:
+    if len(prompt) + room > max_model_len:
+        rest = ", which leaves no room for output" if room else ""
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{len(prompt)} tokens, which leaves no room for output."
+            f"{len(prompt)} tokens{rest}."
         )

@@ -1,7 +1,9 @@
-"""OpenAI response JSON: whole responses and stream chunks for completions and chat."""
+"""OpenAI response JSON: whole responses and stream chunks for completions and chat, and the
+embeddings answer."""
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -12,11 +14,11 @@ import msgspec
 from pagedserve.actors.messages import RequestDelta, TokenLogprobs
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.generation import Choice, Event
-from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from pagedserve.api.reasoning_parsers import ReasoningStream, split_reasoning
 from pagedserve.api.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls
 from pagedserve.api.tools import new_call_id
-from pagedserve.outputs import logprob_dict
+from pagedserve.outputs import embedding_floats, logprob_dict
 
 if TYPE_CHECKING:
     from pagedserve.api.openai_server import OpenAIServer
@@ -370,6 +372,37 @@ class ChatRender(Render):
         if calls:
             out["tool_calls"] = calls
         return out, "tool_calls" if stream.calls else choice.finish_reason
+
+
+class EmbeddingRender:
+    """The /v1/embeddings answer: each input's vector, as floats or (encoding_format base64,
+    which OpenAI's client asks for by default) its little-endian float32 bytes in base64, and
+    the inputs' tokens as its usage."""
+
+    def __init__(self, server: OpenAIServer, body: EmbeddingRequest) -> None:
+        self.server, self.body = server, body
+        self.id = f"embd-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def full(self, choices: list[Choice]) -> dict:
+        prompt_tokens = sum(len(choice.prompt_token_ids) for choice in choices)
+        return {
+            "id": self.id,
+            "object": "list",
+            "created": self.created,
+            "model": self.body.model or self.server.model_name,  # or a LoRA adapter's name
+            "data": [self.item(choice) for choice in choices],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        }
+
+    def item(self, choice: Choice) -> dict:
+        vector = choice.embedding or b""
+        encoded: str | list[float] = (
+            base64.b64encode(vector).decode()
+            if self.body.encoding_format == "base64"
+            else embedding_floats(vector)
+        )
+        return {"object": "embedding", "embedding": encoded, "index": choice.index}
 
 
 def top_with_sampled(entry: TokenLogprobs, text: Callable[[int], str]) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """Which requests the scheduler accepts: refusals before anything is scheduled.
 
 A prompt (with the tokens a resubmitting client holds) that can never fit is a 400: it must
-leave room for output within max_model_len and within what the KV cache holds for one request.
+leave room for output within max_model_len and within what the KV cache holds for one request
+(a pooling request, which has no output, may fill them).
 Beyond the waiting limit the engine is overloaded: a 503, which HTTP clients get with
 Retry-After (admission control keeps the waiting queue, and memory, bounded). An admitted
 request's first scheduling is counted here too (prompt tokens, prefix-cache hits).
@@ -33,13 +34,19 @@ def refusal(
         return "LoRA adapters need an engine started with --enable-lora", 400
     if msg.priority and config.scheduling_policy != "priority":
         return "a priority needs priority scheduling (--scheduling-policy priority)", 400
-    if num_tokens >= max_len:
+    if msg.pooling is not None and config.speculative_config is not None:
+        return "embeddings need an engine without speculative decoding", 400
+    if msg.pooling is not None and msg.resume_token_ids:
+        return "an embedding has no output tokens to resume", 400
+    room = 0 if msg.pooling is not None else 1  # for output
+    if num_tokens + room > max_len:
         limit = (
             f"This model's maximum context length is {max_len} tokens"
             if max_len == max_model_len
             else f"The KV cache holds at most {max_len} tokens of one request"
         )
-        return f"{limit}; the prompt has {num_tokens} tokens, which leaves no room for output.", 400
+        rest = ", which leaves no room for output" if room else ""
+        return f"{limit}; the prompt has {num_tokens} tokens{rest}.", 400
     if num_waiting >= max_waiting:
         return f"the engine is overloaded ({num_waiting} requests waiting); retry later", 503
     return None

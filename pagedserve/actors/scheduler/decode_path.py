@@ -11,11 +11,11 @@ otherwise, and before it has changed anything, it hands the step to the schedule
 (preemption, chunking, drafts).
 
 Results: a result of one token (and its logprobs, if any) for each request its plan
-recorded, in the recorded order (no drafts, prompt logprobs or grammar), is applied in bulk;
-only the requests that can end this step (their length reaches their limit, or the token is
-some live request's stop token) go through the exact stop check (Request.end_reason), and only
-those whose new token completes a computed block through the prefix cache. Any other result
-takes the scheduler's loop.
+recorded, in the recorded order (no drafts, prompt logprobs, grammar or pooled vectors), is
+applied in bulk; only the requests that can end this step (their length reaches their limit,
+or the token is some live request's stop token) go through the exact stop check
+(Request.end_reason), and only those whose new token completes a computed block through the
+prefix cache. Any other result takes the scheduler's loop.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def apply_result(sched: Scheduler, record: StepRecord, result: StepResult
 def _is_plain(result: StepResult, record: StepRecord) -> bool:
     """One token for each request the plan recorded, in its order, and nothing else but
     logprobs."""
-    if result.num_sampled or result.draft_token_ids or result.prompt_logprobs:
+    if result.num_sampled or result.draft_token_ids or result.prompt_logprobs or result.pooled:
         return False
     if result.grammar_done or result.handles != record.handles:
         return False

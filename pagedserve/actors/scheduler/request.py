@@ -15,6 +15,7 @@ from pagedserve.actors.messages import (
     FinishReason,
     LoRARequest,
     NewRequestData,
+    PoolingParams,
     RequestOutput,
     Route,
     SamplingParams,
@@ -63,6 +64,10 @@ class Request:
     # first, which has None), until they go out with the first output; [] when not wanted.
     # While it holds any, the request skips the prefix cache (every position needs logits).
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # an embedding (PoolingParams): it computes its prompt and ends with the pooled vector
+    # (`pooled`, from the worker's result), never sampling a token (scheduler/pooling.py)
+    pooling: PoolingParams | None = None
+    pooled: bytes | None = None
 
     @classmethod
     def from_add(
@@ -81,6 +86,8 @@ class Request:
         limit = (
             max_len if max_tokens is None else min(len(msg.prompt_token_ids) + max_tokens, max_len)
         )
+        if msg.pooling is not None:  # its one "token" (the vector) is never scheduled past
+            limit = len(msg.prompt_token_ids) + 1
         request = cls(
             handle=handle,
             client=msg.client,
@@ -96,6 +103,7 @@ class Request:
             priority=msg.priority,
             lora=msg.lora,
             prompt_logprobs=[] if msg.sampling.prompt_logprobs is None else [None],
+            pooling=msg.pooling,
         )
         wants_prompt_logprobs = msg.sampling.prompt_logprobs is not None
         request.row = columns.add(
@@ -107,7 +115,7 @@ class Request:
         """What a worker that does not hold it gets of it (the plan's wire form)."""
         return NewRequestData(
             self.handle, list(self.token_ids), self.num_prompt_tokens, self.sampling, self.seed,
-            list(self.block_table), self.num_computed_tokens, self.lora,
+            list(self.block_table), self.num_computed_tokens, self.lora, self.pooling,
         )  # fmt: skip
 
     @property
@@ -190,7 +198,7 @@ class Request:
         offset = self.num_output_tokens - len(new_token_ids)
         return RequestOutput(
             self.handle, new_token_ids, logprobs, self.finish_reason, self.stop_reason,
-            max(self.num_cached_tokens, 0), offset, self.take_prompt_logprobs(),
+            max(self.num_cached_tokens, 0), offset, self.take_prompt_logprobs(), self.pooled,
         )  # fmt: skip
 
     def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
@@ -218,4 +226,5 @@ class Request:
             self.token_ids[self.num_prompt_tokens :],
             self.finish_reason,
             self.stop_reason,
+            self.pooled,
         )

@@ -35,7 +35,7 @@ from pagedserve.actors.messages import (
     StepResult,
     TokenLogprobs,
 )
-from pagedserve.actors.scheduler import admission, decode_path, ordering, speculation
+from pagedserve.actors.scheduler import admission, decode_path, ordering, pooling, speculation
 from pagedserve.actors.scheduler.block_manager import BlockManager
 from pagedserve.actors.scheduler.columns import RequestColumns
 from pagedserve.actors.scheduler.decode_path import StepRecord
@@ -209,7 +209,8 @@ class Scheduler:
                 continue
             if req.lora is not None and not admission.lora_fits(req.lora, loras, self.config):
                 continue
-            cached = [] if req.prompt_logprobs else self.block_manager.find_cached_prefix(req)
+            hit = pooling.takes_cached_prefix(req, self.config)
+            cached = self.block_manager.find_cached_prefix(req) if hit else []
             num_hit = len(cached) * self.block_size
             n = min(req.num_tokens - num_hit, budget)
             slots = num_hit + self._slots(num_hit, n, plan.propose)
@@ -308,7 +309,11 @@ class Scheduler:
         if record is None:  # a step not in flight (lost, or another scheduler's)
             return []
         outputs = decode_path.apply_result(self, record, result)
-        return outputs if outputs is not None else self._apply_tokens(record, result)
+        if outputs is None:
+            outputs = self._apply_tokens(record, result)
+        if result.pooled:
+            outputs += pooling.finish_pooled(self, record, result.pooled)
+        return outputs
 
     def _apply_tokens(self, record: StepRecord, result: StepResult) -> list[RequestOutput]:
         """Each request's tokens of a step, in turn."""

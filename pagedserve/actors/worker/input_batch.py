@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.actors.messages import NewRequestData, SamplingParams
+from pagedserve.actors.messages import NewRequestData, PoolingParams, SamplingParams
 from pagedserve.actors.worker.sampler import (
     AllowedTokens,
     BannedTokens,
@@ -104,6 +104,11 @@ class InputBatch:
         self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (tokens, biases)
         self.allowed: dict[int, np.ndarray] = {}  # row -> the only tokens it may sample
         self.bad_words: dict[int, list[list[int]]] = {}  # row -> token sequences it must not end
+        # pooling requests (embeddings: worker/pooling.py), which never sample: the rows that
+        # pool, their PoolingParams, and what their earlier prompt chunks pooled (MEAN, CLS)
+        self.pools = np.zeros(max_num_reqs, bool)
+        self.pooling: dict[int, PoolingParams] = {}
+        self.pooled_so_far: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -137,6 +142,9 @@ class InputBatch:
         if data.sampling.bad_words_token_ids:
             self.bad_words[row] = data.sampling.bad_words_token_ids
         self.seeds[row] = data.seed
+        self.pools[row] = data.pooling is not None
+        if data.pooling is not None:
+            self.pooling[row] = data.pooling
         if self.needs_token_history(np.array([row])):
             self.history_rows.add(row)
         return row
@@ -148,6 +156,9 @@ class InputBatch:
             self.biases.pop(row, None)
             self.allowed.pop(row, None)
             self.bad_words.pop(row, None)
+            self.pools[row] = False
+            self.pooling.pop(row, None)
+            self.pooled_so_far.pop(row, None)
             heapq.heappush(self._free_rows, row)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:

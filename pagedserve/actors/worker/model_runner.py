@@ -5,6 +5,7 @@ requests, keyed by handle), runs the model over the scheduled tokens, computes l
 the requests that sample this step, samples, and appends the sampled tokens to its copy of each
 request. Decode steps (one token per request, each one sampling), short chunks and a lone
 prompt's chunk take the static paths (static_paths.py: replayed CUDA graphs); every other step
+(and any with a pooling request, whose prompt's hidden states become an embedding: pooling.py)
 builds its flattened inputs in step_inputs.py.
 
 The worker pipelines steps with `launch(plan)` / `finish()`: step N+1 is queued on the device
@@ -32,6 +33,7 @@ from pagedserve.actors.worker.input_batch import InputBatch
 from pagedserve.actors.worker.lora_slots import LoRASlots
 from pagedserve.actors.worker.parallel_groups import WorkerGroups, stage_layer_config
 from pagedserve.actors.worker.pipeline import StageDecodeStep, StageLink, run_stage
+from pagedserve.actors.worker.pooling import PooledVectors, Pooler
 from pagedserve.actors.worker.prefill_graphs import PrefillStep, prefill_rows
 from pagedserve.actors.worker.prompt_logprobs import PromptLogprobTensors
 from pagedserve.actors.worker.sampler import LogprobTensors, Sampler, SamplerOutput
@@ -39,7 +41,7 @@ from pagedserve.actors.worker.speculative import Proposer, decode_rows, make_pro
 from pagedserve.actors.worker.static_paths import StaticPaths
 from pagedserve.actors.worker.static_rows import static_rows
 from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs
-from pagedserve.actors.worker.step_logits import StepLogits
+from pagedserve.actors.worker.step_logits import RowOutputs, StepLogits
 from pagedserve.actors.worker.structured import StructuredOutputs
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.actors.worker.verify_step import speculative_step
@@ -61,6 +63,7 @@ class PendingStep:
     logprobs: LogprobTensors | None = None
     result: StepResult | None = None  # a step already finished: its tokens are on the host
     prompt_logprobs: PromptLogprobTensors | None = None
+    pooled: PooledVectors | None = None
 
 
 def select_device(name: str, rank: int) -> torch.device:
@@ -120,8 +123,9 @@ class ModelRunner(StaticPaths):
         # the last step's sampled ids, batch order: the next step takes its fed tokens here
         self.sampled = torch.zeros(decode_rows(config), dtype=torch.int64, device=self.device)
         self.uploader = Uploader(self.device)
+        self.pooler = Pooler(config.pooler_config, self.input_batch)  # embeddings
         self.inputs = StepInputBuilder(
-            self.input_batch, self.uploader, self.sampled, self.block_size
+            self.input_batch, self.uploader, self.sampled, self.block_size, self.pooler
         )
         self.device_wait_s = 0.0  # host time spent waiting for steps' sampled tokens
         self.setup_seconds: dict[str, float] = {}  # load_model and the start-up phases
@@ -152,7 +156,9 @@ class ModelRunner(StaticPaths):
         self.dtype = self.model.layer_config.cache_dtype  # the KV cache's element type
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.proposer = make_proposer(self.config, self.device)
-        self.logits = StepLogits(self.model.compute_logits, self.structured, self._settle_pending)
+        self.logits = StepLogits(
+            self.model.compute_logits, self.structured, self._settle_pending, self.pooler
+        )
         self.link = StageLink.of(self.groups, self.model, self.device)
         if self.config.enable_lora:
             self.lora_slots = LoRASlots(self.model, self.config, self.device)
@@ -261,6 +267,8 @@ class ModelRunner(StaticPaths):
             result.grammar_done = self.structured.accept_sampled(step.handles, rows, sampled)
         if step.prompt_logprobs is not None:
             result.prompt_logprobs = step.prompt_logprobs.to_wire()
+        if step.pooled is not None:
+            result.pooled = step.pooled.to_wire()
         return result
 
     def _apply_plan(self, plan: StepPlan) -> None:
@@ -340,7 +348,8 @@ class ModelRunner(StaticPaths):
             hidden = run_stage(model, self.link, inputs.input_ids, inputs.positions, metadata)  # type: ignore[arg-type]
             if hidden is None:  # a pipeline stage before the last
                 return step
-            output, step.prompt_logprobs = self.sample(hidden, inputs)
+            output, rows = self.sample(hidden, inputs)
+            step.prompt_logprobs, step.pooled = rows.prompt_logprobs, rows.pooled
             if output is None:
                 return step
             step.handles = inputs.sampling_handles
@@ -372,12 +381,13 @@ class ModelRunner(StaticPaths):
 
     def sample(
         self, hidden: torch.Tensor, inputs: StepInputs
-    ) -> tuple[SamplerOutput | None, PromptLogprobTensors | None]:
-        """The step's samples (None: no request samples) and its prompt logprobs."""
-        logits, prompt = self.logits.run(hidden, inputs)
-        if logits is None:
-            return None, prompt
+    ) -> tuple[SamplerOutput | None, RowOutputs]:
+        """The step's samples (None: no request samples), and what its other rows give (prompt
+        logprobs, pooled vectors)."""
+        rows = self.logits.run(hidden, inputs)
+        if rows.logits is None:
+            return None, rows
         metadata = self.input_batch.sampling_metadata(
             inputs.sampling_rows, inputs.sampling_positions, self.vocab_size
         )
-        return self.sampler(logits, metadata), prompt
+        return self.sampler(rows.logits, metadata), rows

@@ -1,7 +1,8 @@
 """The static paths of ModelRunner's steps, which replay captured CUDA graphs on a GPU: decode
 steps and short chunks as rows of the decode graphs (cuda_graphs.py, static_rows.py), and a
 lone request's prompt chunk through the prefill graphs (prefill_graphs.py); with the sampling
-of their rows. A part of ModelRunner (model_runner.py), kept apart for its size.
+of their rows. They give no hidden states to pool: a step with a pooling request (pooling.py)
+takes the general path. A part of ModelRunner (model_runner.py), kept apart for its size.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ class StaticPaths:
 
     def _is_lone_prefill(self, plan: StepPlan, rows: np.ndarray) -> bool:
         """Whether the plan is one request's chunk of 2 .. prefill_step.max_tokens tokens
-        without prompt logprobs: the prefill graphs run it (prefill_graphs.py)."""
-        step = self.prefill_step
+        without prompt logprobs or pooling: the prefill graphs run it (prefill_graphs.py)."""
+        step, batch = self.prefill_step, self.input_batch
         return (
             step is not None and len(rows) == 1
             and 1 < plan.num_scheduled_tokens[0] <= step.max_tokens
-            and bool(self.input_batch.sampling.num_prompt_logprobs[rows[0]] < 0)
+            and bool(batch.sampling.num_prompt_logprobs[rows[0]] < 0)
+            and not (batch.pooling and batch.pools[rows[0]])
         )  # fmt: skip
 
     def run_prefill(
@@ -65,9 +67,9 @@ class StaticPaths:
     def _is_decode_step(self, plan: StepPlan, rows: np.ndarray, pending_index: np.ndarray) -> bool:
         """Whether the static decode path runs the plan (static_rows.py): a decode step (one
         token per request, every request samples) or, with `static_prefill`, any step of at
-        most the path's rows without prompt logprobs."""
+        most the path's rows without prompt logprobs; never a step with a pooling request."""
         step, batch = self.decode_step, self.input_batch
-        if step is None:
+        if step is None or (batch.pooling and batch.pools[rows].any()):
             return False
         if max(plan.num_scheduled_tokens) == 1:
             known = batch.num_tokens[rows] + (pending_index >= 0)

@@ -6,9 +6,10 @@ the host yet: it is copied on the device from that step's output), positions, KV
 attention metadata, and the rows whose logits are needed: the last token of every request whose
 scheduled tokens reach the end of the tokens the worker knows for it (it samples), and with
 speculative decoding the rows of its drafts too (it samples after each of its last 1 + drafts
-tokens), then the rows whose logits give prompt logprobs (prompt_logprobs.py). In a step with
-prefill tokens the model's last layer, past caching every token's k/v, runs only those rows
-(AttentionMetadata.output_rows). Every array goes to the device in one upload.
+tokens), then the rows whose logits give prompt logprobs (prompt_logprobs.py), then the rows
+whose hidden states pooling requests pool (pooling.py; such a request never samples). In a step
+with prefill tokens the model's last layer, past caching every token's k/v, runs only those
+rows (AttentionMetadata.output_rows). Every array goes to the device in one upload.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from pagedserve.actors.worker import prompt_logprobs
 from pagedserve.actors.worker.input_batch import InputBatch
+from pagedserve.actors.worker.pooling import Pooler, PoolingRows
 from pagedserve.actors.worker.prompt_logprobs import PromptLogprobRows
 from pagedserve.actors.worker.uploader import Uploader
 from pagedserve.kernels.attention_metadata import (
@@ -46,6 +48,13 @@ class StepInputs:
     sampling_counts: np.ndarray  # logits rows of each (1 + its drafts)
     # rows whose logits give prompt logprobs: after the sampling rows in logits_indices
     prompt_logprobs: PromptLogprobRows | None = None
+    # rows whose hidden states pooling requests pool: after those in logits_indices
+    pooling: PoolingRows | None = None
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        rows = self.prompt_logprobs
+        return 0 if rows is None else len(rows.token_index)
 
 
 def _metadata_host(
@@ -130,10 +139,15 @@ def check_plan_fits(
 
 class StepInputBuilder:
     def __init__(
-        self, batch: InputBatch, uploader: Uploader, sampled: torch.Tensor, block_size: int
+        self,
+        batch: InputBatch,
+        uploader: Uploader,
+        sampled: torch.Tensor,
+        block_size: int,
+        pooler: Pooler,
     ) -> None:
         self.batch, self.uploader, self.sampled = batch, uploader, sampled
-        self.block_size = block_size
+        self.block_size, self.pooler = block_size, pooler
         # a step with prefill runs its last layer on the logits rows only (output_rows); off
         # where each token's layers must see the whole step (LoRA's token groups: lora.py)
         self.narrow_last_layer = True
@@ -160,10 +174,16 @@ class StepInputBuilder:
         tokens = _token_layout(batch, rows, computed, query_lens, pending_index, block_size)
         block_tables = batch.block_table_np[rows, : cdiv(int(seq_lens.max()), block_size)]
         batch.num_computed_tokens[rows] = seq_lens
-        out = _logits_rows(seq_lens >= known, num_drafts, query_lens, seq_lens)
+        samples = seq_lens >= known
+        if batch.pooling:  # a pooling request never samples
+            samples &= ~batch.pools[rows]
+        out = _logits_rows(samples, num_drafts, query_lens, seq_lens)
         prompt_rows = prompt_logprobs.select_rows(batch, handles, rows, computed, query_lens)
         if prompt_rows is not None:  # their rows follow the sampling rows
             out.add(prompt_rows.token_index, prompt_rows.request_index, prompt_rows.positions + 1)
+        pooling = self.pooler.select_rows(handles, rows, computed, query_lens)
+        if pooling is not None:  # and the pooling rows follow those
+            out.add(pooling.token_index, pooling.request_index, pooling.positions + 1)
         host = _metadata_host(query_lens, seq_lens, block_tables, tokens.slot_mapping)
         device_ids, device_positions, device_logits, metadata = self._upload(
             tokens, out, host, block_tables
@@ -178,6 +198,7 @@ class StepInputBuilder:
             sampling_handles=[h for h, s in zip(handles, out.samples.tolist()) if s],
             sampling_counts=out.counts,
             prompt_logprobs=prompt_rows,
+            pooling=pooling,
         )
 
     def _upload(

@@ -309,9 +309,9 @@ def _verify_general(
     )
     hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
     runner.proposer.observe(inputs)
-    output, prompt = runner.sample(hidden, inputs)
-    if prompt is not None:
-        result.prompt_logprobs = prompt.to_wire()
+    output, rows = runner.sample(hidden, inputs)
+    if rows.prompt_logprobs is not None:
+        result.prompt_logprobs = rows.prompt_logprobs.to_wire()
     if output is None:
         return [], [], [], None
     counts = inputs.sampling_counts.tolist()
