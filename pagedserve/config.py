@@ -61,6 +61,11 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     reasoning_parser: str | None = None
     # LoRA adapters served by name (the request's `model`): name -> adapter directory
     lora_modules: dict[str, str] = msgspec.field(default_factory=dict)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind its
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): off by default, as they let any client that reaches
+    # the server open paths of its file system and unload the adapters others use
+    allow_runtime_lora_updating: bool = False
+    max_lora_adapters: int = 256  # adapters served by name at once (--lora-modules included)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -72,6 +77,11 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser {self.reasoning_parser!r} is not one of {REASONING_PARSERS}"
+            )
+        if len(self.lora_modules) > self.max_lora_adapters:
+            raise ValueError(
+                f"{len(self.lora_modules)} LoRA modules exceed max_lora_adapters "
+                f"{self.max_lora_adapters}"
             )
 
 

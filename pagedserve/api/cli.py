@@ -29,6 +29,7 @@ SERVER_FLAGS = [
     "max_stop_string_chars",
     "max_stop_token_ids",
     "max_bad_words",
+    "max_lora_adapters",
 ]
 
 
@@ -59,6 +60,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="LoRA adapters served by name (a request's model), with --enable-lora; also "
         'vLLM\'s JSON form \'{"name": NAME, "path": PATH}\'',
     )  # fmt: skip
+    parser.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(any client that reaches the server may then load adapters from its file system)",
+    )  # fmt: skip
     group = parser.add_argument_group("server settings and request limits")
     defaults = ServerConfig()
     for name in SERVER_FLAGS:
@@ -82,6 +88,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         lora_modules=dict(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         **{name: getattr(args, name) for name in SERVER_FLAGS},
     )
 

@@ -2,10 +2,10 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
 ending in `data: [DONE]`, or not), POST /v1/embeddings, GET /v1/models and /v1/models/{id},
-POST /tokenize and /detokenize (vLLM's shapes), GET /health and GET or POST /ping (200 only
-while the engine answers), /metrics and /version. It reaches the engine only through the async
-ZeroMQ client, like any other client. Every request is checked against `ServerConfig`'s limits
-before anything is decoded or queued.
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter, POST /tokenize and /detokenize (vLLM's
+shapes), GET /health and GET or POST /ping (200 only while the engine answers), /metrics and
+/version. It reaches the engine only through the async ZeroMQ client, like any other client.
+Every request is checked against `ServerConfig`'s limits before anything is decoded or queued.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 import pagedserve
@@ -44,6 +44,11 @@ from pagedserve.api.client import AsyncClient
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.errors import APIError, on_api_error, on_http_exception
 from pagedserve.api.generation import Job, open_choices, plan_jobs
+from pagedserve.api.lora_adapters import (
+    LoadLoRAAdapterRequest,
+    LoRAAdapters,
+    UnloadLoRAAdapterRequest,
+)
 from pagedserve.api.metrics import Metrics
 from pagedserve.api.protocol import (
     ChatCompletionRequest,
@@ -63,10 +68,16 @@ logger = logging.getLogger(__name__)
 
 class OpenAIServer:
     """Route handlers. State: the engine client, the tokenizer (token strings, /tokenize; None
-    with skip_tokenizer_init), the sampling defaults of the generation config, the metrics."""
+    with skip_tokenizer_init), the sampling defaults of the generation config, the metrics, the
+    served LoRA adapters (kept in `state_dir` across restarts of the API server)."""
 
     def __init__(
-        self, client: AsyncClient, config: EngineConfig, tokenizer: Any, defaults: dict[str, Any]
+        self,
+        client: AsyncClient,
+        config: EngineConfig,
+        tokenizer: Any,
+        defaults: dict[str, Any],
+        state_dir: str | None = None,
     ) -> None:
         assert config.server is not None and config.max_model_len is not None
         self.client = client
@@ -75,10 +86,7 @@ class OpenAIServer:
         self.max_model_len = config.max_model_len
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(config.model_path, tokenizer)  # beam search's
-        self.loras = {  # the served LoRA adapters, by the name a request's `model` gives
-            name: LoRARequest(name, index, path)
-            for index, (name, path) in enumerate(self.limits.lora_modules.items(), 1)
-        }
+        self.loras = LoRAAdapters(config, self.model_name, state_dir)  # by a request's `model`
         self.vocab_size = (
             len(tokenizer)
             if tokenizer is not None
@@ -97,6 +105,8 @@ class OpenAIServer:
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -124,7 +134,7 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         await self.require_engine()
-        cards = [self.model_card(), *(self.model_card(lora) for lora in self.loras.values())]
+        cards = [self.model_card(), *(self.model_card(lora) for lora in self.loras.served())]
         return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
@@ -152,9 +162,24 @@ class OpenAIServer:
         """The adapter a request's `model` names (None: the model itself), else a 404."""
         if model is None or model == self.model_name:
             return None
-        if model in self.loras:
-            return self.loras[model]
-        raise APIError(f"The model `{model}` does not exist.", 404, "model_not_found")
+        lora = self.loras.get(model)
+        if lora is None:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model_not_found")
+        return lora
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        self.loras.require_runtime_updating()
+        body = await read_json(request, LoadLoRAAdapterRequest, self.limits)
+        await self.loras.load(body)
+        logger.info("LoRA adapter %r loaded from %s", body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        self.loras.require_runtime_updating()
+        body = await read_json(request, UnloadLoRAAdapterRequest, self.limits)
+        lora = await self.loras.unload(body)
+        logger.info("LoRA adapter %r unloaded", lora.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed successfully.")
 
     async def prometheus(self, request: Request) -> Response:
         try:
@@ -372,7 +397,9 @@ class APIServerActor(Actor):
             self.addresses.engine_address, connect_timeout_s=None, credentials=credentials
         ) as client:
             self.engine_client = client
-            handler = OpenAIServer(client, self.config, self.tokenizer, defaults)
+            handler = OpenAIServer(
+                client, self.config, self.tokenizer, defaults, state_dir=self.addresses.run_dir
+            )
             handler.actor_status = AsyncStatusClient(self.addresses.engine_address, credentials)
             config = uvicorn.Config(
                 build_app(handler),

@@ -49,8 +49,13 @@ def check_tokenizer_files(config: EngineConfig) -> None:
 
 
 def check_lora_modules(config: EngineConfig) -> None:
-    """The served LoRA adapters (--lora-modules) need --enable-lora and must fit the model."""
-    modules = config.server.lora_modules if config.server is not None else {}
+    """The served LoRA adapters (--lora-modules, --allow-runtime-lora-updating) need
+    --enable-lora and must fit the model."""
+    if config.server is None:
+        return
+    if config.server.allow_runtime_lora_updating and not config.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+    modules = config.server.lora_modules
     if not modules:
         return
     if not config.enable_lora:

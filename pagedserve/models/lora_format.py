@@ -52,7 +52,9 @@ def read_adapter_config(path: str) -> AdapterConfig:
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float):
         raise ValueError(f"the adapter at {path!r} has no valid r / lora_alpha")
     targets = raw.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
+    targets = [targets] if isinstance(targets, str) else targets
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"the adapter at {path!r} has no list of target_modules")
     unknown = sorted(set(targets) - set(TARGETS))
     if not targets or unknown:
         raise ValueError(f"LoRA target modules must be among {sorted(TARGETS)}, got {unknown}")
@@ -96,7 +98,7 @@ def check_adapter(path: str, model: ModelConfig, max_rank: int) -> AdapterConfig
     header = _safetensors_header(os.path.join(path, WEIGHTS_FILE))
     for name, shape in expected_shapes(model, adapter).items():
         entry = header.get(name)
-        if not isinstance(entry, dict) or tuple(entry.get("shape", ())) != shape:
+        if not isinstance(entry, dict) or entry.get("shape") != list(shape):
             raise ValueError(f"the adapter at {path!r} lacks {name} of shape {list(shape)}")
     return adapter
 
