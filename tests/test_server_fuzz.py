@@ -1,7 +1,8 @@
 """Fuzzing the HTTP server: 1,000+ generated bodies (valid, near-valid and hostile: huge ints,
 floats for ints, nested junk, wrong types, empty lists, unicode, huge n, wrong Content-Type) to
-both generation endpoints of one real server. None may get a 5xx, a text/plain body never runs,
-and afterwards the engine still serves with every KV block free."""
+both generation endpoints and the embeddings endpoint of one real server. None may get a 5xx,
+a text/plain body never runs, and afterwards the engine still serves with every KV block
+free."""
 
 from __future__ import annotations
 
@@ -71,15 +72,14 @@ SAMPLING = {  # valid values of every field both endpoints take
     "use_beam_search": st.booleans(),
     "length_penalty": st.floats(-2, 2),
 }
+COMPLETION_PROMPTS = st.one_of(
+    TEXT,
+    TOKEN_IDS,
+    st.lists(TEXT, min_size=1, max_size=2),
+    st.lists(TOKEN_IDS, min_size=1, max_size=2),
+)
 COMPLETION = st.fixed_dictionaries(
-    {
-        "prompt": st.one_of(
-            TEXT,
-            TOKEN_IDS,
-            st.lists(TEXT, min_size=1, max_size=2),
-            st.lists(TOKEN_IDS, min_size=1, max_size=2),
-        )
-    },
+    {"prompt": COMPLETION_PROMPTS},
     optional={
         **SAMPLING,
         "model": st.just(MODEL),
@@ -97,8 +97,20 @@ CHAT = st.fixed_dictionaries(
         "max_completion_tokens": st.integers(1, 2),
     },
 )
+EMBEDDING = st.fixed_dictionaries(
+    {"input": COMPLETION_PROMPTS},
+    optional={
+        "model": st.just(MODEL),
+        "encoding_format": st.sampled_from(["float", "base64"]),
+        "dimensions": st.integers(1, 64),
+        "add_special_tokens": st.booleans(),
+        "truncate_prompt_tokens": st.integers(1, 8),
+        "user": TEXT,
+    },
+)
 KEYS = [
-    *SAMPLING, "prompt", "messages", "model", "logprobs", "echo", "top_logprobs", "best_of",
+    *SAMPLING, "prompt", "messages", "input", "encoding_format", "dimensions", "model",
+    "logprobs", "echo", "top_logprobs", "best_of",
     "max_completion_tokens", "logit_bias", "suffix", "tools", "tool_choice", "response_format",
     "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "structured_outputs",
     "bad_words", "guided_grammar", "unknown_field",
@@ -123,6 +135,7 @@ def mutated(body: dict, mutations: list[tuple]) -> dict:
 REQUESTS = st.one_of(
     st.tuples(st.just("/v1/completions"), st.builds(mutated, COMPLETION, EXTRA_MUTATIONS)),
     st.tuples(st.just("/v1/chat/completions"), st.builds(mutated, CHAT, EXTRA_MUTATIONS)),
+    st.tuples(st.just("/v1/embeddings"), st.builds(mutated, EMBEDDING, EXTRA_MUTATIONS)),
 )
 CONTENT_TYPES = st.sampled_from(
     ["application/json", "application/json", "application/json; charset=utf-8", "text/plain", None]
@@ -156,7 +169,7 @@ def encode(body: dict, raw_unicode: bool) -> bytes:
     return json.dumps(body, ensure_ascii=not raw_unicode).encode("utf-8", "surrogatepass")
 
 
-def check_reply(response: httpx.Response, content_type: str | None) -> None:
+def check_reply(response: httpx.Response, path: str, content_type: str | None) -> None:
     assert response.status_code < 500, response.text[:300]
     if content_type is None or not content_type.startswith("application/json"):
         assert response.status_code == 415
@@ -164,6 +177,9 @@ def check_reply(response: httpx.Response, content_type: str | None) -> None:
         assert set(response.json()["error"]) >= {"message", "type", "code"}
     elif response.headers["content-type"].startswith("text/event-stream"):
         assert response.text.endswith("data: [DONE]\n\n")
+    elif path == "/v1/embeddings":
+        data = response.json()["data"]
+        assert data and all(item["embedding"] for item in data)
     else:
         assert response.json()["choices"]
 
@@ -217,8 +233,8 @@ async def send_all(base: str, requests: list[tuple[str, bytes, dict[str, str]]])
             async with limit:
                 try:
                     response = await http.post(path, content=body, headers=headers)
-                    check_reply(response, headers.get("content-type"))
-                except (AssertionError, httpx.HTTPError, ValueError) as exc:
+                    check_reply(response, path, headers.get("content-type"))
+                except (AssertionError, KeyError, httpx.HTTPError, ValueError) as exc:
                     failures.append(f"{path} {body[:300]!r} {headers}: {exc!r}"[:1000])
                     if len(failures) >= MAX_FAILURES:
                         tg.cancel_scope.cancel()
