@@ -20,6 +20,8 @@ if TYPE_CHECKING:
         EmbeddingRequestOutput,
         Logprob,
         RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
     )
 
 __all__ = [
@@ -36,6 +38,8 @@ __all__ = [
     "Logprob",
     "EmbeddingRequestOutput",
     "EmbeddingOutput",
+    "ScoringRequestOutput",
+    "ScoringOutput",
 ]
 __version__ = "0.1.0"
 
@@ -53,6 +57,8 @@ _HOMES = {
     "Logprob": "pagedserve.outputs",
     "EmbeddingRequestOutput": "pagedserve.outputs",
     "EmbeddingOutput": "pagedserve.outputs",
+    "ScoringRequestOutput": "pagedserve.outputs",
+    "ScoringOutput": "pagedserve.outputs",
 }
 
 

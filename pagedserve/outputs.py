@@ -1,5 +1,5 @@
-"""Results of the offline API, shaped like vLLM's `RequestOutput` / `CompletionOutput` and
-`EmbeddingRequestOutput` / `EmbeddingOutput`."""
+"""Results of the offline API, shaped like vLLM's `RequestOutput` / `CompletionOutput`,
+`EmbeddingRequestOutput` / `EmbeddingOutput` and `ScoringRequestOutput` / `ScoringOutput`."""
 
 from __future__ import annotations
 
@@ -92,5 +92,21 @@ class EmbeddingRequestOutput:
 
     request_id: str
     outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (LLM.score), vLLM's shape: its id joins the two embeddings' ids, its
+    prompt_token_ids are both texts' tokens, one after the other."""
+
+    request_id: str
+    outputs: ScoringOutput
     prompt_token_ids: list[int]
     finished: bool

@@ -63,6 +63,7 @@ BUDGET = 32
 CHUNKED = {"max_num_batched_tokens": BUDGET, "max_num_seqs": 8}
 MAX_MODEL_LEN = 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be?"}]
 
 
 def hf_embedding(
@@ -562,18 +563,45 @@ def test_the_embeddings_answer_has_openais_shape(server) -> None:
         ({"input": "x", "dimensions": HIDDEN_SIZE + 1}, "hidden size"),
         ({"input": [[5] * (MAX_MODEL_LEN + 1)]}, "maximum context length"),
         ({"input": "x" * 100_000}, "maximum context length"),
-        ({"input": 5}, "Expected `str | array`"),
+        ({"input": 5}, "Expected `str | array | null`"),
         ({"input": [[1], "a"]}, "input must be a string"),
         ({"input": [400_000]}, "token ids must be in"),
         ({"input": ["a"] * 9}, "at most 8 prompts"),
         ({"input": "x", "encoding_format": "hex"}, "encoding_format must be float or base64"),
         ({"input": "x", "dimensions": "8"}, "Expected `int"),
+        ({}, "give either input or messages"),
+        ({"input": "x", "messages": CHAT}, "give either input or messages"),
+        ({"messages": []}, "messages must not be empty"),
+        (
+            {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True},
+            "Cannot set both",
+        ),
+        ({"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template is not supported"),
+        ({"messages": CHAT, "chat_template_kwargs": {"messages": 1}}, "may not set messages"),
+        ({"messages": [{"role": "user", "content": "x" * 100_000}]}, "maximum context length"),
     ],
 )
 def test_bad_embedding_requests_are_400s(server, body: dict, message: str) -> None:
     reply = httpx.post(server + "/v1/embeddings", json={"model": "tiny", **body})
     assert reply.status_code == 400, reply.text
     assert message in reply.json()["error"]["message"]
+
+
+def test_chat_messages_are_embedded_through_the_chat_template(server, models) -> None:
+    """vLLM's chat form of the body: one embedding of the conversation, rendered by the chat
+    template as /tokenize renders it (vLLM's defaults: no generation prompt, no special tokens
+    beyond the template's), with the template's fields."""
+    model = load_hf_model(models["llama"])
+    renderings = set()
+    for fields in ({}, {"add_generation_prompt": True}, {"continue_final_message": True}):
+        body = {"model": "tiny", "messages": CHAT, "encoding_format": "float", **fields}
+        answer = httpx.post(server + "/v1/embeddings", json=body).json()
+        shown = {"add_generation_prompt": False, **fields}
+        ids = httpx.post(server + "/tokenize", json={"messages": CHAT, **shown}).json()["tokens"]
+        assert len(answer["data"]) == 1 and answer["usage"]["prompt_tokens"] == len(ids)
+        assert_close(answer["data"][0]["embedding"], hf_embedding(model, ids, "LAST"))
+        renderings.add(tuple(ids))
+    assert len(renderings) == 3
 
 
 def test_an_unknown_model_is_a_404_and_a_full_length_input_fits(server) -> None:

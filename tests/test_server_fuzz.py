@@ -1,8 +1,8 @@
-"""Fuzzing the HTTP server: 1,000+ generated bodies (valid, near-valid and hostile: huge ints,
+"""Fuzzing the HTTP server: 2,000+ generated bodies (valid, near-valid and hostile: huge ints,
 floats for ints, nested junk, wrong types, empty lists, unicode, huge n, wrong Content-Type) to
-both generation endpoints and the embeddings endpoint of one real server. None may get a 5xx,
-a text/plain body never runs, and afterwards the engine still serves with every KV block
-free."""
+both generation endpoints, the embeddings endpoint (inputs or chat messages) and the score and
+rerank endpoints of one real server. None may get a 5xx, a text/plain body never runs, and
+afterwards the engine still serves with every KV block free."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.engine_settings import NO_STANDBY
 from tests.test_openai_server import free_port
 from tests.tiny_models import save_tiny_model
 
-NUM_BODIES = 1000
+NUM_BODIES = 2000  # a third of them to each generation endpoint
 CONCURRENCY = 16  # requests in flight at once: the engine batches the valid ones
 NUM_KV_BLOCKS = 128
 MAX_FAILURES = 5
@@ -48,6 +48,8 @@ HOSTILE = st.one_of(
     EDGE_INTS, EDGE_INTS, FLOATS, TEXT, JUNK, st.sampled_from([[], {}, None, "", [[]], [-1], True])
 )
 TOKEN_IDS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)
+SCORE_PATHS = ["/score", "/v1/score"]
+RERANK_PATHS = ["/rerank", "/v1/rerank", "/v2/rerank"]
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant"]), "content": TEXT}
 )
@@ -108,12 +110,39 @@ EMBEDDING = st.fixed_dictionaries(
         "user": TEXT,
     },
 )
+CHAT_EMBEDDING = st.fixed_dictionaries(
+    {"messages": st.lists(MESSAGE, min_size=1, max_size=3)},
+    optional={
+        "model": st.just(MODEL),
+        "encoding_format": st.sampled_from(["float", "base64"]),
+        "dimensions": st.integers(1, 64),
+        "add_generation_prompt": st.booleans(),
+        "continue_final_message": st.booleans(),
+        "add_special_tokens": st.booleans(),
+        "truncate_prompt_tokens": st.integers(1, 8),
+    },
+)
+TEXTS = st.one_of(TEXT, st.lists(TEXT, min_size=1, max_size=3))
+SCORE = st.fixed_dictionaries(
+    {"text_1": TEXTS, "text_2": TEXTS},
+    optional={"model": st.just(MODEL), "truncate_prompt_tokens": st.integers(1, 8)},
+)
+RERANK = st.fixed_dictionaries(
+    {"query": TEXT, "documents": st.lists(TEXT, min_size=1, max_size=4)},
+    optional={
+        "model": st.just(MODEL),
+        "top_n": st.integers(0, 5),
+        "truncate_prompt_tokens": st.integers(1, 8),
+    },
+)
 KEYS = [
     *SAMPLING, "prompt", "messages", "input", "encoding_format", "dimensions", "model",
     "logprobs", "echo", "top_logprobs", "best_of",
     "max_completion_tokens", "logit_bias", "suffix", "tools", "tool_choice", "response_format",
     "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "structured_outputs",
-    "bad_words", "guided_grammar", "unknown_field",
+    "bad_words", "guided_grammar", "unknown_field", "truncate_prompt_tokens",
+    "add_generation_prompt", "continue_final_message", "text_1", "text_2", "query", "documents",
+    "top_n",
 ]  # fmt: skip
 EXTRA_MUTATIONS = st.lists(
     st.one_of(st.tuples(st.sampled_from(KEYS), HOSTILE), st.tuples(st.sampled_from(KEYS))),
@@ -135,7 +164,15 @@ def mutated(body: dict, mutations: list[tuple]) -> dict:
 REQUESTS = st.one_of(
     st.tuples(st.just("/v1/completions"), st.builds(mutated, COMPLETION, EXTRA_MUTATIONS)),
     st.tuples(st.just("/v1/chat/completions"), st.builds(mutated, CHAT, EXTRA_MUTATIONS)),
-    st.tuples(st.just("/v1/embeddings"), st.builds(mutated, EMBEDDING, EXTRA_MUTATIONS)),
+    st.tuples(
+        st.just("/v1/embeddings"),
+        st.one_of(
+            st.builds(mutated, EMBEDDING, EXTRA_MUTATIONS),
+            st.builds(mutated, CHAT_EMBEDDING, EXTRA_MUTATIONS),
+        ),
+    ),
+    st.tuples(st.sampled_from(SCORE_PATHS), st.builds(mutated, SCORE, EXTRA_MUTATIONS)),
+    st.tuples(st.sampled_from(RERANK_PATHS), st.builds(mutated, RERANK, EXTRA_MUTATIONS)),
 )
 CONTENT_TYPES = st.sampled_from(
     ["application/json", "application/json", "application/json; charset=utf-8", "text/plain", None]
@@ -180,6 +217,12 @@ def check_reply(response: httpx.Response, path: str, content_type: str | None) -
     elif path == "/v1/embeddings":
         data = response.json()["data"]
         assert data and all(item["embedding"] for item in data)
+    elif path in SCORE_PATHS:
+        scores = [item["score"] for item in response.json()["data"]]
+        assert scores and all(abs(score) <= 1 + 1e-5 for score in scores)
+    elif path in RERANK_PATHS:
+        scores = [result["relevance_score"] for result in response.json()["results"]]
+        assert scores and scores == sorted(scores, reverse=True)
     else:
         assert response.json()["choices"]
 

@@ -1,9 +1,10 @@
-"""Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`, and
-embeddings: `LLM(model).embed(prompts, PoolingParams(...))`.
+"""Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`, embeddings:
+`LLM(model).embed(prompts, PoolingParams(...))`, and scores of text pairs from them:
+`LLM(model).score(query, documents)`.
 
 It starts the same actor processes as the server (tokenizer, scheduler, workers), submits every
 prompt at once through the ZeroMQ client and gathers the streamed deltas into vLLM-shaped
-`RequestOutput`s (`EmbeddingRequestOutput`s), in prompt order.
+`RequestOutput`s (`EmbeddingRequestOutput`s, `ScoringRequestOutput`s), in prompt order.
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ from pagedserve.api.client import Client
 from pagedserve.api.client_core import EngineRequestError, Prompt, fan_out
 from pagedserve.api.preflight import prepare_config
 from pagedserve.api.sampling_defaults import sampling_defaults
+from pagedserve.api.scoring import TextPrompt, pair_scores, plan_scores
 from pagedserve.config import DEFAULT_MODEL, EngineConfig
 from pagedserve.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
     embedding_floats,
     prompt_logprob_dicts,
 )
@@ -169,6 +173,38 @@ class LLM:
         with bar:
             self._drive(jobs[::-1], PromptOptions(), fold)
         return results
+
+    def score(
+        self,
+        data_1: PromptInput | Sequence[PromptInput],
+        data_2: PromptInput | Sequence[PromptInput],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score for an embedding model: the cosine similarity of the embeddings of
+        data_1 (one text or token-id list) and of each of data_2 (1 -> N), or of data_1[i] and
+        data_2[i] (N -> N), in data_2's order; each distinct text is embedded once.
+        `truncate_prompt_tokens` as embed's; `lora_request`: one adapter for every text."""
+        plan = plan_scores(_text_prompts(data_1), _text_prompts(data_2), ("data_1", "data_2"))
+        embedded = self.embed(
+            plan.texts,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+        )
+        scores = pair_scores([e.outputs.embedding for e in embedded], plan.pairs)
+        return [
+            ScoringRequestOutput(
+                f"{embedded[a].request_id}_{embedded[b].request_id}",
+                ScoringOutput(score),
+                embedded[a].prompt_token_ids + embedded[b].prompt_token_ids,
+                finished=True,
+            )
+            for (a, b), score in zip(plan.pairs, scores)
+        ]
 
     def beam_search(
         self,
@@ -362,6 +398,10 @@ def _to_prompt(prompt: PromptInput) -> tuple[str | None, Prompt]:
             return None, list(prompt["prompt_token_ids"])
         return prompt["prompt"], prompt["prompt"]
     return None, list(prompt)
+
+
+def _text_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[TextPrompt]:
+    return [prompt for _, prompt in map(_to_prompt, _as_list(prompts))]  # type: ignore[misc]
 
 
 def _step_candidates(output: RequestOutput) -> Candidates:

@@ -1,11 +1,13 @@
 """OpenAI-compatible HTTP server: a Starlette app on uvicorn, running as its own actor process.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
-ending in `data: [DONE]`, or not), POST /v1/embeddings, GET /v1/models and /v1/models/{id},
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter, POST /tokenize and /detokenize (vLLM's
-shapes), GET /health and GET or POST /ping (200 only while the engine answers), /metrics and
-/version. It reaches the engine only through the async ZeroMQ client, like any other client.
-Every request is checked against `ServerConfig`'s limits before anything is decoded or queued.
+ending in `data: [DONE]`, or not), POST /v1/embeddings, POST /score and /v1/score, POST /rerank,
+/v1/rerank and /v2/rerank (vLLM's: cosine similarities of embeddings), GET /v1/models and
+/v1/models/{id}, POST /v1/load_lora_adapter and /v1/unload_lora_adapter, POST /tokenize and
+/detokenize (vLLM's shapes), GET /health and GET or POST /ping (200 only while the engine
+answers), /metrics and /version. It reaches the engine only through the async ZeroMQ client,
+like any other client. Every request is checked against `ServerConfig`'s limits before anything
+is decoded or queued.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pagedserve.actors.chat import (
     load_tokenizer,
 )
 from pagedserve.actors.heap_trim import trim_heap_forever
-from pagedserve.actors.messages import LoRARequest, SamplingParams
+from pagedserve.actors.messages import LoRARequest, PoolingParams, PromptOptions, SamplingParams
 from pagedserve.api.actor_status import AsyncStatusClient, render_prometheus
 from pagedserve.api.auth import APIKeyGuard
 from pagedserve.api.beam_search import BeamEngineFacts, BeamSearchParams, open_beams
@@ -55,10 +57,20 @@ from pagedserve.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     check_token_prompt,
 )
-from pagedserve.api.render import ChatRender, CompletionRender, EmbeddingRender, Render
+from pagedserve.api.render import (
+    ChatRender,
+    CompletionRender,
+    EmbeddingRender,
+    PooledRender,
+    Render,
+    RerankRender,
+    ScoreRender,
+)
 from pagedserve.api.responses import GenerationResponse
 from pagedserve.api.sampling_defaults import sampling_defaults
 from pagedserve.config import EngineConfig, ServerConfig, read_hf_config
@@ -103,6 +115,11 @@ class OpenAIServer:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            *(Route(path, self.score, methods=["POST"]) for path in ("/score", "/v1/score")),
+            *(
+                Route(path, self.rerank, methods=["POST"])
+                for path in ("/rerank", "/v1/rerank", "/v2/rerank")
+            ),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
@@ -205,9 +222,7 @@ class OpenAIServer:
             body.check_supported()
             body.check_limits(self.limits)
             prompts: list[Prompt] = list(body.prompts(self.limits))
-            for prompt in prompts:
-                if not isinstance(prompt, str):
-                    check_token_prompt(prompt, self.vocab_size, self.max_model_len)
+            self.check_token_prompts(prompts, room=1)
             sampling = body.to_sampling(self.defaults)
             beams = body.beam_search_params(sampling, self.max_model_len)
         except ValueError as exc:
@@ -242,24 +257,60 @@ class OpenAIServer:
         return self.generate(render, jobs, sampling, body, arrival, beams)
 
     async def embeddings(self, request: Request) -> Response:
-        """Each input pooled into one vector by the engine (the engine's pooler_config)."""
+        """Each input pooled into one vector by the engine (the engine's pooler_config), or
+        the one conversation of `messages`."""
         arrival = time.perf_counter()
         body = await read_json(request, EmbeddingRequest, self.limits)
         lora = self.check_model(body.model)
         try:
             body.check_supported()
-            prompts: list[Prompt] = list(body.prompts(self.limits))
-            for prompt in prompts:
-                if not isinstance(prompt, str):
-                    check_token_prompt(prompt, self.vocab_size, self.max_model_len, room=0)
+            prompts = body.prompts(self.limits)
+            if body.messages is None:
+                self.check_token_prompts(prompts, room=0)
             pooling, sampling = body.pooling_params(), body.to_sampling()
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
-        render = EmbeddingRender(self, body)
         jobs = plan_jobs(prompts, sampling, body.prompt_options(), body.priority, lora, pooling)
+        return self.pooled(EmbeddingRender(self, body), jobs, arrival)
+
+    async def score(self, request: Request) -> Response:
+        """vLLM's /score: the cosine similarity of text_1's embedding and each of text_2's."""
+        return await self.scored(request, ScoreRequest, ScoreRender)
+
+    async def rerank(self, request: Request) -> Response:
+        """vLLM's /rerank: the documents by the cosine similarity of their embedding and the
+        query's, best first."""
+        return await self.scored(request, RerankRequest, RerankRender)
+
+    async def scored(
+        self,
+        request: Request,
+        kind: type[ScoreRequest | RerankRequest],
+        render_class: type[ScoreRender | RerankRender],
+    ) -> Response:
+        """An embedding of each distinct text of the body, answered with its pairs' scores."""
+        arrival = time.perf_counter()
+        body = await read_json(request, kind, self.limits)
+        lora = self.check_model(body.model)
+        try:
+            plan, sampling = body.plan(self.limits), body.to_sampling()
+        except ValueError as exc:
+            raise APIError(str(exc), 400) from None
+        texts: list[Prompt] = list(plan.texts)
+        jobs = plan_jobs(texts, sampling, PromptOptions(), body.priority, lora, PoolingParams())
+        return self.pooled(render_class(self, body, plan), jobs, arrival)  # type: ignore[arg-type]
+
+    def pooled(self, render: PooledRender, jobs: list[Job], arrival: float) -> GenerationResponse:
+        """The response of embedding jobs, answered whole by `render`."""
         if not self.limits.disable_log_requests:
-            logger.info("%s: %d engine request(s), %s", render.id, len(jobs), pooling)
+            logger.info("%s: %d engine request(s), %s", render.id, len(jobs), jobs[0].pooling)
         return GenerationResponse(self.client, self.metrics, render, jobs, False, False, arrival)
+
+    def check_token_prompts(self, prompts: list[Prompt], room: int) -> None:
+        """The prompts given as token ids, each leaving `room` tokens for output."""
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                check_token_prompt(prompt, self.vocab_size, self.max_model_len, room)  # type: ignore[arg-type]
 
     def generate(
         self,

@@ -1,8 +1,8 @@
 """OpenAI request bodies as msgspec Structs (decoding is validation), their limits, and their
-mapping to `SamplingParams` (and `PoolingParams`). Unknown fields are ignored and wrong types
-are a 400, as with OpenAI; a known field that would change the output but is not implemented is
-a 400 too, never silently ignored. Every check here raises ValueError, which the server answers
-with a 400."""
+mapping to `SamplingParams` (and `PoolingParams`; for a score or rerank body, the pairs it
+scores). Unknown fields are ignored and wrong types are a 400, as with OpenAI; a known field
+that would change the output but is not implemented is a 400 too, never silently ignored.
+Every check here raises ValueError, which the server answers with a 400."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from pagedserve.actors.messages import (
 )
 from pagedserve.actors.pooling_params import pooling_sampling
 from pagedserve.api.beam_search import BeamSearchParams
+from pagedserve.api.client_core import Prompt
+from pagedserve.api.scoring import ScorePlan, plan_scores
 from pagedserve.api.structured import StructuredOutputFields
 from pagedserve.api.tools import Tool, ToolPlan, plan_tools
 from pagedserve.config import ServerConfig
@@ -329,12 +331,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         return plan.constraint
 
     def chat_messages(self, limits: ServerConfig) -> list[ChatMessage]:
-        if not self.messages:
-            raise ValueError("messages must not be empty")
-        messages = [m.to_wire() for m in self.messages]
-        if sum(len(m.content) for m in messages) > limits.max_prompt_chars:
-            raise ValueError(f"the messages are at most {limits.max_prompt_chars} characters")
-        return messages
+        return chat_messages(self.messages, limits)
 
     def to_sampling(self, defaults: dict[str, Any]) -> SamplingParams:
         if self.top_logprobs is not None and self.top_logprobs < 0:  # the most: --max-logprobs
@@ -350,36 +347,100 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         return self.sampling(limit, logprobs, defaults, self.prompt_logprobs)
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    """OpenAI's /v1/embeddings body, with vLLM's extra fields (add_special_tokens,
-    truncate_prompt_tokens, priority); `user` is accepted and ignored."""
+class _PoolingFields(msgspec.Struct, kw_only=True):
+    """The fields of every body answered with embeddings (vLLM's names)."""
 
-    input: str | list[str | Int64 | list[Int64]]  # text, texts, token ids, or lists of ids
     model: str | None = None
+    truncate_prompt_tokens: Int64 | None = None  # each text's last k tokens (-1: what fits)
+    priority: Int64 = 0
+
+    def to_sampling(self) -> SamplingParams:
+        return pooling_sampling(self.truncate_prompt_tokens)
+
+
+class EmbeddingRequest(_PoolingFields, kw_only=True):
+    """OpenAI's /v1/embeddings body, with vLLM's extra fields (add_special_tokens,
+    truncate_prompt_tokens, priority), or vLLM's chat form (EmbeddingChatRequest): `messages`
+    instead of `input`, one embedding of the conversation through the chat template, with
+    vLLM's chat fields (whose defaults differ from chat completions': no generation prompt).
+    `user` is accepted and ignored."""
+
+    input: str | list[str | Int64 | list[Int64]] | None = None  # text(s), token ids, id lists
+    messages: list[ChatMessageIn] | None = None
     encoding_format: str = "float"  # or "base64": little-endian float32 bytes, base64
     dimensions: Int64 | None = None  # the first that many values (Matryoshka embeddings)
     user: str | None = None
-    add_special_tokens: bool = True
-    truncate_prompt_tokens: Int64 | None = None  # the input's last k tokens (-1: what fits)
-    priority: Int64 = 0
+    add_special_tokens: bool | None = None  # None: yes for input, no for messages
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's, not supported: a 400
 
     def check_supported(self) -> None:
         if self.encoding_format not in ("float", "base64"):
             raise ValueError(
                 f"encoding_format must be float or base64, not {self.encoding_format!r}"
             )
+        if self.chat_template is not None:
+            raise ValueError("a per-request chat_template is not supported (see --chat-template)")
+        if self.messages is not None:
+            check_prompt_options(self.prompt_options())
 
-    def prompts(self, limits: ServerConfig) -> list[str | TokenPrompt]:
-        return prompt_list(self.input, "input", limits)
+    def prompts(self, limits: ServerConfig) -> list[Prompt]:
+        """The inputs, or the one conversation of `messages` (one or the other)."""
+        if self.input is not None and self.messages is None:
+            return prompt_list(self.input, "input", limits)  # type: ignore[return-value]
+        if self.messages is not None and self.input is None:
+            return [chat_messages(self.messages, limits)]
+        raise ValueError("give either input or messages")
 
     def prompt_options(self) -> PromptOptions:
-        return PromptOptions(add_special_tokens=self.add_special_tokens)
+        return template_options(self)
 
     def pooling_params(self) -> PoolingParams:
         return PoolingParams(dimensions=self.dimensions)
 
-    def to_sampling(self) -> SamplingParams:
-        return pooling_sampling(self.truncate_prompt_tokens)
+
+class ScoreRequest(_PoolingFields, kw_only=True):
+    """vLLM's /score body: text_1 against each text of text_2 (1 -> N), or the two lists
+    pair by pair (N -> N)."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+    def plan(self, limits: ServerConfig) -> ScorePlan:
+        return plan_text_pairs(self.text_1, self.text_2, ("text_1", "text_2"), limits)
+
+
+class RerankRequest(_PoolingFields, kw_only=True):
+    """vLLM's /rerank body (Jina's and Cohere's shape): the documents ranked by their score
+    against the query, the best `top_n` (vLLM's: 0, the default, keeps them all)."""
+
+    query: str
+    documents: list[str]
+    top_n: Int64 = 0
+
+    def plan(self, limits: ServerConfig) -> ScorePlan:
+        if self.top_n < 0:
+            raise ValueError(f"top_n must be at least 0 (0: every document), got {self.top_n}")
+        return plan_text_pairs(self.query, self.documents, ("query", "documents"), limits)
+
+
+def plan_text_pairs(
+    first: str | list[str], second: str | list[str], names: tuple[str, str], limits: ServerConfig
+) -> ScorePlan:
+    """The texts to embed and the pairs to score, within the limits on an embeddings body's
+    inputs: each text's length, and as many texts in all as prompts in one body."""
+    texts_1 = [first] if isinstance(first, str) else first
+    texts_2 = [second] if isinstance(second, str) else second
+    if len(texts_1) + len(texts_2) > limits.max_prompts_per_request:
+        raise ValueError(
+            f"at most {limits.max_prompts_per_request} texts per request "
+            f"({names[0]} and {names[1]} together)"
+        )
+    if any(len(text) > limits.max_prompt_chars for text in texts_1 + texts_2):
+        raise ValueError(f"a text is at most {limits.max_prompt_chars} characters")
+    return plan_scores(texts_1, texts_2, names)  # type: ignore[arg-type]
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -400,9 +461,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 def template_options(
-    body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None = None
+    body: ChatCompletionRequest | TokenizeRequest | EmbeddingRequest,
+    tools: list[dict] | None = None,
 ) -> PromptOptions:
-    """The chat template fields both bodies share, as the tokenizer takes them."""
+    """The chat template fields the bodies with messages share, as the tokenizer takes them."""
     return PromptOptions(
         add_special_tokens=body.add_special_tokens,
         add_generation_prompt=body.add_generation_prompt,
@@ -415,6 +477,15 @@ def template_options(
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[Int64]
+
+
+def chat_messages(messages: list[ChatMessageIn], limits: ServerConfig) -> list[ChatMessage]:
+    if not messages:
+        raise ValueError("messages must not be empty")
+    wire = [m.to_wire() for m in messages]
+    if sum(len(m.content) for m in wire) > limits.max_prompt_chars:
+        raise ValueError(f"the messages are at most {limits.max_prompt_chars} characters")
+    return wire
 
 
 def prompt_list(

@@ -1,5 +1,5 @@
-"""OpenAI response JSON: whole responses and stream chunks for completions and chat, and the
-embeddings answer."""
+"""OpenAI response JSON: whole responses and stream chunks for completions and chat; the
+answers made of embeddings (embeddings, vLLM's score and rerank)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,20 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 
 from pagedserve.actors.messages import RequestDelta, TokenLogprobs
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.generation import Choice, Event
-from pagedserve.api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from pagedserve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from pagedserve.api.reasoning_parsers import ReasoningStream, split_reasoning
+from pagedserve.api.scoring import ScorePlan, pair_scores
 from pagedserve.api.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls
 from pagedserve.api.tools import new_call_id
 from pagedserve.outputs import embedding_floats, logprob_dict
@@ -374,25 +382,51 @@ class ChatRender(Render):
         return out, "tool_calls" if stream.calls else choice.finish_reason
 
 
-class EmbeddingRender:
+class PooledRender:
+    """An answer made of embeddings, given whole: the base of the embeddings, score and
+    rerank answers."""
+
+    id_prefix = ""
+
+    def __init__(self, server: OpenAIServer, model: str | None) -> None:
+        self.server = server
+        self.model = model or server.model_name  # or a LoRA adapter's name
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def full(self, choices: list[Choice]) -> dict:
+        raise NotImplementedError
+
+
+def prompt_tokens(choices: list[Choice]) -> int:
+    return sum(len(choice.prompt_token_ids) for choice in choices)
+
+
+def vectors(choices: list[Choice]) -> list[np.ndarray]:
+    """The choices' embeddings, from the engine's wire form (little-endian float32 bytes)."""
+    return [np.frombuffer(choice.embedding or b"", dtype="<f4") for choice in choices]
+
+
+class EmbeddingRender(PooledRender):
     """The /v1/embeddings answer: each input's vector, as floats or (encoding_format base64,
     which OpenAI's client asks for by default) its little-endian float32 bytes in base64, and
     the inputs' tokens as its usage."""
 
+    id_prefix = "embd"
+
     def __init__(self, server: OpenAIServer, body: EmbeddingRequest) -> None:
-        self.server, self.body = server, body
-        self.id = f"embd-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        super().__init__(server, body.model)
+        self.body = body
 
     def full(self, choices: list[Choice]) -> dict:
-        prompt_tokens = sum(len(choice.prompt_token_ids) for choice in choices)
+        tokens = prompt_tokens(choices)
         return {
             "id": self.id,
             "object": "list",
             "created": self.created,
-            "model": self.body.model or self.server.model_name,  # or a LoRA adapter's name
+            "model": self.model,
             "data": [self.item(choice) for choice in choices],
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
 
     def item(self, choice: Choice) -> dict:
@@ -403,6 +437,57 @@ class EmbeddingRender:
             else embedding_floats(vector)
         )
         return {"object": "embedding", "embedding": encoded, "index": choice.index}
+
+
+class ScoreRender(PooledRender):
+    """vLLM's /score answer: each pair's score (the cosine similarity of its embeddings), in
+    text_2's order; the tokens of the texts embedded (each distinct text once) as usage."""
+
+    id_prefix = "score"
+
+    def __init__(self, server: OpenAIServer, body: ScoreRequest, plan: ScorePlan) -> None:
+        super().__init__(server, body.model)
+        self.plan = plan
+
+    def full(self, choices: list[Choice]) -> dict:
+        scores = pair_scores(vectors(choices), self.plan.pairs)
+        tokens = prompt_tokens(choices)
+        return {
+            "id": self.id,
+            "object": "list",
+            "created": self.created,
+            "model": self.model,
+            "data": [
+                {"index": index, "object": "score", "score": score}
+                for index, score in enumerate(scores)
+            ],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+
+class RerankRender(PooledRender):
+    """vLLM's /rerank answer: the documents by relevance (their score against the query),
+    best first, the best top_n of them (0: all)."""
+
+    id_prefix = "rerank"
+
+    def __init__(self, server: OpenAIServer, body: RerankRequest, plan: ScorePlan) -> None:
+        super().__init__(server, body.model)
+        self.documents, self.top_n, self.plan = body.documents, body.top_n, plan
+
+    def full(self, choices: list[Choice]) -> dict:
+        scores = pair_scores(vectors(choices), self.plan.pairs)
+        ranked = sorted(range(len(scores)), key=lambda index: -scores[index])
+        results = [
+            {
+                "index": index,
+                "document": {"text": self.documents[index]},
+                "relevance_score": scores[index],
+            }
+            for index in ranked[: self.top_n or None]
+        ]
+        usage = {"total_tokens": prompt_tokens(choices)}
+        return {"id": self.id, "model": self.model, "usage": usage, "results": results}
 
 
 def top_with_sampled(entry: TokenLogprobs, text: Callable[[int], str]) -> dict[str, float]:

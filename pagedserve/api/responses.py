@@ -1,9 +1,9 @@
-"""The ASGI response of a generation call (or an embeddings call: one engine request an input,
-answered whole). It runs the call's engine requests in the request's own task, from the first
-delta to the last byte sent: the task group that merges several choices is entered and left in
-that one task (so streams with n > 1 or a list of prompts end cleanly with `data: [DONE]`), and
-a client that disconnects, streaming or not, cancels that task group, which aborts every
-unfinished engine request."""
+"""The ASGI response of a generation call (or of a call answered with embeddings: one engine
+request a text, answered whole). It runs the call's engine requests in the request's own task,
+from the first delta to the last byte sent: the task group that merges several choices is
+entered and left in that one task (so streams with n > 1 or a list of prompts end cleanly with
+`data: [DONE]`), and a client that disconnects, streaming or not, cancels that task group,
+which aborts every unfinished engine request."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pagedserve.api.client import AsyncClient, EngineRequestError
 from pagedserve.api.errors import error_response
 from pagedserve.api.generation import Choice, Event, Job, open_choices
 from pagedserve.api.metrics import Metrics, RequestTimer
-from pagedserve.api.render import EmbeddingRender, Render
+from pagedserve.api.render import PooledRender, Render
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -37,7 +37,7 @@ class GenerationResponse:
         self,
         client: AsyncClient,
         metrics: Metrics,
-        render: Render | EmbeddingRender,  # an EmbeddingRender answers whole only
+        render: Render | PooledRender,  # a PooledRender answers whole only
         jobs: list[Job],
         stream: bool,
         include_usage: bool,

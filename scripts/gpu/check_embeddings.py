@@ -1,7 +1,7 @@
 """Embeddings on the GPU: `LLM.embed` against transformers (tests/test_embeddings.py's oracle),
 then what an embedding costs. One markdown report:
 
-    python scripts/gpu/check_embeddings.py --out FILE
+    python scripts/gpu/check_embeddings.py --out FILE [--only check timing]
 
 check   a tiny fp32 Llama on the GPU, LAST and MEAN pooling, prompts of 1-90 tokens with a token
         budget of 32 (the long ones in chunks), mixed with generate requests: the largest
@@ -86,11 +86,14 @@ def timing() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="+", default=["check", "timing"])
     args = parser.parse_args()
     name = torch.cuda.get_device_name()
     report = [f"# Embeddings on {name}, {datetime.datetime.now():%Y-%m-%d %H:%M}"]
     with tempfile.TemporaryDirectory() as tmp:
         for title, run in (("check", lambda: check(Path(tmp))), ("timing", timing)):
+            if title not in args.only:
+                continue
             report.append(f"\n## {title}\n")
             try:
                 report += run()
