@@ -119,31 +119,35 @@ class Pooler:
     def pool(self, hidden: torch.Tensor, rows: PoolingRows) -> PooledVectors | None:
         """hidden: [R, hidden] the final hidden states of `rows`, in order. What an unfinished
         prompt pooled is kept for its next chunk; the vectors of the finished ones (None:
-        no prompt ends in this step)."""
+        no prompt ends in this step). Each request's rows are summed by one index_add for the
+        whole step."""
         batch = self.batch
+        counts = np.asarray(rows.counts, dtype=np.int64)
+        segments = torch.from_numpy(np.repeat(np.arange(len(counts)), counts))
+        sums = torch.zeros(len(counts), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        sums.index_add_(0, segments.to(hidden.device), hidden[: int(counts.sum())].float())
         finished: list[int] = []
         vectors: list[torch.Tensor] = []
-        start = 0
         for index, (row, count) in enumerate(zip(rows.rows, rows.counts)):
             if not count and not rows.finishes[index]:
                 continue  # nothing of it in this chunk (LAST before its end, CLS after 0)
-            chunk = hidden[start : start + count].float().sum(dim=0)
-            start += count
-            pooled = self._combine(batch.pooled_so_far.pop(row, None), chunk)
+            pooled = self._combine(batch.pooled_so_far.pop(row, None), sums[index])
             if not rows.finishes[index]:
                 if self.pooling_type != "LAST":
                     batch.pooled_so_far[row] = pooled
                 continue
-            if self.pooling_type == "MEAN":
-                pooled = pooled / int(batch.num_prompt_tokens[row])
             finished.append(index)
             vectors.append(pooled)
         if not finished:
             return None
+        stacked = torch.stack(vectors)
+        if self.pooling_type == "MEAN":
+            lengths = batch.num_prompt_tokens[[rows.rows[i] for i in finished]]
+            stacked /= torch.from_numpy(lengths.astype(np.float32)).to(stacked.device)[:, None]
         params = [batch.pooling[rows.rows[i]] for i in finished]
         return PooledVectors(
             handles=[rows.handles[i] for i in finished],
-            vectors=torch.stack(vectors),
+            vectors=stacked,
             dimensions=[p.dimensions for p in params],
             normalize=[self.normalize if p.normalize is None else p.normalize for p in params],
         )
