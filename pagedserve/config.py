@@ -24,6 +24,7 @@ DEFAULT_MODEL = "pagedserve/tiny-shakespeare"
 # vLLM's names (models/quantization/config.py says what each means)
 QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors", "int8")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+TOKENIZER_MODES = ("auto", "slow")  # vLLM's mistral mode is not supported
 ASSETS_DIR = Path(__file__).parent / "assets"
 
 
@@ -39,7 +40,29 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     api_key: str | None = None
     served_model_name: str | None = None
     uvicorn_log_level: str = "warning"
-    disable_log_requests: bool = False  # else each request is logged at INFO
+    # else each request is logged at INFO (--disable-log-requests / --enable-log-requests)
+    disable_log_requests: bool = False
+    # the request log shows each prompt cut to this many characters or token ids (0: none of
+    # it: prompts are users' data, so the log holds them only when asked to)
+    max_log_len: int = 0
+    # TLS (uvicorn's): the server answers https with a certificate and its key
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    root_path: str = ""  # the path prefix of a proxy in front of the server (uvicorn's)
+    # CORS (Starlette's CORSMiddleware): none unless allowed_origins is given, so that web
+    # pages of other origins cannot read a local server's answers (vLLM allows all origins)
+    allowed_origins: list[str] | None = None
+    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    response_role: str = "assistant"  # the role of a chat completion's message
+    # vLLM's server-wide defaults of request options: logprobs name tokens "token_id:{id}";
+    # usage.prompt_tokens_details.cached_tokens (prefix-cache hits); usage at the end of
+    # every stream, as if stream_options.include_usage were set
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
     # malloc_trim(0) this often (0: never): glibc keeps the free pages between live chunks of
     # its heap resident, and the server's RSS creeps up without it (actors/heap_trim.py)
     heap_trim_interval_s: float = 10.0
@@ -78,6 +101,18 @@ class ServerConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"reasoning_parser {self.reasoning_parser!r} is not one of {REASONING_PARSERS}"
             )
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("TLS needs both ssl_keyfile and ssl_certfile")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_ca_certs needs ssl_certfile and ssl_keyfile (TLS)")
+        cors_options = (self.allowed_methods, self.allowed_headers, self.allow_credentials)
+        if self.allowed_origins is None and cors_options != (["*"], ["*"], False):
+            raise ValueError(
+                "allowed_methods, allowed_headers and allow_credentials need allowed_origins "
+                "(CORS is off without it)"
+            )
+        if self.max_log_len < 0:
+            raise ValueError("max_log_len must be at least 0")
         if len(self.lora_modules) > self.max_lora_adapters:
             raise ValueError(
                 f"{len(self.lora_modules)} LoRA modules exceed max_lora_adapters "
@@ -322,6 +357,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     hf_overrides: dict[str, Any] | None = None
     chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's
     generation_config: str = "auto"  # defaults from generation_config.json: auto | vllm | DIR
+    # vLLM's --override-generation-config: generation_config.json keys over its values
+    override_generation_config: dict[str, Any] | None = None
+    tokenizer_mode: str = "auto"  # auto (the fast tokenizer where there is one) | slow
     trust_remote_code: bool = False  # accepted for vLLM compatibility: only local code runs
     # embeddings (PoolingParams): how a prompt is pooled; unset fields filled by resolve()
     pooler_config: PoolerConfig = msgspec.field(default_factory=PoolerConfig)
@@ -359,6 +397,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("max_loras and max_lora_rank must be at least 1")
         if self.enable_lora and self.speculative_config is not None:
             raise ValueError("LoRA adapters and speculative decoding do not combine")
+        if self.override_generation_config is not None and not isinstance(
+            self.override_generation_config, dict
+        ):
+            raise ValueError("override_generation_config must be a JSON object")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError("hf_overrides must be a JSON object of config.json fields")
         if self.max_logprobs < 0:
@@ -374,6 +416,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"unknown quantization {self.quantization!r}; expected one of "
                 f"{', '.join(QUANTIZATION_METHODS)}"
+            )
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(
+                f"tokenizer_mode {self.tokenizer_mode!r} is not supported; expected one of "
+                f"{', '.join(TOKENIZER_MODES)}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

@@ -1,8 +1,8 @@
 """Fuzzing the HTTP server: 2,000+ generated bodies (valid, near-valid and hostile: huge ints,
 floats for ints, nested junk, wrong types, empty lists, unicode, huge n, wrong Content-Type) to
-both generation endpoints, the embeddings endpoint (inputs or chat messages) and the score and
-rerank endpoints of one real server. None may get a 5xx, a text/plain body never runs, and
-afterwards the engine still serves with every KV block free."""
+both generation endpoints, the embeddings endpoint (inputs or chat messages), the score and
+rerank endpoints and the Responses endpoint of one real server. None may get a 5xx, a text/plain
+body never runs, and afterwards the engine still serves with every KV block free."""
 
 from __future__ import annotations
 
@@ -122,6 +122,31 @@ CHAT_EMBEDDING = st.fixed_dictionaries(
         "truncate_prompt_tokens": st.integers(1, 8),
     },
 )
+RESPONSE_PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text"]), "text": TEXT}
+)
+RESPONSE_ITEM = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "developer", "assistant"]),
+        "content": st.one_of(TEXT, st.lists(RESPONSE_PART, min_size=1, max_size=2)),
+    },
+    optional={"type": st.just("message")},
+)
+RESPONSES = st.fixed_dictionaries(
+    {"input": st.one_of(TEXT, st.lists(RESPONSE_ITEM, min_size=1, max_size=3))},
+    optional={
+        "model": st.just(MODEL),
+        "instructions": TEXT,
+        "max_output_tokens": st.integers(1, 2),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1),
+        "stream": st.booleans(),
+        "user": TEXT,
+        "metadata": st.dictionaries(st.text(max_size=6), TEXT, max_size=2),
+        "store": st.booleans(),
+        "text": st.just({"format": {"type": "text"}}),
+    },
+)
 TEXTS = st.one_of(TEXT, st.lists(TEXT, min_size=1, max_size=3))
 SCORE = st.fixed_dictionaries(
     {"text_1": TEXTS, "text_2": TEXTS},
@@ -142,7 +167,7 @@ KEYS = [
     "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "structured_outputs",
     "bad_words", "guided_grammar", "unknown_field", "truncate_prompt_tokens",
     "add_generation_prompt", "continue_final_message", "text_1", "text_2", "query", "documents",
-    "top_n",
+    "top_n", "instructions", "max_output_tokens", "previous_response_id", "text", "metadata",
 ]  # fmt: skip
 EXTRA_MUTATIONS = st.lists(
     st.one_of(st.tuples(st.sampled_from(KEYS), HOSTILE), st.tuples(st.sampled_from(KEYS))),
@@ -173,6 +198,7 @@ REQUESTS = st.one_of(
     ),
     st.tuples(st.sampled_from(SCORE_PATHS), st.builds(mutated, SCORE, EXTRA_MUTATIONS)),
     st.tuples(st.sampled_from(RERANK_PATHS), st.builds(mutated, RERANK, EXTRA_MUTATIONS)),
+    st.tuples(st.just("/v1/responses"), st.builds(mutated, RESPONSES, EXTRA_MUTATIONS)),
 )
 CONTENT_TYPES = st.sampled_from(
     ["application/json", "application/json", "application/json; charset=utf-8", "text/plain", None]
@@ -212,6 +238,8 @@ def check_reply(response: httpx.Response, path: str, content_type: str | None) -
         assert response.status_code == 415
     elif response.status_code != 200:
         assert set(response.json()["error"]) >= {"message", "type", "code"}
+    elif path == "/v1/responses":
+        check_responses_reply(response)
     elif response.headers["content-type"].startswith("text/event-stream"):
         assert response.text.endswith("data: [DONE]\n\n")
     elif path == "/v1/embeddings":
@@ -225,6 +253,17 @@ def check_reply(response: httpx.Response, path: str, content_type: str | None) -
         assert scores and scores == sorted(scores, reverse=True)
     else:
         assert response.json()["choices"]
+
+
+def check_responses_reply(response: httpx.Response) -> None:
+    """A Response object, whole or as the data of a stream's one final event, the last."""
+    if not response.headers["content-type"].startswith("text/event-stream"):
+        assert response.json()["object"] == "response"
+        return
+    last = response.text.rstrip("\n").split("\n\n")[-1]
+    assert last.split("\n")[0] in ("event: response.completed", "event: response.failed")
+    finals = response.text.count("event: response.completed")
+    assert finals + response.text.count("event: response.failed") == 1
 
 
 def metric(text: str, name: str) -> float:

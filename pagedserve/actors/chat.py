@@ -25,10 +25,14 @@ TOKENIZER_CLASS_FILE = "tokenizer-class.json"  # in the run directory
 
 
 def load_tokenizer(
-    path: str, chat_template: str | None = None, run_dir: str | None = None
+    path: str,
+    chat_template: str | None = None,
+    run_dir: str | None = None,
+    use_fast: bool = True,
 ) -> PreTrainedTokenizerBase:
     """The model's HF tokenizer, from local files only (a directory or the HF cache);
-    `chat_template` (Jinja text, `EngineConfig.chat_template`) replaces its own.
+    `chat_template` (Jinja text, `EngineConfig.chat_template`) replaces its own; `use_fast`
+    False: the slow (Python) tokenizer where the model has one (tokenizer_mode "slow").
 
     AutoTokenizer chooses the class (by the tokenizer's config and the model's type) and in
     doing so imports torch: ~2 s of a restart. With `run_dir`, the first load of a run records
@@ -38,7 +42,7 @@ def load_tokenizer(
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=use_fast)
         if run_dir:
             _record_class(path, run_dir, type(tokenizer).__name__)
     if chat_template is not None:

@@ -205,7 +205,10 @@ class TokenizerActor(Actor):
             vocab_size = model_vocab_size
         else:
             tokenizer = load_tokenizer(
-                self.config.tokenizer_path, self.config.chat_template, self.addresses.run_dir
+                self.config.tokenizer_path,
+                self.config.chat_template,
+                self.addresses.run_dir,
+                use_fast=self.config.tokenizer_mode != "slow",
             )
             vocab_size = min(len(tokenizer), model_vocab_size)  # ids the model can take
         self.eos_token_ids = eos_token_ids(self.config.model_path, tokenizer)

@@ -31,6 +31,22 @@ SERVER_FLAGS = [
     "max_bad_words",
     "max_lora_adapters",
 ]
+# vLLM's HTTP and response flags: ServerConfig fields of the same names (add_vllm_server_args)
+VLLM_SERVER_FLAGS = [
+    "max_log_len",
+    "ssl_keyfile",
+    "ssl_certfile",
+    "ssl_ca_certs",
+    "root_path",
+    "allowed_origins",
+    "allowed_methods",
+    "allowed_headers",
+    "allow_credentials",
+    "response_role",
+    "return_tokens_as_token_ids",
+    "enable_prompt_tokens_details",
+    "enable_force_include_usage",
+]
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +55,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     parser.add_argument("--served-model-name", default=None, help="model name in the API")
     parser.add_argument(
-        "--disable-log-requests", action="store_true", help="do not log each request (INFO)"
-    )
+        "--disable-log-requests", action="store_true", default=False,
+        help="do not log each request (INFO)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--enable-log-requests", action="store_false", dest="disable_log_requests",
+        default=False, help="log each request at INFO (the default; vLLM's spelling)",
+    )  # fmt: skip
     parser.add_argument(
         "--enable-auto-tool-choice", action="store_true",
         help='tool_choice "auto": calls found in the reply by --tool-call-parser',
@@ -65,6 +86,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
         "(any client that reaches the server may then load adapters from its file system)",
     )  # fmt: skip
+    add_vllm_server_args(parser)
     group = parser.add_argument_group("server settings and request limits")
     defaults = ServerConfig()
     for name in SERVER_FLAGS:
@@ -75,6 +97,65 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             default=default,
             help=f"default {default}",
         )
+
+
+def add_vllm_server_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags of the HTTP server and its answers (ServerConfig fields)."""
+    group = parser.add_argument_group("HTTP and responses (vLLM's flags)")
+    group.add_argument(
+        "--max-log-len", type=int, default=0,
+        help="the request log shows each prompt cut to this many characters (or token ids); "
+        "0 (the default): no prompt text in the log",
+    )  # fmt: skip
+    group.add_argument("--ssl-keyfile", default=None, help="TLS: the certificate's private key")
+    group.add_argument("--ssl-certfile", default=None, help="TLS: the server's certificate")
+    group.add_argument("--ssl-ca-certs", default=None, help="TLS: CA certificates (uvicorn's)")
+    group.add_argument(
+        "--root-path", default="", help="the path prefix of a proxy in front of the server"
+    )
+    group.add_argument(
+        "--allowed-origins", type=json_list, default=None, metavar="JSON",
+        help='CORS: origins allowed to read answers, e.g. \'["https://app.example"]\' '
+        "(default: no CORS headers at all, unlike vLLM's allow-all)",
+    )  # fmt: skip
+    group.add_argument(
+        "--allowed-methods", type=json_list, default=["*"], metavar="JSON",
+        help='CORS, with --allowed-origins: methods allowed (default ["*"])',
+    )  # fmt: skip
+    group.add_argument(
+        "--allowed-headers", type=json_list, default=["*"], metavar="JSON",
+        help='CORS, with --allowed-origins: request headers allowed (default ["*"])',
+    )  # fmt: skip
+    group.add_argument(
+        "--allow-credentials", action="store_true",
+        help="CORS, with --allowed-origins: allow cookies and Authorization headers",
+    )  # fmt: skip
+    group.add_argument(
+        "--response-role", default="assistant", help="the role of chat completion messages"
+    )
+    group.add_argument(
+        "--return-tokens-as-token-ids", action="store_true",
+        help='logprobs name tokens "token_id:{id}" in every answer (also a request field)',
+    )  # fmt: skip
+    group.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served",
+    )  # fmt: skip
+    group.add_argument(
+        "--enable-force-include-usage", action="store_true",
+        help="usage at the end of every stream, as with stream_options.include_usage",
+    )  # fmt: skip
+
+
+def json_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's --allowed-origins and the like)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -89,7 +170,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         reasoning_parser=args.reasoning_parser,
         lora_modules=dict(args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        **{name: getattr(args, name) for name in SERVER_FLAGS},
+        **{name: getattr(args, name) for name in [*SERVER_FLAGS, *VLLM_SERVER_FLAGS]},
     )
 
 
@@ -167,9 +248,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pagedserve: error: the engine did not start: {exc}", file=sys.stderr)
         return 1
     name = args.served_model_name or config.model
+    scheme = "https" if args.ssl_certfile else "http"
     keys = supervisor.credentials_path or "derived from --api-key"
     print(
-        f"pagedserve: serving {name} on http://{args.host}:{args.port}/v1 "
+        f"pagedserve: serving {name} on {scheme}://{args.host}:{args.port}/v1 "
         f"(ZeroMQ clients: {supervisor.addresses.engine_address}, credentials: {keys})",
         flush=True,
     )

@@ -64,6 +64,12 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
         "sampling defaults for fields a request leaves unset: auto (the model's "
         "generation_config.json), vllm (none) or a directory holding one",
     ),
+    "override_generation_config": (
+        json.loads,
+        "generation_config.json keys over the generation config's, as JSON, e.g. "
+        "'{\"temperature\": 0.5}' (also with --generation-config vllm)",
+    ),
+    "tokenizer_mode": (str, "auto (the fast tokenizer where there is one) or slow"),
     "quantization": (str, "fp8, gptq, awq, compressed-tensors or int8 (default: the checkpoint's)"),
     "kv_cache_dtype": (str, "auto (the model's dtype) or fp8 (E4M3, per-tensor scales)"),
     "max_loras": (int, "with --enable-lora: most LoRA adapters in one step"),
@@ -96,8 +102,77 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="automatic prefix caching (on by default)",
     )
+    add_vllm_compat_args(parser)
+
+
+def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM flags for what this engine always does: accepted, and a value it cannot honour is
+    an error at start (check_vllm_compat_args)."""
+    group = parser.add_argument_group("vLLM flags for what pagedserve always does")
+    group.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+        help="prompts are always chunked into --max-num-batched-tokens steps (as vLLM V1): "
+        "accepted; --no-enable-chunked-prefill is an error",
+    )  # fmt: skip
+    group.add_argument(
+        "--async-scheduling", action="store_true",
+        help="accepted: the scheduler always plans the next steps while the device runs",
+    )  # fmt: skip
+    group.add_argument(
+        "--disable-log-stats", action="store_true",
+        help="accepted: the engine logs no periodic stats (they are served at /metrics)",
+    )  # fmt: skip
+    group.add_argument(
+        "--swap-space", type=float, default=None, metavar="GiB",
+        help="accepted: preemption recomputes (as vLLM V1), so no CPU swap space is used",
+    )  # fmt: skip
+    group.add_argument(
+        "--runner", default=None,
+        help="auto, generate or pooling: accepted; every model serves both generation and "
+        "embeddings",
+    )  # fmt: skip
+    group.add_argument(
+        "--task", default=None,
+        help="vLLM's legacy --runner: auto, generate, embed, embedding or score (accepted)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=None,
+        help="engine replicas: only 1 (data parallelism is not supported)",
+    )  # fmt: skip
+
+
+RUNNERS = ("auto", "generate", "pooling")
+TASKS = ("auto", "generate", "embed", "embedding", "score")
+
+
+def check_vllm_compat_args(args: argparse.Namespace) -> None:
+    """ValueError for a vLLM flag's value that this engine cannot honour."""
+    if args.enable_chunked_prefill is False:
+        raise ValueError(
+            "chunked prefill is always on (prompts run in --max-num-batched-tokens chunks); "
+            "--no-enable-chunked-prefill is not supported"
+        )
+    if args.runner is not None and args.runner not in RUNNERS:
+        raise ValueError(
+            f"--runner {args.runner!r} is not supported: pagedserve serves generation and "
+            "embeddings (auto, generate or pooling)"
+        )
+    if args.task is not None and args.task not in TASKS:
+        raise ValueError(
+            f"--task {args.task!r} is not supported: pagedserve serves generation and "
+            f"embeddings ({', '.join(TASKS)})"
+        )
+    if args.data_parallel_size is not None and args.data_parallel_size != 1:
+        raise ValueError(
+            f"--data-parallel-size {args.data_parallel_size}: data parallelism is not "
+            "supported (run one server a replica)"
+        )
+    if args.swap_space is not None and args.swap_space < 0:
+        raise ValueError("--swap-space must be at least 0")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the flags set; ValueError for a value that cannot work."""
+    check_vllm_compat_args(args)
     names = [*ENGINE_FLAGS, *ENGINE_SWITCHES, "enable_prefix_caching"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

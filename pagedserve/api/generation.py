@@ -38,6 +38,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     embedding: bytes | None = None  # an embedding request's vector
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
 
     def add(self, delta: RequestDelta) -> None:
         self.text += delta.text
@@ -45,6 +46,7 @@ class Choice:
         self.logprobs += delta.logprobs or []
         if delta.prompt_token_ids is not None:
             self.prompt_token_ids = delta.prompt_token_ids
+            self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.embedding is not None:

@@ -243,7 +243,11 @@ class LLM:
         """The model's tokenizer in this process (beam texts); None with skip_tokenizer_init."""
         if self.config.skip_tokenizer_init:
             return None
-        return load_tokenizer(self.config.tokenizer_path, self.config.chat_template)
+        return load_tokenizer(
+            self.config.tokenizer_path,
+            self.config.chat_template,
+            use_fast=self.config.tokenizer_mode != "slow",
+        )
 
     @functools.cached_property
     def _eos_token_ids(self) -> list[int]:

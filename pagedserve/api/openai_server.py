@@ -24,6 +24,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -37,7 +38,13 @@ from pagedserve.actors.chat import (
     load_tokenizer,
 )
 from pagedserve.actors.heap_trim import trim_heap_forever
-from pagedserve.actors.messages import LoRARequest, PoolingParams, PromptOptions, SamplingParams
+from pagedserve.actors.messages import (
+    ChatMessage,
+    LoRARequest,
+    PoolingParams,
+    PromptOptions,
+    SamplingParams,
+)
 from pagedserve.api.actor_status import AsyncStatusClient, render_prometheus
 from pagedserve.api.auth import APIKeyGuard
 from pagedserve.api.beam_search import BeamEngineFacts, BeamSearchParams, open_beams
@@ -72,6 +79,7 @@ from pagedserve.api.render import (
     ScoreRender,
 )
 from pagedserve.api.responses import GenerationResponse
+from pagedserve.api.responses_api import create_response
 from pagedserve.api.sampling_defaults import sampling_defaults
 from pagedserve.config import EngineConfig, ServerConfig, read_hf_config
 
@@ -114,6 +122,7 @@ class OpenAIServer:
         return [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/responses", functools.partial(create_response, self), methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             *(Route(path, self.score, methods=["POST"]) for path in ("/score", "/v1/score")),
             *(
@@ -303,7 +312,9 @@ class OpenAIServer:
     def pooled(self, render: PooledRender, jobs: list[Job], arrival: float) -> GenerationResponse:
         """The response of embedding jobs, answered whole by `render`."""
         if not self.limits.disable_log_requests:
-            logger.info("%s: %d engine request(s), %s", render.id, len(jobs), jobs[0].pooling)
+            prompts = logged_prompts(jobs, self.limits.max_log_len)
+            logger.info("%s: %d engine request(s)%s, %s", render.id, len(jobs), prompts,
+                        jobs[0].pooling)  # fmt: skip
         return GenerationResponse(self.client, self.metrics, render, jobs, False, False, arrival)
 
     def check_token_prompts(self, prompts: list[Prompt], room: int) -> None:
@@ -323,7 +334,8 @@ class OpenAIServer:
     ) -> GenerationResponse:
         if not self.limits.disable_log_requests:
             what = "engine request(s)" if beams is None else "beam(s) a step"
-            logger.info("%s: %d %s, %s", render.id, len(jobs), what, sampling)
+            prompts = logged_prompts(jobs, self.limits.max_log_len)
+            logger.info("%s: %d %s%s, %s", render.id, len(jobs), what, prompts, sampling)
         source = open_choices
         if beams is not None:
             facts = BeamEngineFacts(
@@ -336,7 +348,7 @@ class OpenAIServer:
             render,
             jobs,
             body.stream,
-            body.include_usage,
+            body.include_usage or self.limits.enable_force_include_usage,
             arrival,
             source,
         )
@@ -399,10 +411,46 @@ class OpenAIServer:
         return self.tokenizer
 
 
+def logged_prompts(jobs: list[Job], max_len: int) -> str:
+    """The distinct prompts of `jobs` as the request log shows them (", prompts [...]"): text
+    (a chat's messages as "role: content" lines) cut to `max_len` characters, token ids to
+    `max_len` ids; "" for a `max_len` of 0."""
+    if not max_len:
+        return ""
+    prompts: list[Prompt] = []
+    for job in jobs:
+        if not prompts or job.prompt is not prompts[-1]:  # a prompt's n choices share it
+            prompts.append(job.prompt)
+    return f", prompts {[_logged_prompt(prompt)[:max_len] for prompt in prompts]}"
+
+
+def _logged_prompt(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], ChatMessage):
+        return prompt  # type: ignore[return-value]
+    return "\n".join(f"{m.role}: {m.content}" for m in prompt)  # type: ignore[union-attr]
+
+
+def middleware(limits: ServerConfig) -> list[Middleware]:
+    """CORS (outermost, so that preflights need no API key) where origins are allowed, then
+    the API key check."""
+    cors = []
+    if limits.allowed_origins is not None:
+        cors = [
+            Middleware(
+                CORSMiddleware,
+                allow_origins=limits.allowed_origins,
+                allow_methods=limits.allowed_methods,
+                allow_headers=limits.allowed_headers,
+                allow_credentials=limits.allow_credentials,
+            )
+        ]
+    return [*cors, Middleware(APIKeyGuard, api_key=limits.api_key)]
+
+
 def build_app(server: OpenAIServer) -> Starlette:
     return Starlette(
         routes=server.routes(),
-        middleware=[Middleware(APIKeyGuard, api_key=server.limits.api_key)],
+        middleware=middleware(server.limits),
         exception_handlers={APIError: on_api_error, HTTPException: on_http_exception},
     )
 
@@ -417,7 +465,10 @@ class APIServerActor(Actor):
         self.tokenizer = None
         if not self.config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(
-                self.config.tokenizer_path, self.config.chat_template, self.addresses.run_dir
+                self.config.tokenizer_path,
+                self.config.chat_template,
+                self.addresses.run_dir,
+                use_fast=self.config.tokenizer_mode != "slow",
             )
 
     async def setup(self) -> dict:
@@ -457,6 +508,10 @@ class APIServerActor(Actor):
                 log_level=self.server_config.uvicorn_log_level,
                 lifespan="off",
                 timeout_graceful_shutdown=1,
+                root_path=self.server_config.root_path,
+                ssl_keyfile=self.server_config.ssl_keyfile,
+                ssl_certfile=self.server_config.ssl_certfile,
+                ssl_ca_certs=self.server_config.ssl_ca_certs,
             )
             try:
                 async with anyio.create_task_group() as tg:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import socket
+import ssl
 
 import msgspec
 
@@ -26,6 +27,7 @@ def prepare_config(config: EngineConfig) -> EngineConfig:
     with the fix when it cannot work."""
     check_tokenizer_files(config)
     check_lora_modules(config)
+    check_tls_files(config)
     sampling_defaults(config)  # an unusable --generation-config fails now
     if config.chat_template is not None:
         template = resolve_chat_template(config.chat_template)
@@ -66,6 +68,20 @@ def check_lora_modules(config: EngineConfig) -> None:
             check_adapter(path, model, config.max_lora_rank)
         except ValueError as exc:
             raise ValueError(f"LoRA module {name!r}: {exc}") from None
+
+
+def check_tls_files(config: EngineConfig) -> None:
+    """--ssl-certfile and --ssl-keyfile (and --ssl-ca-certs) must load as uvicorn loads them."""
+    server = config.server
+    if server is None or server.ssl_certfile is None:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(server.ssl_certfile, server.ssl_keyfile)
+        if server.ssl_ca_certs is not None:
+            context.load_verify_locations(server.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"TLS: cannot load the certificate, key or CA files: {exc}") from None
 
 
 def check_port_free(host: str, port: int) -> None:

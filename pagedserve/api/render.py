@@ -77,15 +77,25 @@ class Render:
         n = max(1, len(choices) // max(self.num_prompts, 1))
         prompt = sum(len(c.prompt_token_ids) for c in choices[::n])
         completion = sum(len(self.output_ids(c)) for c in choices)
-        return usage_of(prompt, completion)
+        return usage_of(prompt, completion) | self.prompt_details(choices[::n])
 
     def choice_usage(self, choice: Choice) -> dict:
         """One choice's usage so far (a chunk's, with continuous usage stats)."""
-        return usage_of(len(choice.prompt_token_ids), len(self.output_ids(choice)))
+        usage = usage_of(len(choice.prompt_token_ids), len(self.output_ids(choice)))
+        return usage | self.prompt_details([choice])
+
+    def prompt_details(self, prompts: list[Choice]) -> dict:
+        """vLLM's usage.prompt_tokens_details (--enable-prompt-tokens-details): the prompt
+        tokens of `prompts` (a choice of each) that the prefix cache served."""
+        if not self.server.limits.enable_prompt_tokens_details:
+            return {}
+        cached = sum(c.num_cached_tokens for c in prompts)
+        return {"prompt_tokens_details": {"cached_tokens": cached}}
 
     def token_text(self, token_id: int) -> str:
-        """A token as logprobs name it: its text, or vLLM's "token_id:{id}" when asked."""
-        if self.body.return_tokens_as_token_ids:
+        """A token as logprobs name it: its text, or vLLM's "token_id:{id}" when asked (by
+        the request, or for every request by --return-tokens-as-token-ids)."""
+        if self.body.return_tokens_as_token_ids or self.server.limits.return_tokens_as_token_ids:
             return f"token_id:{token_id}"
         return self.server.token_text(token_id)
 
@@ -255,6 +265,7 @@ class ChatRender(Render):
         self.echoed = body.echoed()  # vLLM's echo: before each choice's content
         self.reasoning_parser = server.limits.reasoning_parser  # None: no reasoning split
         self.reasoning: dict[int, ReasoningStream] = {}  # per choice (stream)
+        self.role = server.limits.response_role  # of each message (vLLM's --response-role)
 
     def logprobs(self, entries: list[TokenLogprobs]) -> dict | None:
         if not self.body.logprobs:
@@ -283,7 +294,7 @@ class ChatRender(Render):
         return {}
 
     def opening(self) -> list[dict]:
-        deltas = [{"role": "assistant", "content": ""}]
+        deltas = [{"role": self.role, "content": ""}]
         if self.echoed:
             deltas.append({"content": self.echoed})
         return [
@@ -300,18 +311,18 @@ class ChatRender(Render):
         if self.reasoning_parser is not None:
             reasoning, text = split_reasoning(text, self.reasoning_parser)
             text = text or ""
-        message: dict = {"role": "assistant", "content": self.echoed + text}
+        message: dict = {"role": self.role, "content": self.echoed + text}
         finish_reason = choice.finish_reason
         calls = None if self.tools is None else self.tools.calls(text)
         if calls is not None:
             assert self.tools is not None
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            message = {"role": self.role, "content": None, "tool_calls": calls}
             finish_reason = self.tools.finish_reason or finish_reason
         elif self.tool_parser is not None:
             content, found = parse_tool_calls(text, self.tool_parser)
             if found:
                 unindexed = [{k: v for k, v in c.items() if k != "index"} for c in found]
-                message = {"role": "assistant", "content": content, "tool_calls": unindexed}
+                message = {"role": self.role, "content": content, "tool_calls": unindexed}
                 finish_reason = "tool_calls"
         if self.reasoning_parser is not None:
             message["reasoning_content"] = reasoning
