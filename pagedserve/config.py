@@ -9,6 +9,7 @@ same concrete values.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ import msgspec
 
 from pagedserve.cpus import usable_cpus
 from pagedserve.layout import check_layout
-from pagedserve.models.model_config import context_limit
+from pagedserve.models.model_config import active_sliding_window, context_limit
 from pagedserve.models.pooling_layout import model_pooling
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "pagedserve/tiny-shakespeare"
 # vLLM's names (models/quantization/config.py says what each means)
@@ -452,6 +455,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.speculative_config is not None:
             check_draft_model(self.speculative_config, hf)
         limit = context_limit(hf)
+        window = active_sliding_window(hf)
+        if window is not None and window < limit:  # vLLM's --disable-sliding-window
+            logger.warning(
+                "sliding-window attention is not implemented: the context is capped to the "
+                "window (%d tokens), within which full attention is the model's", window
+            )  # fmt: skip
+            limit = window
         max_len = min(self.max_model_len or limit, limit)
         device = self.device
         if device == "auto":

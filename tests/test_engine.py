@@ -407,3 +407,43 @@ def test_hf_overrides_stretch_the_context_with_yarn(tmp_path: Path) -> None:
     with LLM(str(path), num_kv_blocks=64, supervision=NO_STANDBY) as plain:
         unscaled = plain.generate(prompts[1:2], GREEDY)[0].outputs[0].token_ids
     assert unscaled != outputs[1].outputs[0].token_ids  # the override changed the model
+
+
+def test_a_sliding_window_caps_the_context_where_full_attention_is_the_models(
+    tmp_path: Path,
+) -> None:
+    """Sliding-window attention is not implemented: a Mistral model with a window gets its
+    context capped to the window (vLLM's --disable-sliding-window), where its full attention is
+    transformers' sliding-window model's: equal greedy tokens and logprobs; a longer prompt is
+    refused."""
+    from pagedserve.api.client_core import EngineRequestError
+
+    path = save_tiny_model("llama", tmp_path / "model")
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=48)
+    (path / "config.json").write_text(json.dumps(config))
+    prompts = random_prompts(400, [3, 16], seed=5)  # with NEW_TOKENS out: within the window
+    with LLM(str(path), supervision=NO_STANDBY) as llm:
+        assert llm.supervisor.sized_config.max_model_len == 48
+        outputs = llm.generate(prompts, GREEDY)
+        with pytest.raises(EngineRequestError, match="maximum context length is 48"):
+            llm.generate(random_prompts(400, [60], seed=6), GREEDY)
+    assert_matches_transformers(path, prompts, outputs)
+
+
+@pytest.mark.parametrize(
+    "values, window",
+    [
+        ({"sliding_window": 4096}, 4096),  # Mistral v0.1
+        ({"sliding_window": None}, None),  # Mistral v0.2 on
+        ({"sliding_window": 32768, "use_sliding_window": False}, None),  # Qwen2 / Qwen3
+        ({"sliding_window": 16, "use_sliding_window": True}, 16),
+        ({"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}, 16),
+        ({"sliding_window": 16, "layer_types": ["full_attention"] * 2}, None),
+        ({}, None),  # Llama
+    ],
+)
+def test_which_configs_have_an_active_sliding_window(values: dict, window: int | None) -> None:
+    from pagedserve.models.model_config import active_sliding_window
+
+    assert active_sliding_window(values) == window

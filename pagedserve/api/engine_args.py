@@ -115,6 +115,11 @@ def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
         "accepted; --no-enable-chunked-prefill is an error",
     )  # fmt: skip
     group.add_argument(
+        "--disable-sliding-window", action="store_true",
+        help="accepted: a model's sliding window always caps its context (sliding-window "
+        "attention is not implemented)",
+    )  # fmt: skip
+    group.add_argument(
         "--async-scheduling", action="store_true",
         help="accepted: the scheduler always plans the next steps while the device runs",
     )  # fmt: skip

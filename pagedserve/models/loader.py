@@ -17,7 +17,6 @@ import contextlib
 import glob
 import importlib
 import json
-import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 
@@ -45,8 +44,6 @@ from pagedserve.models.quantization.config import (
 from pagedserve.models.registry import get_model_class
 from pagedserve.models.stages import checkpoint_names
 from pagedserve.models.weights import default_weight_loader
-
-logger = logging.getLogger(__name__)
 
 DUMMY_WEIGHT_STD = 0.02
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,9 +141,6 @@ def build_model(hf_config: ModelConfig, layer_config: LayerConfig) -> nn.Module:
     """The architecture's model with uninitialised parameters of the config's dtype, on its
     device."""
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        logger.warning("sliding_window=%s is ignored: attention is full over the context", window)
     with default_dtype(layer_config.dtype), torch.device(layer_config.device):
         model = model_cls(hf_config, layer_config)
     return model.eval()

@@ -89,3 +89,16 @@ def context_limit(values: dict[str, Any]) -> int:
     if rope_type in ("linear", "yarn") and scaling.get("factor"):
         limit = int(limit * float(scaling["factor"]))
     return limit
+
+
+def active_sliding_window(values: dict[str, Any]) -> int | None:
+    """The sliding window some of the model's layers attend within (None: every layer attends
+    over the whole context): Mistral's `sliding_window`, Qwen2/Qwen3's where
+    `use_sliding_window` is set, or a `layer_types` that names sliding attention."""
+    window = values.get("sliding_window")
+    if not window:
+        return None
+    layer_types = values.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    return int(window) if values.get("use_sliding_window", True) else None
