@@ -39,9 +39,10 @@ class LoRASlots:
     def use_kernels(self, rows: int) -> None:
         """Steps of at most `rows` tokens take the kernels, which read the tokens sorted by
         slot from a device buffer (the graphs captured at start-up take them too)."""
-        self.buffer = torch.zeros(rows + self.num_slots + 1, dtype=torch.int32, device=self.device)
-        self.context.order, self.context.starts = self.buffer[:rows], self.buffer[rows:]
+        buffer = torch.zeros(rows + self.num_slots + 1, dtype=torch.int32, device=self.device)
+        self.context.order, self.context.starts = buffer[:rows], buffer[rows:]
         self.context.use_kernel = True
+        self.buffer_adapted = False  # whether the buffer holds any token with an adapter
         self.uploader = Uploader(self.device)  # its own: the step's uploader's buffer is in use
 
     def assign(self, row: int, lora: LoRARequest | None, live_rows: list[int]) -> None:
@@ -74,12 +75,23 @@ class LoRASlots:
         order = context.order
         context.use_kernel = order is not None and len(slots) <= len(order)
         if context.use_kernel:
-            assert order is not None and self.uploader is not None
-            host = tokens_by_slot(slots, self.num_slots, len(order))
-            self.buffer.copy_(self.uploader.upload([host])[0])  # ordered after the last step
+            assert order is not None and context.starts is not None
             context.groups = []
+            adapted = bool((slots >= 0).any())
+            if adapted or self.buffer_adapted:  # else the buffer says "no token" already
+                self._upload_order(slots, order, context.starts)
+                self.buffer_adapted = adapted
             return
         context.groups = [
             (int(slot), torch.from_numpy(np.flatnonzero(slots == slot)).to(self.device))
             for slot in np.unique(slots[slots >= 0])
         ]
+
+    def _upload_order(self, slots: np.ndarray, order: torch.Tensor, starts: torch.Tensor) -> None:
+        """The step's tokens sorted by slot into the buffer (ordered after the last step): its
+        first len(slots) entries and the starts; the kernels read no entry past them."""
+        assert self.uploader is not None
+        n = len(slots)
+        host = self.uploader.upload([tokens_by_slot(slots, self.num_slots, n)])[0]
+        order[:n].copy_(host[:n])
+        starts.copy_(host[n:])
