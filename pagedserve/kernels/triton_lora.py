@@ -43,6 +43,18 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _slot_block(order_ptr, starts_ptr, s, m, BLOCK_M: tl.constexpr):
+    """The m-th block of slot s's tokens: (their indices, which are real, whether the block
+    holds any)."""
+    start = tl.load(starts_ptr + s)
+    count = tl.load(starts_ptr + s + 1) - start
+    i = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = i < count
+    tokens = tl.load(order_ptr + start + i, mask=valid, other=0).to(tl.int64)
+    return tokens, valid, m * BLOCK_M < count
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, order_ptr, starts_ptr, h_ptr, K,
     stride_x, stride_as, stride_ap, stride_ar, stride_hs, stride_ht,
@@ -55,12 +67,8 @@ def _shrink_kernel(
     p = tl.program_id(1) // SPLIT_K
     split = tl.program_id(1) % SPLIT_K
     s = tl.program_id(2)
-    start = tl.load(starts_ptr + s)
-    count = tl.load(starts_ptr + s + 1) - start
-    if m * BLOCK_M < count:
-        i = m * BLOCK_M + tl.arange(0, BLOCK_M)
-        valid = i < count
-        tokens = tl.load(order_ptr + start + i, mask=valid, other=0).to(tl.int64)
+    tokens, valid, has_tokens = _slot_block(order_ptr, starts_ptr, s, m, BLOCK_M)
+    if has_tokens:
         r = tl.arange(0, R)
         x_rows = x_ptr + tokens[:, None] * stride_x
         a_cols = a_ptr + s.to(tl.int64) * stride_as + p * stride_ap + r[None, :] * stride_ar
@@ -88,12 +96,8 @@ def _expand_kernel(
     m = tl.program_id(0)
     j = tl.program_id(1)
     s = tl.program_id(2)
-    start = tl.load(starts_ptr + s)
-    count = tl.load(starts_ptr + s + 1) - start
-    if m * BLOCK_M < count:
-        i = m * BLOCK_M + tl.arange(0, BLOCK_M)
-        valid = i < count
-        tokens = tl.load(order_ptr + start + i, mask=valid, other=0).to(tl.int64)
+    tokens, valid, has_tokens = _slot_block(order_ptr, starts_ptr, s, m, BLOCK_M)
+    if has_tokens:
         o = j * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = o < N
         r = tl.arange(0, R)
