@@ -408,6 +408,18 @@ class PooledRender:
     def full(self, choices: list[Choice]) -> dict:
         raise NotImplementedError
 
+    def listing(self, data: list[dict], choices: list[Choice]) -> dict:
+        """The OpenAI "list" answer of `data`, the choices' prompt tokens as its usage."""
+        tokens = prompt_tokens(choices)
+        return {
+            "id": self.id,
+            "object": "list",
+            "created": self.created,
+            "model": self.model,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
 
 def prompt_tokens(choices: list[Choice]) -> int:
     return sum(len(choice.prompt_token_ids) for choice in choices)
@@ -430,15 +442,7 @@ class EmbeddingRender(PooledRender):
         self.body = body
 
     def full(self, choices: list[Choice]) -> dict:
-        tokens = prompt_tokens(choices)
-        return {
-            "id": self.id,
-            "object": "list",
-            "created": self.created,
-            "model": self.model,
-            "data": [self.item(choice) for choice in choices],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        return self.listing([self.item(choice) for choice in choices], choices)
 
     def item(self, choice: Choice) -> dict:
         vector = choice.embedding or b""
@@ -462,18 +466,8 @@ class ScoreRender(PooledRender):
 
     def full(self, choices: list[Choice]) -> dict:
         scores = pair_scores(vectors(choices), self.plan.pairs)
-        tokens = prompt_tokens(choices)
-        return {
-            "id": self.id,
-            "object": "list",
-            "created": self.created,
-            "model": self.model,
-            "data": [
-                {"index": index, "object": "score", "score": score}
-                for index, score in enumerate(scores)
-            ],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
+        return self.listing(data, choices)
 
 
 class RerankRender(PooledRender):
