@@ -43,7 +43,7 @@ from pagedserve.api.engine_args import engine_kwargs
 from pagedserve.config import EngineConfig, PoolerConfig, ServerConfig
 from pagedserve.outputs import embedding_floats
 from tests.engine_settings import NO_STANDBY
-from tests.test_openai_server import free_port
+from tests.test_openai_server import free_port, running_server
 from tests.tiny_models import (
     hf_greedy,
     load_hf_model,
@@ -510,12 +510,8 @@ def server(models):
         **CHUNKED, supervision=NO_STANDBY,
         server=ServerConfig(port=port, served_model_name="tiny", max_prompts_per_request=8),
     )  # fmt: skip
-    supervisor = Supervisor(config)
-    supervisor.start(extra_actors=("api-server",))
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        supervisor.stop()
+    with running_server(config) as base:
+        yield base
 
 
 def test_the_openai_client_gets_embeddings_in_base64_and_in_floats(server, models) -> None:

@@ -4,12 +4,14 @@ localhost port; the ZeroMQ client and the offline LLM on the same model as the r
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import json
 import re
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -58,6 +60,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(config: EngineConfig) -> Iterator[str]:
+    """The engine of `config` with its API server (on config.server's port): its base URL,
+    the engine stopped afterwards."""
+    assert config.server is not None
+    supervisor = Supervisor(config)
+    supervisor.start(extra_actors=("api-server",))
+    try:
+        yield f"http://127.0.0.1:{config.server.port}"
+    finally:
+        supervisor.stop()
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,9 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from pagedserve.actors.supervisor import Supervisor
 from pagedserve.config import EngineConfig, ServerConfig
 from tests.engine_settings import NO_STANDBY
-from tests.test_openai_server import LIMITS, free_port, metric
+from tests.test_openai_server import LIMITS, free_port, metric, running_server
 from tests.tiny_models import save_tiny_model
 
 MODEL_NAME = "tiny"
@@ -41,12 +40,8 @@ def server(tmp_path_factory):
         server=ServerConfig(port=port, served_model_name=MODEL_NAME, **LIMITS),
         supervision=NO_STANDBY,
     )
-    supervisor = Supervisor(config)
-    supervisor.start(extra_actors=("api-server",))
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        supervisor.stop()
+    with running_server(config) as base:
+        yield base
 
 
 @pytest.fixture

@@ -16,11 +16,10 @@ import pytest
 import transformers
 
 from pagedserve import LLM
-from pagedserve.actors.supervisor import Supervisor
 from pagedserve.config import EngineConfig, ServerConfig
 from tests.engine_settings import NO_STANDBY
 from tests.test_embeddings import hf_embedding
-from tests.test_openai_server import free_port
+from tests.test_openai_server import free_port, running_server
 from tests.tiny_models import (
     load_hf_model,
     merge_lora,
@@ -67,12 +66,8 @@ def server(model_path: Path, adapter: Path):
         model=str(model_path), max_model_len=MAX_MODEL_LEN, num_kv_blocks=128,
         enable_lora=True, supervision=NO_STANDBY, server=limits,
     )  # fmt: skip
-    supervisor = Supervisor(config)
-    supervisor.start(extra_actors=("api-server",))
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        supervisor.stop()
+    with running_server(config) as base:
+        yield base
 
 
 def token_ids(server: str, text: str) -> list[int]:

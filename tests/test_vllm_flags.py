@@ -24,7 +24,7 @@ from pagedserve.api.preflight import prepare_config
 from pagedserve.api.sampling_defaults import sampling_defaults
 from pagedserve.config import EngineConfig, ServerConfig
 from tests.engine_settings import NO_STANDBY
-from tests.test_openai_server import free_port
+from tests.test_openai_server import free_port, running_server
 from tests.tiny_models import save_tiny_model
 
 ORIGIN = "https://app.example"
@@ -199,12 +199,8 @@ def server(model_path: Path):
         server=settings,
         supervision=NO_STANDBY,
     )
-    supervisor = Supervisor(config)
-    supervisor.start(extra_actors=("api-server",))
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        supervisor.stop()
+    with running_server(config) as base:
+        yield base
 
 
 def test_cors_preflight_on_a_running_server(server: str) -> None:
