@@ -2,11 +2,14 @@
 
 The decoder pieces here are reused by the other architectures: a model subclass swaps the
 attention class (`attention_cls`), which overrides one of its small hooks (biases) or sets
-`qk_norms` (Qwen3's per-head q/k RMSNorm). A pipeline stage (layer_config.stage) builds only
-its part of the model (models/stages.py).
+`qk_norms` (Qwen3's per-head q/k RMSNorm), and the feed-forward of each layer (`build_mlp`: a
+mixture of experts in Mixtral and the Qwen MoE models, models/moe.py). A pipeline stage
+(layer_config.stage) builds only its part of the model (models/stages.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -100,18 +103,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
+    """The SwiGLU feed-forward, of config.intermediate_size unless told (a shared expert's)."""
+
+    def __init__(
+        self, config: ModelConfig, layer_config: LayerConfig, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
         bias = bool(getattr(config, "mlp_bias", False))
-        size, hidden = config.intermediate_size, config.hidden_size
+        size, hidden = intermediate_size or config.intermediate_size, config.hidden_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [size, size], layer_config, bias)
         self.down_proj = RowParallelLinear(size, hidden, layer_config, bias)
         self.act_fn = SiluAndMul(layer_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+# (config, layer_config, layer index) -> that decoder layer's feed-forward module
+BuildMLP = Callable[[ModelConfig, LayerConfig, int], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -121,10 +132,11 @@ class LlamaDecoderLayer(nn.Module):
         layer_config: LayerConfig,
         attention_cls: type[LlamaAttention],
         rotary_emb: RotaryEmbedding,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_config, rotary_emb)
-        self.mlp = LlamaMLP(config, layer_config)
+        self.mlp = mlp
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, layer_config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, layer_config)
@@ -151,7 +163,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_config: LayerConfig, attention_cls: type[LlamaAttention]
+        self,
+        config: ModelConfig,
+        layer_config: LayerConfig,
+        attention_cls: type[LlamaAttention],
+        build_mlp: BuildMLP,
     ) -> None:
         super().__init__()
         self.stage = stage = layer_config.stage
@@ -164,7 +180,13 @@ class LlamaModel(nn.Module):
             model_head_dim(config), context_limit(config.to_dict()), theta, scaling, layer_config
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_config, attention_cls, self.rotary_emb)
+            LlamaDecoderLayer(
+                config,
+                layer_config,
+                attention_cls,
+                self.rotary_emb,
+                build_mlp(config, layer_config, index),
+            )  # fmt: skip
             if stage.owns_layer(index)
             else MissingLayer()
             for index in range(config.num_hidden_layers)
@@ -201,6 +223,11 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
+    # checkpoint projection name of one expert -> (stacked parameter, part): MoE models'
+    # (models.moe.expert_target)
+    expert_params_mapping: dict[str, tuple[str, int | None]] = {}
+    # checkpoint module names the model's modules differ from (".block_sparse_moe." -> ".mlp.")
+    checkpoint_renames: dict[str, str] = {}
     # HF checkpoint name -> (fused parameter's module name, shard id for its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -213,13 +240,18 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
         super().__init__()
         self.config, self.layer_config = config, layer_config
-        self.model = LlamaModel(config, layer_config, self.attention_cls)
+        self.model = LlamaModel(config, layer_config, self.attention_cls, self.build_mlp)
         stage, tie = layer_config.stage, bool(getattr(config, "tie_word_embeddings", False))
         self.tie_word_embeddings = lm_head_is_tied(stage, tie)  # the loader reads it
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head: LMHead | None = None
         if stage.is_last:
             self.lm_head = LMHead(config.vocab_size, config.hidden_size, layer_config, tied_to)
+
+    @staticmethod
+    def build_mlp(config: ModelConfig, layer_config: LayerConfig, index: int) -> nn.Module:
+        """Decoder layer `index`'s feed-forward (a mixture of experts in the MoE models)."""
+        return LlamaMLP(config, layer_config)
 
     def forward(
         self,

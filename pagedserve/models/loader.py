@@ -36,6 +36,7 @@ from pagedserve.models.layer_config import (
     tensor_parallel_of_process,
 )
 from pagedserve.models.model_config import ModelConfig, load_model_config
+from pagedserve.models.moe import expert_target
 from pagedserve.models.quantization.config import (
     check_supported,
     resolve_kv_cache_dtype,
@@ -215,12 +216,19 @@ def _skipped(name: str, model: nn.Module) -> bool:
     )
 
 
-def _target_name(
-    name: str, mapping: dict[str, tuple[str, str | int]]
-) -> tuple[str, str | int | None]:
+def _target_name(name: str, model: nn.Module) -> tuple[str, object]:
+    """A checkpoint tensor's parameter and the shard id its weight_loader takes (None: none):
+    fp8 KV scales, the model's module renames, one expert's projection (stacked per layer:
+    models.moe), then the fused projections (`packed_modules_mapping`)."""
     for suffix, ours in _KV_SCALES.items():
         if name.endswith(suffix):
             return name.removesuffix(suffix) + ours, None
+    for theirs, ours in getattr(model, "checkpoint_renames", {}).items():
+        name = name.replace(theirs, ours)
+    expert = expert_target(name, getattr(model, "expert_params_mapping", {}))
+    if expert is not None:
+        return expert
+    mapping: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
     for hf_part, (fused_part, shard_id) in mapping.items():
         if f".{hf_part}." in name:
             return name.replace(f".{hf_part}.", f".{fused_part}."), shard_id
@@ -231,12 +239,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     """Copy HF-named tensors into the model; every parameter must be filled exactly (the
     optional ones may be left out)."""
     params = dict(model.named_parameters())
-    mapping = getattr(model, "packed_modules_mapping", {})
-    loaded: set[str] = set()
+    loaded: dict[str, set[object]] = {}  # parameter -> the shard ids loaded into it
     for name, tensor in weights:
         if _skipped(name, model):
             continue
-        target, shard_id = _target_name(name, mapping)
+        target, shard_id = _target_name(name, model)
         if target not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
         param = params[target]
@@ -245,10 +252,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             weight_loader(param, tensor)
         else:
             weight_loader(param, tensor, shard_id)
-        loaded.add(target)
+        loaded.setdefault(target, set()).add(shard_id)
     missing = sorted(
         name for name, param in params.items()
         if name not in loaded and not getattr(param, "optional", False)
+        or loaded.get(name, set()) < getattr(param, "expected_shards", set())
     )  # fmt: skip
     if missing:
         raise KeyError(f"parameters missing from the checkpoint: {missing}")

@@ -122,13 +122,15 @@ class LoRALayer:
 def attach_lora(
     model: nn.Module, slots: int, rank: int, config: LayerConfig
 ) -> tuple[dict[tuple[int, str], LoRALayer], LoRAContext]:
-    """LoRA slots on every adaptable projection of this rank's decoder layers, keyed by
-    (layer index, our layer name); the context their forwards read."""
+    """LoRA slots on every adaptable projection of this rank's decoder layers (the attention's
+    and a dense MLP's: not a mixture of experts' shared expert), keyed by (layer index, our
+    layer name); the context their forwards read."""
     context = LoRAContext()
     layers: dict[tuple[int, str], LoRALayer] = {}
     for name, module in model.named_modules():
         path = name.split(".")
-        if isinstance(module, LinearBase) and path[-1] in LAYER_PARTS and "layers" in path:
+        in_block = len(path) > 1 and path[-2] in ("self_attn", "mlp") and "layers" in path
+        if isinstance(module, LinearBase) and path[-1] in LAYER_PARTS and in_block:
             index = int(path[path.index("layers") + 1])
             lora = LoRALayer(module, LAYER_PARTS[path[-1]], (slots, rank), context, config)
             module.lora = layers[(index, path[-1])] = lora

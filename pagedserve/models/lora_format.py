@@ -16,7 +16,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from pagedserve.models.model_config import ModelConfig
+from pagedserve.models.model_config import ModelConfig, num_experts
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # PEFT's target name -> (the decoder block's submodule, our layer, its fused part)
@@ -93,6 +93,12 @@ def check_adapter(path: str, model: ModelConfig, max_rank: int) -> AdapterConfig
     the right shape for this model (from the safetensors header: nothing else is read), so
     that a worker can load it without failing."""
     adapter = read_adapter_config(path)
+    feed_forward = sorted(set(adapter.targets) & {"gate_proj", "up_proj", "down_proj"})
+    if num_experts(model) and feed_forward:
+        raise ValueError(
+            f"the adapter at {path!r} targets {feed_forward}: LoRA on a mixture-of-experts "
+            "model adapts only the attention projections (q_proj, k_proj, v_proj, o_proj)"
+        )
     if adapter.rank > max_rank:
         raise ValueError(f"the adapter's rank {adapter.rank} exceeds max_lora_rank {max_rank}")
     header = _safetensors_header(os.path.join(path, WEIGHTS_FILE))

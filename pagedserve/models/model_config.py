@@ -39,6 +39,34 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "mixtral": {
+        "max_position_embeddings": 4096 * 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "qwen2_moe": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 16,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "qwen3_moe": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
 }
 
 
@@ -58,6 +86,14 @@ class ModelConfig:
 
     def __repr__(self) -> str:
         return f"ModelConfig({self.__dict__})"
+
+
+def num_experts(config: ModelConfig) -> int:
+    """A mixture-of-experts model's expert count (`num_local_experts` in Mixtral's config and
+    in what transformers 5 writes for the Qwen MoE models, `num_experts` in Qwen's files; 0 for
+    a dense model)."""
+    values = config.to_dict()
+    return int(values.get("num_local_experts") or values.get("num_experts") or 0)
 
 
 def load_model_config(model_path: str, overrides: dict[str, Any] | None = None) -> ModelConfig:

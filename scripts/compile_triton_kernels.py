@@ -1,0 +1,145 @@
+"""Compile GPU-only Triton kernels for a GPU target on a machine without one (Triton's compiler
+and ptxas run on the CPU; nothing is launched): the launches their launchers make, recorded from
+the real launcher code and compiled with triton.compile. Prints one line a launch and exits 1 on
+any failure.
+
+  lora  add_lora_delta (pagedserve/kernels/triton_lora.py): shrink and expand for a small step
+        (K split over programs) and a large one, on Qwen3-0.6B's projection shapes.
+  moe   fused_experts (pagedserve/kernels/triton_moe.py): the two grouped GEMMs on
+        Qwen3-30B-A3B's expert shapes.
+
+Each for bf16 and fp32 and each --tokens count.
+
+    python scripts/compile_triton_kernels.py [--arch 90] [--tokens 1 256] [--kernels lora moe]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedserve.kernels import ops, triton_lora, triton_moe  # noqa: E402
+
+LORA_SHAPES = {
+    "qkv": (1024, [2048, 1024, 1024]),
+    "gate_up": (1024, [3072, 3072]),
+    "down": (3072, [1024]),
+}
+# (experts, top k, hidden, expert intermediate size); the sizes are the kernels' run-time
+# arguments, so one shape covers every compiled variant
+MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768)}
+_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+Launch = tuple[triton.runtime.JITFunction, tuple, dict]
+
+
+class _Recorder:
+    """Stands in for a kernel: kernel[grid](*args, **kwargs) records the launch."""
+
+    def __init__(self, fn: triton.runtime.JITFunction) -> None:
+        self.fn, self.launches = fn, []
+
+    def __getitem__(self, grid: tuple) -> object:
+        def record(*args: object, **kwargs: object) -> None:
+            self.launches.append((args, kwargs))
+
+        return record
+
+
+def recorded(module: object, names: tuple[str, ...], call: Callable[[], object]) -> list[Launch]:
+    """(kernel, args, kwargs) of every launch of module's kernels `names` that call() makes."""
+    recorders = {name: _Recorder(getattr(module, name)) for name in names}
+    for name, recorder in recorders.items():
+        setattr(module, name, recorder)
+    try:
+        call()
+    finally:
+        for name, recorder in recorders.items():
+            setattr(module, name, recorder.fn)
+    return [(r.fn, *launch) for r in recorders.values() for launch in r.launches]
+
+
+def lora_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
+    """add_lora_delta's two launches for each projection shape."""
+    out = {}
+    for shape, (k, sizes) in LORA_SHAPES.items():
+        x, y = torch.zeros(tokens, k, dtype=dtype), torch.zeros(tokens, sum(sizes), dtype=dtype)
+        a = torch.zeros(4, len(sizes), 16, k, dtype=dtype)
+        b = torch.zeros(4, sum(sizes), 16, dtype=dtype)
+        order, starts = torch.zeros(tokens, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)
+        call = functools.partial(triton_lora.add_lora_delta, x, y, a, b, order, starts, sizes)
+        out[shape] = recorded(triton_lora, ("_shrink_kernel", "_expand_kernel"), call)
+    return out
+
+
+def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
+    """fused_experts' two GEMM launches for each expert shape (the activation between them,
+    a Triton op compiled elsewhere, runs as its torch reference here)."""
+    out = {}
+    triton_moe.silu_and_mul = lambda x, **_: ops.silu_and_mul(x)  # this process only
+    for shape, (experts, top_k, hidden, inter) in MOE_SHAPES.items():
+        x = torch.zeros(tokens, hidden, dtype=dtype)
+        w13 = torch.zeros(experts, 2 * inter, hidden, dtype=dtype)
+        w2 = torch.zeros(experts, hidden, inter, dtype=dtype)
+        weights = torch.full((tokens, top_k), 1.0 / top_k)
+        ids = torch.arange(tokens * top_k).view(tokens, top_k) % experts
+
+        call = functools.partial(triton_moe.fused_experts, x, w13, w2, weights, ids)
+        out[shape] = recorded(triton_moe, ("_expert_gemm_kernel",), call)
+    return out
+
+
+KERNELS = {"lora": lora_launches, "moe": moe_launches}
+
+
+def compile_launch(fn: triton.runtime.JITFunction, args: tuple, kwargs: dict, arch: int) -> None:
+    signature, constexprs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if i < len(args):
+            value = args[i]
+            signature[name] = f"*{_TYPES[value.dtype]}" if torch.is_tensor(value) else "i32"
+        else:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = kwargs[name]
+    source = ASTSource(fn, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=GPUTarget("cuda", arch, 32))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256])
+    parser.add_argument("--kernels", nargs="+", default=sorted(KERNELS), choices=sorted(KERNELS))
+    args = parser.parse_args()
+    failed = 0
+    for family in args.kernels:
+        for tokens in args.tokens:
+            for dtype in (torch.bfloat16, torch.float32):
+                for shape, launches in KERNELS[family](tokens, dtype).items():
+                    for fn, launch_args, kwargs in launches:
+                        started = time.perf_counter()
+                        label = f"{fn.__name__} {shape} tokens={tokens} {_TYPES[dtype]}"
+                        try:
+                            compile_launch(fn, launch_args, kwargs, args.arch)
+                        except Exception as exc:  # reported, the rest go on
+                            failed += 1
+                            print(f"FAILED {label}: {type(exc).__name__}: {exc}"[:2000], flush=True)
+                            continue
+                        print(f"ok {label} ({time.perf_counter() - started:.1f} s)", flush=True)
+    print(f"{failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

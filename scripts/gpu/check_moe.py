@@ -1,0 +1,177 @@
+"""Mixture-of-experts models on the GPU: the kernels against their reference, the engine against
+transformers, then what a Qwen3-30B-A3B-shaped model costs. One markdown report:
+
+    python scripts/gpu/check_moe.py --out FILE [--only kernels check timing]
+
+kernels  fused_experts (kernels.triton_moe) on Qwen3-30B-A3B's expert shapes (128 experts,
+         top 8, hidden 2048, intermediate 768) against kernels.moe_ref in fp32 on the same
+         inputs: bf16 and fp32, 1 to 2,048 tokens, eager and replayed in a CUDA graph captured
+         with one routing and given another; µs a call (bf16, a graph of 20 calls) and the
+         bandwidth of the expert weights it reads.
+check    tiny fp32 Qwen3-MoE, Mixtral and Qwen2-MoE models (tests/test_moe.py's) through `LLM`
+         on the GPU (CUDA graphs), greedy, against transformers on the CPU: equal tokens, or
+         where they differ, and the largest logprob gap of the engine's tokens (teacher-forced).
+timing   Qwen3-30B-A3B's shape with dummy bf16 weights: batch-1 time per output token (128-token
+         prompt, 128 tokens out) and 256 prompts of 128 tokens, 128 out: output tokens / s.
+         Roofline: a batch-1 step reads the active weights, ~3.0 B parameters (6.1 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_lora import verdict  # noqa: E402
+from bench_workloads import CONFIGS, engine_args, free_gpu  # noqa: E402
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.kernels import moe_ref  # noqa: E402
+from pagedserve.models.model_config import load_model_config  # noqa: E402
+from tests.test_moe import MOE_CONFIGS, save_moe_model  # noqa: E402
+from tests.tiny_models import random_prompts  # noqa: E402
+
+QWEN_MOE = str(CONFIGS / "qwen3-30b-a3b")
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+
+
+def kernels() -> list[str]:
+    from pagedserve.kernels.triton_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(0)
+    lines = [
+        "| dtype | tokens | max error / max output: eager, graph | µs a call | experts read GB/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.03
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.03
+    for dtype in (torch.bfloat16, torch.float32):
+        w13d, w2d = w13.to(dtype).cuda(), w2.to(dtype).cuda()
+        for t in (1, 8, 64, 512, 2048):
+            x = torch.randn(t, HIDDEN, generator=gen).to(dtype)
+            routes = []
+            for _ in range(2):
+                draws = [torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(t)]
+                ids = torch.stack(draws)
+                weights = torch.rand(t, TOP_K, generator=gen)
+                routes.append((weights / weights.sum(-1, keepdim=True), ids))
+            weights, ids = routes[1]
+            want = moe_ref.fused_experts(
+                x.float().cuda(), w13d.float(), w2d.float(), weights.cuda(), ids.cuda()
+            ).cpu()
+            scale = float(want.abs().max())
+            xd = x.cuda()
+            wd, idd = routes[0][0].cuda(), routes[0][1].cuda()
+            eager_out = fused_experts(xd, w13d, w2d, weights.cuda(), ids.cuda())
+            eager = float((eager_out.float().cpu() - want).abs().max()) / scale
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fused_experts(xd, w13d, w2d, wd, idd)
+            wd.copy_(weights)
+            idd.copy_(ids)
+            graph.replay()
+            replayed = float((out.float().cpu() - want).abs().max()) / scale
+            us, rate = "", ""
+            if dtype == torch.bfloat16:
+                timed = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(timed):
+                    for _ in range(20):
+                        fused_experts(xd, w13d, w2d, wd, idd)
+                timed.replay()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(10):
+                    timed.replay()
+                torch.cuda.synchronize()
+                call = (time.perf_counter() - start) / 200
+                hit = len(torch.unique(ids))
+                read = hit * 3 * INTER * HIDDEN * 2
+                us, rate = f"{call * 1e6:.1f}", f"{read / call / 1e9:,.0f}"
+            bound = 1e-4 if dtype == torch.float32 else 2e-2
+            ok = "ok" if max(eager, replayed) < bound else "**FAIL**"
+            lines.append(
+                f"| {str(dtype)[6:]} | {t} | {eager:.1e}, {replayed:.1e} {ok} | {us} | {rate} |"
+            )
+            print(lines[-1], flush=True)
+        free_gpu()
+    return lines
+
+
+def check(root: Path) -> list[str]:
+    lines = [
+        "| model | each request against transformers (greedy tokens equal, or where they differ;"
+        " the largest logprob gap, teacher-forced) |",
+        "|---|---|",
+    ]
+    prompts = random_prompts(400, [40, 7, 23, 1, 64], seed=5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    for arch in sorted(MOE_CONFIGS):
+        model = save_moe_model(arch, root / arch)
+        with LLM(str(root / arch), skip_tokenizer_init=True, num_kv_blocks=256,
+                 device="cuda") as llm:  # fmt: skip
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+        verdicts = [verdict(model, p, o.outputs[0]) for p, o in zip(prompts, outputs)]
+        lines.append(f"| {arch} | {' '.join(verdicts)} |")
+        print(lines[-1], flush=True)
+        free_gpu()
+    return lines
+
+
+def timing() -> list[str]:
+    vocab = int(load_model_config(QWEN_MOE).vocab_size)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(128)] for _ in range(256)]
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    lines = [
+        "| model | batch 1: ms / output token | 256 x (128 in, 128 out): output tok/s |",
+        "|---|---:|---:|",
+    ]
+    started = time.perf_counter()
+    with LLM(**engine_args(QWEN_MOE)) as llm:
+        load = time.perf_counter() - started
+        llm.generate(prompts[:8], params, use_tqdm=False)
+        start = time.perf_counter()
+        llm.generate(prompts[:1], params, use_tqdm=False)
+        latency = (time.perf_counter() - start) / 128 * 1e3
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        rate = 256 * 128 / (time.perf_counter() - start)
+    free_gpu()
+    lines.append(f"| Qwen3-30B-A3B shape, dummy bf16 | {latency:.3f} | {rate:,.0f} |")
+    lines.append(f"\n(engine start-up {load:.0f} s)")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="+", default=["kernels", "check", "timing"])
+    args = parser.parse_args()
+    report = [f"# MoE on {torch.cuda.get_device_name()}, {datetime.datetime.now():%Y-%m-%d %H:%M}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        parts = {"kernels": kernels, "check": lambda: check(Path(tmp)), "timing": timing}
+        for title, run in parts.items():
+            if title not in args.only:
+                continue
+            report.append(f"\n## {title}\n")
+            try:
+                report += run()
+            except Exception:
+                report.append("```\n" + traceback.format_exc() + "```")
+            print("\n".join(report[-3:]), flush=True)
+            Path(args.out).write_text("\n".join(report) + "\n")
+
+
+if __name__ == "__main__":
+    main()

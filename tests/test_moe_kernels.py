@@ -1,0 +1,145 @@
+"""The mixture-of-experts Triton kernels (pagedserve.kernels.triton_moe) against the reference
+(kernels.moe_ref), on the CPU through Triton's interpreter (TRITON_INTERPRET=1; see
+test_triton_kernels.py for how the interpreter is chosen and the fresh-process fallback).
+
+Tolerances: fp32 within 1e-5 (exact products, outputs O(1)); bf16 against the reference run in
+fp32 on the same bf16 inputs, within 2% of the output's scale (the activation between the
+GEMMs is rounded to bf16, as the kernels' operands must be).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton.language.standard as _tl_standard
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    pytest.skip(f"triton is not importable ({exc}): no kernel tests", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from pagedserve.kernels import moe_ref  # noqa: E402
+from pagedserve.kernels.attention_backends import torch_ref_backend  # noqa: E402
+from pagedserve.models.layer_config import LayerConfig  # noqa: E402
+from pagedserve.models.moe import FusedMoE  # noqa: E402
+from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
+
+IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
+if not IN_PROCESS:
+    if _PREVIOUS_INTERPRET is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+    tm = None
+else:
+    tm = importlib.import_module("pagedserve.kernels.triton_moe")
+    assert isinstance(tm._expert_gemm_kernel, InterpretedFunction)
+
+FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_interpreter_process"
+
+
+@pytest.fixture(autouse=True)
+def _kernels_in_this_process(request: pytest.FixtureRequest) -> None:
+    if not IN_PROCESS and request.node.originalname != FRESH_PROCESS_TEST:
+        pytest.skip("triton was imported in compiled mode: see " + FRESH_PROCESS_TEST)
+
+
+def test_kernels_in_a_fresh_interpreter_process() -> None:
+    if IN_PROCESS:
+        pytest.skip("the kernels run in this process")
+    assert_passes_in_fresh_interpreter(__file__)
+
+
+def routing(t: int, experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k distinct experts, drawn from the first experts - 1 (the last one never
+    gets a token), and their float32 weights."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(t)])
+    return torch.rand(t, k, generator=gen), ids
+
+
+@pytest.mark.parametrize(("t", "k", "block_m"), [(1, 2, 16), (7, 3, 16), (50, 2, 64)])
+def test_align_by_expert_groups_every_pair_once(t: int, k: int, block_m: int) -> None:
+    assert tm is not None
+    experts = 6
+    _, ids = routing(t, experts, k, seed=t)
+    blocks = tm.align_by_expert(ids, experts, block_m)
+    used = int(blocks.num_blocks[0])
+    assert used <= blocks.max_blocks
+    pairs = blocks.pairs.view(-1, block_m)
+    flat = ids.reshape(-1)
+    seen: list[int] = []
+    for b in range(used):
+        real = [p for p in pairs[b].tolist() if p < t * k]
+        assert real, f"block {b} is all padding"
+        assert {int(flat[p]) for p in real} == {int(blocks.block_experts[b])}
+        assert pairs[b].tolist() == real + [t * k] * (block_m - len(real))
+        seen += real
+    assert sorted(seen) == list(range(t * k))
+    assert (pairs[used:] == t * k).all()  # the grid's spare blocks hold nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "k"), [(1, 2), (5, 3), (40, 2)])  # small and large tiles
+def test_fused_experts_match_the_reference(dtype: torch.dtype, t: int, k: int) -> None:
+    """hidden 72 and intermediate 40: neither a multiple of the tiles' K or N."""
+    assert tm is not None
+    gen = torch.Generator().manual_seed(t * 10 + k)
+    experts, hidden, inter = 5, 72, 40
+    x = torch.randn(t, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.2).to(dtype)
+    weights, ids = routing(t, experts, k, seed=t)
+    got = tm.fused_experts(x, w13, w2, weights, ids)
+    assert got.dtype == dtype and got.shape == (t, hidden)
+    want = moe_ref.fused_experts(x.float(), w13.float(), w2.float(), weights, ids)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        scale = float(want.abs().max())
+        assert float((got.float() - want).abs().max()) < 0.02 * scale
+
+
+def test_fused_experts_reject_bad_arguments() -> None:
+    assert tm is not None
+    x = torch.randn(3, 8)
+    w13, w2 = torch.randn(4, 12, 8), torch.randn(4, 8, 6)
+    weights, ids = routing(3, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="do not fit"):
+        tm.fused_experts(x, w13, torch.randn(4, 8, 5), weights, ids)
+    with pytest.raises(ValueError, match="topk ids"):
+        tm.fused_experts(x, w13, w2, weights[:, :1], ids)
+    with pytest.raises(ValueError, match="float32"):
+        tm.fused_experts(x, w13, w2, weights.double(), ids)
+    with pytest.raises(ValueError, match="contiguous"):
+        tm.fused_experts(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, weights, ids)
+    empty = tm.fused_experts(x[:0], w13, w2, weights[:0], ids[:0])
+    assert empty.shape == (0, 8)
+
+
+def test_the_layer_takes_the_kernels_on_the_triton_path() -> None:
+    """FusedMoE with fused_ops "triton" (the CUDA configuration) gives the torch path's output."""
+    gen = torch.Generator().manual_seed(1)
+    layers = {}
+    for fused_ops in ("triton", "torch"):
+        config = LayerConfig(
+            torch.device("cpu"), torch.float32, torch_ref_backend(), fused_ops=fused_ops
+        )
+        layers[fused_ops] = FusedMoE(num_experts=4, hidden_size=24, intermediate_size=20,
+                                     config=config)  # fmt: skip
+    w13, w2 = torch.randn(4, 40, 24, generator=gen), torch.randn(4, 24, 20, generator=gen)
+    for layer in layers.values():
+        layer.w13.data.copy_(w13)
+        layer.w2.data.copy_(w2)
+    x = torch.randn(6, 24, generator=gen)
+    weights, ids = routing(6, 4, 2, seed=2)
+    torch.testing.assert_close(
+        layers["triton"](x, weights, ids), layers["torch"](x, weights, ids), rtol=1e-5, atol=1e-5
+    )
