@@ -5,8 +5,8 @@ any failure.
 
   lora  add_lora_delta (pagedserve/kernels/triton_lora.py): shrink and expand for a small step
         (K split over programs) and a large one, on Qwen3-0.6B's projection shapes.
-  moe   fused_experts (pagedserve/kernels/triton_moe.py): the two grouped GEMMs on
-        Qwen3-30B-A3B's expert shapes.
+  moe   fused_experts (pagedserve/kernels/triton_moe.py): the align and the two grouped
+        GEMMs on Qwen3-30B-A3B's expert shapes.
 
 Each for bf16 and fp32 and each --tokens count.
 
@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedserve.kernels import ops, triton_lora, triton_moe  # noqa: E402
+from pagedserve.kernels import triton_lora, triton_moe  # noqa: E402
 
 LORA_SHAPES = {
     "qkv": (1024, [2048, 1024, 1024]),
@@ -40,7 +40,7 @@ LORA_SHAPES = {
 # (experts, top k, hidden, expert intermediate size); the sizes are the kernels' run-time
 # arguments, so one shape covers every compiled variant
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768)}
-_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 Launch = tuple[triton.runtime.JITFunction, tuple, dict]
 
 
@@ -84,10 +84,8 @@ def lora_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
 
 
 def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
-    """fused_experts' two GEMM launches for each expert shape (the activation between them,
-    a Triton op compiled elsewhere, runs as its torch reference here)."""
+    """fused_experts' three launches (the align, the two GEMMs) for each expert shape."""
     out = {}
-    triton_moe.silu_and_mul = lambda x, **_: ops.silu_and_mul(x)  # this process only
     for shape, (experts, top_k, hidden, inter) in MOE_SHAPES.items():
         x = torch.zeros(tokens, hidden, dtype=dtype)
         w13 = torch.zeros(experts, 2 * inter, hidden, dtype=dtype)
@@ -96,7 +94,7 @@ def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
         ids = torch.arange(tokens * top_k).view(tokens, top_k) % experts
 
         call = functools.partial(triton_moe.fused_experts, x, w13, w2, weights, ids)
-        out[shape] = recorded(triton_moe, ("_expert_gemm_kernel",), call)
+        out[shape] = recorded(triton_moe, ("_align_kernel", "_expert_gemm_kernel"), call)
     return out
 
 

@@ -19,8 +19,6 @@ import httpx2 as httpx
 import numpy as np
 import openai
 import pytest
-import torch
-import transformers
 
 from pagedserve import LLM, LoRARequest, PoolingParams, SamplingParams
 from pagedserve.actors.messages import (
@@ -45,6 +43,7 @@ from pagedserve.outputs import embedding_floats
 from tests.engine_settings import NO_STANDBY
 from tests.test_openai_server import free_port, running_server
 from tests.tiny_models import (
+    hf_embedding,
     hf_greedy,
     load_hf_model,
     merge_lora,
@@ -64,22 +63,6 @@ CHUNKED = {"max_num_batched_tokens": BUDGET, "max_num_seqs": 8}
 MAX_MODEL_LEN = 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be?"}]
-
-
-def hf_embedding(
-    model: transformers.PreTrainedModel,
-    prompt: list[int],
-    pooling_type: str,
-    normalize: bool = True,
-    dimensions: int | None = None,
-) -> list[float]:
-    """transformers' last hidden state (the base model's output, after its final norm) pooled
-    and cut as the engine should."""
-    with torch.inference_mode():
-        hidden = model.model(torch.tensor([prompt])).last_hidden_state[0]
-    pooled = {"LAST": hidden[-1], "MEAN": hidden.mean(dim=0), "CLS": hidden[0]}[pooling_type]
-    pooled = pooled[:dimensions]
-    return (torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled).tolist()
 
 
 def assert_close(got: list[float], expected: list[float]) -> None:

@@ -65,7 +65,7 @@ def routing(t: int, experts: int, k: int, seed: int) -> tuple[torch.Tensor, torc
     return torch.rand(t, k, generator=gen), ids
 
 
-@pytest.mark.parametrize(("t", "k", "block_m"), [(1, 2, 16), (7, 3, 16), (50, 2, 64)])
+@pytest.mark.parametrize(("t", "k", "block_m"), [(1, 2, 16), (7, 3, 16), (50, 2, 64), (700, 2, 16)])
 def test_align_by_expert_groups_every_pair_once(t: int, k: int, block_m: int) -> None:
     assert tm is not None
     experts = 6
@@ -87,9 +87,10 @@ def test_align_by_expert_groups_every_pair_once(t: int, k: int, block_m: int) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("t", "k"), [(1, 2), (5, 3), (40, 2)])  # small and large tiles
+@pytest.mark.parametrize(("t", "k"), [(1, 2), (5, 3), (60, 2), (100, 2)])
 def test_fused_experts_match_the_reference(dtype: torch.dtype, t: int, k: int) -> None:
-    """hidden 72 and intermediate 40: neither a multiple of the tiles' K or N."""
+    """Tiles of 16, 16, 32 and 64 rows (the pairs an expert gets on average); hidden 72 and
+    intermediate 40: neither a multiple of the tiles' K or N."""
     assert tm is not None
     gen = torch.Generator().manual_seed(t * 10 + k)
     experts, hidden, inter = 5, 72, 40
@@ -97,6 +98,8 @@ def test_fused_experts_match_the_reference(dtype: torch.dtype, t: int, k: int) -
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.2).to(dtype)
     weights, ids = routing(t, experts, k, seed=t)
+    expected_block_m = {1: 16, 5: 16, 60: 32, 100: 64}[t]
+    assert tm._tiles(t * k, experts).block_m == expected_block_m
     got = tm.fused_experts(x, w13, w2, weights, ids)
     assert got.dtype == dtype and got.shape == (t, hidden)
     want = moe_ref.fused_experts(x.float(), w13.float(), w2.float(), weights, ids)

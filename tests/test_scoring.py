@@ -18,9 +18,9 @@ import transformers
 from pagedserve import LLM
 from pagedserve.config import EngineConfig, ServerConfig
 from tests.engine_settings import NO_STANDBY
-from tests.test_embeddings import hf_embedding
 from tests.test_openai_server import free_port, running_server
 from tests.tiny_models import (
+    hf_embedding,
     load_hf_model,
     merge_lora,
     random_prompts,

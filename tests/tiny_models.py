@@ -212,3 +212,19 @@ def merge_lora(base: Path, adapter: Path) -> transformers.PreTrainedModel:
                 b = tensors[key.replace("lora_A", "lora_B")]
                 module.weight += scale * b @ tensors[key]
     return model
+
+
+def hf_embedding(
+    model: transformers.PreTrainedModel,
+    prompt: list[int],
+    pooling_type: str,
+    normalize: bool = True,
+    dimensions: int | None = None,
+) -> list[float]:
+    """transformers' last hidden state (the base model's output, after its final norm) pooled
+    and cut as the engine should."""
+    with torch.inference_mode():
+        hidden = model.model(torch.tensor([prompt])).last_hidden_state[0]
+    pooled = {"LAST": hidden[-1], "MEAN": hidden.mean(dim=0), "CLS": hidden[0]}[pooling_type]
+    pooled = pooled[:dimensions]
+    return (torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled).tolist()

@@ -1,24 +1,27 @@
-"""A mixture-of-experts feed-forward for a step's tokens in two grouped GEMMs, on the tensor
-cores, the routing read on the device (so a CUDA graph replays it for any routing).
+"""A mixture-of-experts feed-forward for a step's tokens in three launches, on the tensor cores,
+the routing read on the device (so a CUDA graph replays it for any routing).
 
 Math (kernels.moe_ref, the reference): token t routed to experts e_1 .. e_k with weights
 w_1 .. w_k gives
 
     y[t] = sum_j w_j * W2[e_j] (silu(W1[e_j] x[t]) * W3[e_j] x[t])      w13[e] = [W1; W3]
 
-Each (token, slot) pair p = t * k + j is one row of the work. `align_by_expert` sorts the pairs
-by expert and pads each expert's run to a multiple of BLOCK_M (padding entries hold the pair
-count, an out-of-range index), so that every block of BLOCK_M sorted entries belongs to one
-expert; `block_experts[b]` names it and `num_blocks` counts the blocks in use. The grid covers
-the most blocks any routing can need, cdiv(P, BLOCK_M) + min(E, P); programs past `num_blocks`
-return at once.
+Each (token, slot) pair p = t * k + j is one row of the work. `align_by_expert` (one program)
+sorts the pairs by expert and pads each expert's run to a multiple of BLOCK_M (padding entries
+hold the pair count, an out-of-range index), so that every block of BLOCK_M sorted entries
+belongs to one expert; `block_experts[b]` names it and `num_blocks` counts the blocks in use.
+It counts each expert's pairs (a histogram), lays the padded runs out by a prefix sum, and
+places each pair at its expert's cursor (an atomic add: the order of the pairs within a run is
+arbitrary, which changes no result, as rows are computed independently). The GEMMs' grids
+cover the most blocks any routing can need, cdiv(P, BLOCK_M) + min(E, P); programs past
+`num_blocks` return at once.
 
-  GEMM 1  h[p] = x[p // k] . w13[e]^T      [BLOCK_M, H] x [H, BLOCK_N] per program
-  act     g[p] = silu(h[p, :I]) * h[p, I:]
-  GEMM 2  z[p] = w_p * (g[p] . w2[e]^T)    [BLOCK_M, I] x [I, BLOCK_N], z in float32
+  GEMM 1  g[p] = silu(x[p // k] . W1[e]^T) * (x[p // k] . W3[e]^T)   [BLOCK_M, H] x [H, BLOCK_N]
+  GEMM 2  z[p] = w_p * (g[p] . w2[e]^T)                              [BLOCK_M, I] x [I, BLOCK_N]
   y[t] = sum_j z[t * k + j]
 
-so each expert's weights are read once per block of its tokens. Accumulation is float32;
+so each expert's weights are read once per block of its tokens. BLOCK_M follows the pairs an
+expert gets on average (16 for decode steps, up to 64). Accumulation is float32, z is float32;
 float32 models multiply exactly (`ieee`).
 """
 
@@ -30,11 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton_ops import silu_and_mul
-
 __all__ = ["ExpertBlocks", "align_by_expert", "fused_experts"]
 
-_SMALL_STEP = 64  # (token, slot) pairs: up to this many, the small-step tiles
+_CHUNK = 1024  # pairs (and padded entries) the align program handles at a time
+_BLOCKS_CHUNK = 32  # blocks whose expert the align program finds at a time
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,13 @@ class _Tiles:
     num_warps: int
 
 
-_SMALL_TILES = _Tiles(block_m=16, block_n=64, block_k=128, num_warps=4)
-_LARGE_TILES = _Tiles(block_m=64, block_n=128, block_k=64, num_warps=8)
+def _tiles(num_pairs: int, num_experts: int) -> _Tiles:
+    """Tiles for a step of num_pairs pairs: BLOCK_M the pairs an expert gets on average,
+    rounded up to a power of two in [16, 64] (a decode step's experts get a few rows each)."""
+    block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, num_experts))))
+    if block_m == 16:
+        return _Tiles(block_m=16, block_n=64, block_k=128, num_warps=4)
+    return _Tiles(block_m=block_m, block_n=128, block_k=64, num_warps=8 if block_m == 64 else 4)
 
 
 @dataclass(frozen=True)
@@ -65,27 +72,61 @@ class ExpertBlocks:
         return self.block_experts.shape[0]
 
 
+@triton.jit
+def _align_kernel(
+    ids_ptr, pairs_ptr, block_experts_ptr, num_blocks_ptr, cursor_ptr, num_pairs, num_experts,
+    max_blocks,
+    BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One program: counts[e] = the pairs of expert e; each run padded to BLOCK_M and laid out
+    in expert order (ends = prefix sum); block b's expert = the runs ending at or before
+    b * BLOCK_M; every entry padding, then pair p stored at its expert's cursor (atomic)."""
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        p = start + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + p, mask=p < num_pairs, other=num_experts).to(tl.int32)
+        counts += tl.histogram(expert, BINS)  # masked lanes fall in bin num_experts (unused)
+    counts = tl.where(bins < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + bins, ends - padded)
+    tl.store(num_blocks_ptr, tl.sum(padded, 0) // BLOCK_M)
+    real = bins < num_experts
+    for b0 in range(0, max_blocks, BLOCKS_CHUNK):
+        b = b0 + tl.arange(0, BLOCKS_CHUNK)
+        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
+        expert_of_block = tl.minimum(tl.sum(before.to(tl.int32), 1), num_experts - 1)
+        tl.store(block_experts_ptr + b, expert_of_block, mask=b < max_blocks)
+    for i0 in range(0, max_blocks * BLOCK_M, CHUNK):
+        i = i0 + tl.arange(0, CHUNK)
+        tl.store(pairs_ptr + i, num_pairs, mask=i < max_blocks * BLOCK_M)
+    tl.debug_barrier()  # the cursors and the padding are written before any pair is placed
+    for start in range(0, num_pairs, CHUNK):
+        p = start + tl.arange(0, CHUNK)
+        inside = p < num_pairs
+        expert = tl.load(ids_ptr + p, mask=inside, other=0).to(tl.int32)
+        slot = tl.atomic_add(cursor_ptr + expert, 1, mask=inside)
+        tl.store(pairs_ptr + slot, p, mask=inside)
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """The (token, slot) pairs of topk_ids [T, k] sorted by expert, each expert's run padded to
-    a multiple of block_m. Device ops only (no host sync), so it runs inside a CUDA graph."""
-    experts = topk_ids.reshape(-1).long()
-    num_pairs = experts.numel()
-    device = experts.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_ends = padded.cumsum(0)
-    order = torch.argsort(experts, stable=True)  # pair indices, grouped by expert
-    sorted_experts = experts[order]
-    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
-    destination = (padded_ends - padded)[sorted_experts] + rank
+    """The (token, slot) pairs of topk_ids [T, k] (contiguous) sorted by expert, each expert's
+    run padded to a multiple of block_m: one launch, no host sync."""
+    if not topk_ids.is_contiguous():
+        raise ValueError("topk_ids must be contiguous")
+    num_pairs = topk_ids.numel()
+    device = topk_ids.device
     max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-    pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
-    pairs[destination] = order.to(torch.int32)
-    block_starts = torch.arange(max_blocks, device=device) * block_m
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
-    block_experts = block_experts.clamp_(max=num_experts - 1).to(torch.int32)
-    num_blocks = (padded_ends[-1:] // block_m).to(torch.int32)
+    pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(bins, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](
+        topk_ids, pairs, block_experts, num_blocks, cursor, num_pairs, num_experts, max_blocks,
+        BINS=bins, BLOCK_M=block_m, CHUNK=_CHUNK, BLOCKS_CHUNK=_BLOCKS_CHUNK, num_warps=4,
+    )  # fmt: skip
     return ExpertBlocks(pairs, block_experts, num_blocks, block_m)
 
 
@@ -101,13 +142,14 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr, num_blocks_ptr, weights_ptr,
-    num_pairs, N, K, stride_a, stride_we, stride_wn, stride_out,
-    PAIRS_PER_ROW: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    num_pairs, N, K, gate_offset, stride_a, stride_we, stride_wn, stride_out,
+    PAIRS_PER_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """out[p, n] = (weights[p] *) sum_k a[p // PAIRS_PER_ROW, k] w[e, n, k] for the pairs p of
-    sorted block m (expert e) and BLOCK_N outputs n (program (m, j))."""
+    """For the pairs p of sorted block m (expert e) and BLOCK_N outputs n (program (m, j)),
+    with a = a[p // PAIRS_PER_ROW]: out[p, n] = a . w[e, n] (times weights[p] if WEIGHTED), or
+    if GATED silu(a . w[e, n]) * (a . w[e, gate_offset + n]) (gate rows, then up rows)."""
     m = tl.program_id(0)
     j = tl.program_id(1)
     if m < tl.load(num_blocks_ptr):
@@ -120,12 +162,22 @@ def _expert_gemm_kernel(
         a_rows = a_ptr + rows[:, None] * stride_a
         w_cols = w_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_inside = k < K
             a = tl.load(a_rows + k[None, :], mask=valid[:, None] & k_inside[None, :], other=0.0)
-            w = tl.load(w_cols + k[:, None], mask=k_inside[:, None] & inside[None, :], other=0.0)
+            w_mask = k_inside[:, None] & inside[None, :]
+            w = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
             acc = _dot(a, w, acc, PRECISION, UPCAST)
+            if GATED:
+                w_up = tl.load(w_cols + gate_offset * stride_wn + k[:, None], mask=w_mask,
+                               other=0.0)  # fmt: skip
+                up = _dot(a, w_up, up, PRECISION, UPCAST)
+        if GATED:
+            gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # as the reference rounds
+            silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = silu * up.to(out_ptr.dtype.element_ty).to(tl.float32)
         if WEIGHTED:
             acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
         out = out_ptr + pairs[:, None].to(tl.int64) * stride_out + n[None, :]
@@ -141,18 +193,21 @@ def _expert_gemm(
     pairs_per_row: int,
     tiles: _Tiles,
 ) -> None:
+    """out [P, N] from a and w [E, rows, K] (module doc): GEMM 1 (no weights) is gated, w's
+    rows [gate; up] with N of each; GEMM 2 multiplies by the pairs' weights."""
     num_pairs, n = out.shape
     k = a.shape[1]
+    gated = weights is None
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # fp32 models: exact products
     upcast = a.device.type == "cpu" and a.dtype != torch.float32  # the interpreter
     grid = (blocks.max_blocks, triton.cdiv(n, tiles.block_n))
     _expert_gemm_kernel[grid](
         a, w, out, blocks.pairs, blocks.block_experts, blocks.num_blocks,
-        weights if weights is not None else out, num_pairs, n, k, a.stride(0), w.stride(0),
+        weights if weights is not None else out, num_pairs, n, k, n, a.stride(0), w.stride(0),
         w.stride(1), out.stride(0),
-        PAIRS_PER_ROW=pairs_per_row, WEIGHTED=weights is not None, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision, UPCAST=upcast,
-        num_warps=tiles.num_warps,
+        PAIRS_PER_ROW=pairs_per_row, GATED=gated, WEIGHTED=weights is not None,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        PRECISION=precision, UPCAST=upcast, num_warps=tiles.num_warps,
     )  # fmt: skip
 
 
@@ -162,13 +217,10 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    *,
-    dependent_launch: bool = False,
 ) -> torch.Tensor:
     """x [T, H] (rows contiguous), w13 [E, 2I, H] and w2 [E, H, I] contiguous in x's dtype,
-    topk_weights [T, k] float32 and topk_ids [T, k] int -> y [T, H] in x's dtype (module doc).
-    dependent_launch: the activation between the GEMMs as the decode path's other Triton ops
-    launch it."""
+    topk_weights [T, k] float32 and topk_ids [T, k] int (contiguous) -> y [T, H] in x's dtype
+    (module doc)."""
     t, hidden = x.shape
     num_experts, two_i, h_w13 = w13.shape
     inter = two_i // 2
@@ -182,13 +234,13 @@ def fused_experts(
         raise ValueError("x, w13 and w2 share a dtype; topk_weights are float32")
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     if num_pairs == 0:
-        return torch.zeros(t, hidden, dtype=x.dtype, device=x.device)
-    tiles = _SMALL_TILES if num_pairs <= _SMALL_STEP else _LARGE_TILES
-    blocks = align_by_expert(topk_ids, num_experts, tiles.block_m)
-    gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
-    _expert_gemm(x, w13, gate_up, blocks, None, top_k, tiles)
-    activated = silu_and_mul(gate_up, dependent_launch=dependent_launch)
+        return out
+    tiles = _tiles(num_pairs, num_experts)
+    blocks = align_by_expert(topk_ids.contiguous(), num_experts, tiles.block_m)
+    activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _expert_gemm(x, w13, activated, blocks, None, top_k, tiles)
     contributions = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _expert_gemm(activated, w2, contributions, blocks, topk_weights.reshape(-1), 1, tiles)
-    return contributions.view(t, top_k, hidden).sum(1).to(x.dtype)
+    return torch.sum(contributions.view(t, top_k, hidden), dim=1, out=out)

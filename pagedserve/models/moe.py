@@ -105,7 +105,7 @@ class FusedMoE(nn.Module):
         # what a checkpoint must fill: each expert's gate and up, and its down (models/loader)
         self.w13.expected_shards = {(e, part) for e in range(num_experts) for part in (0, 1)}  # type: ignore[attr-defined]
         self.w2.expected_shards = {(e, None) for e in range(num_experts)}  # type: ignore[attr-defined]
-        self.fused_ops, self.dependent_launch = config.fused_ops, config.dependent_launch
+        self.fused_ops = config.fused_ops
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]
@@ -125,10 +125,7 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         if self.fused_ops == "triton":
             x = x if x.stride(-1) == 1 else x.contiguous()
-            y = triton_moe_module().fused_experts(
-                x, self.w13, self.w2, topk_weights, topk_ids,
-                dependent_launch=self.dependent_launch,
-            )  # fmt: skip
+            y = triton_moe_module().fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
         else:
             y = moe_ref.fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
         self.tp.all_reduce(y)

@@ -31,8 +31,12 @@ from bench_workloads import QWEN, engine_args, free_gpu  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.models.model_config import load_model_config  # noqa: E402
-from tests.test_embeddings import hf_embedding  # noqa: E402
-from tests.tiny_models import load_hf_model, random_prompts, save_tiny_model  # noqa: E402
+from tests.tiny_models import (  # noqa: E402
+    hf_embedding,
+    load_hf_model,
+    random_prompts,
+    save_tiny_model,
+)
 
 
 def check(root: Path) -> list[str]:
