@@ -5,8 +5,8 @@ any failure.
 
   lora  add_lora_delta (pagedserve/kernels/triton_lora.py): shrink and expand for a small step
         (K split over programs) and a large one, on Qwen3-0.6B's projection shapes.
-  moe   fused_experts (pagedserve/kernels/triton_moe.py): the align and the two grouped
-        GEMMs on Qwen3-30B-A3B's expert shapes.
+  moe   the router and fused_experts (pagedserve/kernels/triton_moe.py: route, the align and
+        the two grouped GEMMs) on Qwen3-30B-A3B's shapes.
 
 Each for bf16 and fp32 and each --tokens count.
 
@@ -84,7 +84,8 @@ def lora_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
 
 
 def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
-    """fused_experts' three launches (the align, the two GEMMs) for each expert shape."""
+    """The router's launch and fused_experts' three (the align, the two GEMMs) for each expert
+    shape."""
     out = {}
     for shape, (experts, top_k, hidden, inter) in MOE_SHAPES.items():
         x = torch.zeros(tokens, hidden, dtype=dtype)
@@ -93,8 +94,13 @@ def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
         weights = torch.full((tokens, top_k), 1.0 / top_k)
         ids = torch.arange(tokens * top_k).view(tokens, top_k) % experts
 
-        call = functools.partial(triton_moe.fused_experts, x, w13, w2, weights, ids)
-        out[shape] = recorded(triton_moe, ("_align_kernel", "_expert_gemm_kernel"), call)
+        logits = torch.zeros(tokens, experts, dtype=dtype)
+        out[shape] = recorded(
+            triton_moe, ("_route_kernel",), functools.partial(triton_moe.route, logits, top_k, True)
+        ) + recorded(
+            triton_moe, ("_align_kernel", "_expert_gemm_kernel"),
+            functools.partial(triton_moe.fused_experts, x, w13, w2, weights, ids),
+        )  # fmt: skip
     return out
 
 

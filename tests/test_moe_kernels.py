@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from pagedserve.kernels import moe_ref  # noqa: E402
 from pagedserve.kernels.attention_backends import torch_ref_backend  # noqa: E402
 from pagedserve.models.layer_config import LayerConfig  # noqa: E402
-from pagedserve.models.moe import FusedMoE  # noqa: E402
+from pagedserve.models.moe import SparseMoeBlock  # noqa: E402
 from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
 
 IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
@@ -127,22 +127,53 @@ def test_fused_experts_reject_bad_arguments() -> None:
     assert empty.shape == (0, 8)
 
 
-def test_the_layer_takes_the_kernels_on_the_triton_path() -> None:
-    """FusedMoE with fused_ops "triton" (the CUDA configuration) gives the torch path's output."""
+def test_the_block_takes_the_kernels_on_the_triton_path() -> None:
+    """A SparseMoeBlock with fused_ops "triton" (the CUDA configuration: the fused router and
+    the expert kernels) gives the torch path's output."""
     gen = torch.Generator().manual_seed(1)
-    layers = {}
+    blocks = {}
     for fused_ops in ("triton", "torch"):
         config = LayerConfig(
             torch.device("cpu"), torch.float32, torch_ref_backend(), fused_ops=fused_ops
         )
-        layers[fused_ops] = FusedMoE(num_experts=4, hidden_size=24, intermediate_size=20,
-                                     config=config)  # fmt: skip
-    w13, w2 = torch.randn(4, 40, 24, generator=gen), torch.randn(4, 24, 20, generator=gen)
-    for layer in layers.values():
-        layer.w13.data.copy_(w13)
-        layer.w2.data.copy_(w2)
-    x = torch.randn(6, 24, generator=gen)
-    weights, ids = routing(6, 4, 2, seed=2)
-    torch.testing.assert_close(
-        layers["triton"](x, weights, ids), layers["torch"](x, weights, ids), rtol=1e-5, atol=1e-5
-    )
+        blocks[fused_ops] = SparseMoeBlock(24, (6, 2, 20), renormalize=True, config=config)
+    weights = {
+        "gate.weight": torch.randn(6, 24, generator=gen),
+        "experts.w13": torch.randn(6, 40, 24, generator=gen),
+        "experts.w2": torch.randn(6, 24, 20, generator=gen),
+    }
+    for block in blocks.values():
+        for name, param in block.named_parameters():
+            param.data.copy_(weights[name])
+    x = torch.randn(7, 24, generator=gen)
+    torch.testing.assert_close(blocks["triton"](x), blocks["torch"](x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (60, 4), (128, 8), (5, 5)])
+def test_route_matches_softmax_and_top_k(experts: int, top_k: int, renormalize: bool) -> None:
+    """The fused router kernel against torch's softmax, topk and renormalisation (bf16 logits,
+    as a bf16 model's router gives them, with ties): the same weights, largest first, of
+    experts at least as likely as every one left out (among equal ones the lower expert
+    first; torch's choice among ties is its own)."""
+    assert tm is not None
+    gen = torch.Generator().manual_seed(experts + top_k)
+    logits = (torch.randn(9, experts, generator=gen) * 3).to(torch.bfloat16)
+    weights, ids = tm.route(logits, top_k, renormalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    want_weights, want_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        want_weights = want_weights / want_weights.sum(dim=-1, keepdim=True)
+    assert ids.dtype == torch.int32
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-6)  # sorted values
+    for row in range(logits.shape[0]):
+        chosen = ids[row].long()
+        assert len(set(chosen.tolist())) == top_k
+        others = torch.ones(experts, dtype=torch.bool)
+        others[chosen] = False
+        if others.any():  # every chosen expert is at least as likely as every other
+            assert probs[row, chosen].min() >= probs[row, others].max()
+        order = list(zip((-probs[row, chosen]).tolist(), chosen.tolist()))
+        assert order == sorted(order)  # largest first, ties by the lower expert
+    with pytest.raises(ValueError, match="1 <= k <= E"):
+        tm.route(logits, experts + 1, renormalize)

@@ -33,10 +33,55 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ExpertBlocks", "align_by_expert", "fused_experts"]
+__all__ = ["ExpertBlocks", "align_by_expert", "fused_experts", "route"]
 
 _CHUNK = 1024  # pairs (and padded entries) the align program handles at a time
 _BLOCKS_CHUNK = 32  # blocks whose expert the align program finds at a time
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """Token t (program t): p = softmax(logits[t]) in float32; its TOP_K largest, largest
+    first (ties: the lower expert), their probabilities divided by their sum if RENORMALIZE."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    inside = e < num_experts
+    logits = tl.load(logits_ptr + t * stride_logits + e, mask=inside, other=-float("inf"))
+    logits = logits.to(tl.float32)
+    exp = tl.exp(logits - tl.max(logits, 0))
+    probs = tl.where(inside, exp / tl.sum(exp, 0), -1.0)
+    chosen = tl.full([BLOCK_E], -1.0, dtype=tl.float32)  # -1: not chosen
+    for _ in tl.static_range(TOP_K):
+        best = tl.argmax(probs, 0)
+        chosen = tl.where(e == best, tl.max(probs, 0), chosen)
+        probs = tl.where(e == best, -1.0, probs)
+    total = tl.sum(tl.where(chosen >= 0.0, chosen, 0.0), 0)
+    # the chosen ones in order of probability, then expert: their rank among the chosen
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(chosen, 0)
+        value = tl.max(chosen, 0)
+        tl.store(weights_ptr + t * TOP_K + j, value / total if RENORMALIZE else value)
+        tl.store(ids_ptr + t * TOP_K + j, best.to(tl.int32))
+        chosen = tl.where(e == best, -1.0, chosen)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice for logits [T, E]: (weights [T, top_k] float32, expert ids [T, top_k]
+    int32), as softmax (float32), top k, optionally renormalised, in one launch."""
+    t, num_experts = logits.shape
+    if logits.stride(1) != 1 or not 1 <= top_k <= num_experts:
+        raise ValueError(f"logits {tuple(logits.shape)} need unit column stride, 1 <= k <= E")
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](
+            logits, weights, ids, num_experts, logits.stride(0),
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+        )  # fmt: skip
+    return weights, ids
 
 
 @dataclass(frozen=True)

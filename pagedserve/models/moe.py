@@ -69,14 +69,25 @@ class ReplicatedLinear(nn.Module):
 
 
 class Router(ReplicatedLinear):
-    """The router: logits = x W^T ([num_experts, hidden]), then the top k (module doc)."""
+    """The router: logits = x W^T ([num_experts, hidden]), then the top k (module doc); on the
+    Triton path softmax, top k and renormalisation are one kernel (triton_moe.route)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        config: LayerConfig,
+    ) -> None:
         super().__init__(hidden_size, num_experts)
         self.top_k, self.renormalize = top_k, renormalize
+        self.fused_ops = config.fused_ops
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k], int32 or int64)."""
+        if self.fused_ops == "triton":
+            return triton_moe_module().route(self(x), self.top_k, self.renormalize)
         probs = torch.softmax(self(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -146,7 +157,7 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         num_experts, top_k, intermediate_size = moe
-        self.gate = Router(hidden_size, num_experts, top_k, renormalize)
+        self.gate = Router(hidden_size, num_experts, top_k, renormalize, config)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, config)
         self.shared_expert = shared_expert
         self.shared_expert_gate: ReplicatedLinear | None = None

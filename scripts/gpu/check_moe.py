@@ -9,8 +9,10 @@ kernels  fused_experts (kernels.triton_moe) on Qwen3-30B-A3B's expert shapes (12
          with one routing and given another; µs a call (bf16, a graph of 20 calls) and the
          bandwidth of the expert weights it reads.
 check    tiny fp32 Qwen3-MoE, Mixtral and Qwen2-MoE models (tests/test_moe.py's) through `LLM`
-         on the GPU (CUDA graphs), greedy, against transformers on the CPU: equal tokens, or
-         where they differ, and the largest logprob gap of the engine's tokens (teacher-forced).
+         on the GPU, greedy, against transformers on the CPU: equal tokens, or where they
+         differ, and the largest logprob gap of the engine's tokens (teacher-forced); with the
+         engine's defaults (TF32 attention, whose noise can flip a near-tied routing) and with
+         exact fp32 attention.
 timing   Qwen3-30B-A3B's shape with dummy bf16 weights: batch-1 time per output token (128-token
          prompt, 128 tokens out) and 256 prompts of 128 tokens, 128 out: output tokens / s.
          Roofline: a batch-1 step reads the active weights, ~3.0 B parameters (6.1 GB).
@@ -128,15 +130,22 @@ def check(root: Path) -> list[str]:
     ]
     prompts = random_prompts(400, [40, 7, 23, 1, 64], seed=5)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    settings = {
+        "": {},  # the engine's GPU defaults: Triton attention (TF32 dots), CUDA graphs
+        ", torch_ref attention (exact fp32), eager": {
+            "attention_backend": "torch_ref", "enforce_eager": True,
+        },
+    }  # fmt: skip
     for arch in sorted(MOE_CONFIGS):
         model = save_moe_model(arch, root / arch)
-        with LLM(str(root / arch), skip_tokenizer_init=True, num_kv_blocks=256,
-                 device="cuda") as llm:  # fmt: skip
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
-        verdicts = [verdict(model, p, o.outputs[0]) for p, o in zip(prompts, outputs)]
-        lines.append(f"| {arch} | {' '.join(verdicts)} |")
-        print(lines[-1], flush=True)
-        free_gpu()
+        for label, extra in settings.items():
+            with LLM(str(root / arch), skip_tokenizer_init=True, num_kv_blocks=256,
+                     device="cuda", **extra) as llm:  # fmt: skip
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+            verdicts = [verdict(model, p, o.outputs[0]) for p, o in zip(prompts, outputs)]
+            lines.append(f"| {arch}{label} | {' '.join(verdicts)} |")
+            print(lines[-1], flush=True)
+            free_gpu()
     return lines
 
 
