@@ -9,7 +9,9 @@ Loading writes the slot's weights on the device's stream, after any step still r
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -32,6 +34,7 @@ class LoRASlots:
         self.num_slots = config.max_loras
         self.free = list(range(config.max_loras))
         self.row_slot = np.full(config.max_num_seqs, -1, np.int64)
+        self.step_adapted = False  # whether any token of the step `prepare` saw has an adapter
         self.uploader: Uploader | None = None
         if device.type == "cuda":  # the kernels' path for every step, CUDA graphs included
             self.use_kernels(max(decode_rows(config), config.max_num_batched_tokens))
@@ -74,10 +77,10 @@ class LoRASlots:
         context = self.context
         order = context.order
         context.use_kernel = order is not None and len(slots) <= len(order)
+        adapted = self.step_adapted = bool((slots >= 0).any())
         if context.use_kernel:
             assert order is not None and context.starts is not None
             context.groups = []
-            adapted = bool((slots >= 0).any())
             if adapted or self.buffer_adapted:  # else the buffer says "no token" already
                 self._upload_order(slots, order, context.starts)
                 self.buffer_adapted = adapted
@@ -86,6 +89,18 @@ class LoRASlots:
             (int(slot), torch.from_numpy(np.flatnonzero(slots == slot)).to(self.device))
             for slot in np.unique(slots[slots >= 0])
         ]
+
+    @contextlib.contextmanager
+    def without_adapters(self) -> Iterator[None]:
+        """The layers add no delta and launch no LoRA kernel inside this block (the decode
+        graphs' variant for steps without an adapter: cuda_graphs.DecodeStep)."""
+        context = self.context
+        saved = context.use_kernel, context.groups
+        context.use_kernel, context.groups = False, []
+        try:
+            yield
+        finally:
+            context.use_kernel, context.groups = saved
 
     def _upload_order(self, slots: np.ndarray, order: torch.Tensor, starts: torch.Tensor) -> None:
         """The step's tokens sorted by slot into the buffer (ordered after the last step): its

@@ -195,7 +195,9 @@ class ModelRunner(StaticPaths):
             return StageDecodeStep(self.model, self.sampled, *sizes, self.link)  # type: ignore[arg-type]
         longest_chunk = min(config.max_num_batched_tokens, config.max_model_len)
         rows = prefill_rows(config.prefill_graph_sizes, longest_chunk)
-        return DecodeStep(self.model, self.sampled, *sizes, buffer_rows=rows)  # type: ignore[arg-type]
+        return DecodeStep(
+            self.model, self.sampled, *sizes, buffer_rows=rows, adapters=self.lora_slots,  # type: ignore[arg-type]
+        )  # fmt: skip
 
     def new_prefill_step(self) -> PrefillStep:
         """The lone-prompt path over the decode step's buffers (call after it is built)."""
