@@ -223,6 +223,29 @@ def write_vllm_fp8(source: Path, target: Path, kv_scales: tuple[float, float] | 
     return expected
 
 
+def write_block_fp8(source: Path, target: Path, block: tuple[int, int] = (32, 32)
+                    ) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Block-wise FP8 as Qwen's and DeepSeek's FP8 releases store it: weight fp8 [N, K] and
+    weight_scale_inv [N / bn, K / bk] float32, W = q * scale of q's block; quantization_config
+    weight_block_size [bn, bk], dynamic activations."""
+    state = load_file(source / "model.safetensors")
+    expected = {}
+    bn, bk = block
+    for name in linear_weights(state):
+        w = state.pop(name).float()
+        n, k = w.shape
+        blocks = w.reshape(n // bn, bn, k // bk, bk)
+        scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-8)  # [N / bn, K / bk]
+        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        state[name] = _fp8(w, full)
+        state[name.replace(".weight", ".weight_scale_inv")] = scale
+        expected[name] = state[name].float() * full
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+               "weight_block_size": list(block)}  # fmt: skip
+    _write(source, target, state, qconfig)
+    return expected
+
+
 def write_float(source: Path, target: Path, weights: dict[str, torch.Tensor]) -> None:
     """The float model with these weights replaced (a dequantized checkpoint's twin)."""
     state = load_file(source / "model.safetensors")

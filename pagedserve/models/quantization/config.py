@@ -4,7 +4,10 @@ refuses what the engine cannot run with one clear message.
 
   fp8                 W8A8 FP8 (E4M3): a float checkpoint quantized while loading (per-channel
                       weight scales), or an FP8 checkpoint (vLLM's "fp8": per-tensor weight
-                      scales, activation_scheme dynamic / static); activations per token
+                      scales, activation_scheme dynamic / static; or block-wise scales,
+                      `weight_block_size` with `weight_scale_inv` as in Qwen's and
+                      DeepSeek's FP8 releases, re-quantized per output channel at load);
+                      activations per token
   compressed-tensors  llm-compressor checkpoints: "pack-quantized" integer weights (4 / 8 bit,
                       group or channel, symmetric or not, optional act-order g_idx) or
                       "float-quantized" / "naive-quantized" FP8 (tensor or channel scales)
@@ -45,8 +48,9 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    source: Literal["float", "per_tensor", "per_channel"]  # the checkpoint's weights
+    source: Literal["float", "per_tensor", "per_channel", "block"]  # the checkpoint's weights
     static_input: bool = False  # static per-tensor activation scales (input_scale)
+    block: tuple[int, int] | None = None  # "block": the scales' [output, input] block size
 
 
 @dataclass(frozen=True)
@@ -159,13 +163,20 @@ def _refuse_ignored_modules(names: list[str] | None, key: str) -> None:
 def _fp8_scheme(stored: dict[str, Any]) -> Fp8Scheme:
     if not stored:
         return Fp8Scheme("float")
-    if stored.get("weight_block_size"):
-        raise QuantizationError("block-wise FP8 checkpoints (weight_block_size) are not supported")
     _refuse_ignored_modules(stored.get("ignored_layers"), "ignored_layers")
+    _refuse_ignored_modules(stored.get("modules_to_not_convert"), "modules_to_not_convert")
     activation = stored.get("activation_scheme", "dynamic")
     if activation not in ("dynamic", "static"):
         raise QuantizationError(f"activation_scheme {activation!r}: dynamic or static")
-    return Fp8Scheme("per_tensor", static_input=activation == "static")
+    block = stored.get("weight_block_size")
+    if block is None:
+        return Fp8Scheme("per_tensor", static_input=activation == "static")
+    if activation != "dynamic" or len(block) != 2 or not all(int(b) >= 1 for b in block):
+        raise QuantizationError(
+            f"block-wise FP8 (weight_block_size {block}) needs two block sizes and dynamic "
+            "activations"
+        )
+    return Fp8Scheme("block", block=(int(block[0]), int(block[1])))
 
 
 def _bits(stored: dict[str, Any], allowed: tuple[int, ...], method: str) -> int:

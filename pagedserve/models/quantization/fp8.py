@@ -3,7 +3,10 @@
 After loading, a layer holds `qweight` [N, K] float8_e4m3fn and `weight_scale` [N] float32 (per
 output channel; an FP8 checkpoint's per-tensor scales, one per fused part, are spread over that
 part's channels) and, for static activation scales, one host float (the largest of the parts',
-as every part reads the same input).
+as every part reads the same input). A block-wise checkpoint (`weight_scale_inv` [N / bn,
+K / bk]: W = q * s of q's block) is dequantized in float32 and quantized again per output
+channel: one more fp8 rounding of each weight (relative error at most 2^-4, as the first),
+so that every product below serves it unchanged.
 
 The product, chosen at construction:
   * CUDA (config.cuda_quant_gemv: the kernel is built for this device, and fp8 in
@@ -28,7 +31,7 @@ from pagedserve.kernels import cuda_quant, quant_ref
 from pagedserve.kernels.quant_ref import FP8_DTYPE
 from pagedserve.models.layer_config import LayerConfig
 from pagedserve.models.linear import LinearBase
-from pagedserve.models.quantization.config import Fp8Scheme
+from pagedserve.models.quantization.config import Fp8Scheme, QuantizationError
 from pagedserve.models.weights import VECTOR, ParamLayout, new_parameter, replace_with_buffer
 
 PER_SHARD = ParamLayout(per_shard=True)
@@ -56,6 +59,8 @@ class Fp8LinearMethod:
             layer.weight_scale = new_parameter(
                 n, 1, loader=loader, dtype=torch.float32, layout=PER_CHANNEL
             )
+        elif self.scheme.source == "block":
+            layer.weight_scale_inv = self._block_scales(layer)
         if self.scheme.static_input:
             parts = len(layer.local_output_sizes)
             layer.input_scale = new_parameter(
@@ -63,10 +68,37 @@ class Fp8LinearMethod:
             )
         layer.bias = new_parameter(n, loader=loader, layout=VECTOR) if bias else None
 
+    def _block_scales(self, layer: LinearBase) -> torch.nn.Parameter:
+        """[N / bn, K / bk] float32, sliced by whole blocks: each fused part's rows and this
+        rank's shard must be whole blocks."""
+        assert self.scheme.block is not None
+        bn, bk = self.scheme.block
+        span = layer.input_range()
+        if any(size % bn for size in layer.local_output_sizes) or (span and span[1] % bk):
+            raise QuantizationError(
+                f"block-wise FP8 with blocks of {self.scheme.block}: this layer's parts "
+                f"{layer.local_output_sizes} x {layer.input_size} inputs (tensor-parallel shard) "
+                "are not whole blocks"
+            )
+        layout = ParamLayout(outputs_per_index=bn, inputs_per_index=bk)
+        rows, cols = -(-layer.output_size // bn), -(-layer.input_size // bk)
+        return new_parameter(
+            rows, cols, loader=layer.weight_loader, dtype=torch.float32, layout=layout
+        )
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         if self.scheme.source == "float":
             qweight, scale = quant_ref.quantize_fp8_rows(layer.weight.data)
             scale = scale.squeeze(1)
+        elif self.scheme.source == "block":
+            assert self.scheme.block is not None
+            bn, bk = self.scheme.block
+            n, k = layer.weight.shape
+            scales = layer.weight_scale_inv.data.repeat_interleave(bn, 0)[:n]
+            dequantized = layer.weight.data.float() * scales.repeat_interleave(bk, 1)[:, :k]
+            qweight, scale = quant_ref.quantize_fp8_rows(dequantized)
+            scale = scale.squeeze(1)
+            replace_with_buffer(layer, "weight_scale_inv", None)
         else:
             qweight, scale = layer.weight.data, self._channel_scales(layer)
         replace_with_buffer(layer, "weight", None)
