@@ -6,7 +6,7 @@ any failure.
   lora  add_lora_delta (pagedserve/kernels/triton_lora.py): shrink and expand for a small step
         (K split over programs) and a large one, on Qwen3-0.6B's projection shapes.
   moe   the router and fused_experts (pagedserve/kernels/triton_moe.py: route, the align and
-        the two grouped GEMMs) on Qwen3-30B-A3B's shapes.
+        the two grouped GEMMs, and the GEMMs of fp8 experts) on Qwen3-30B-A3B's shapes.
 
 Each for bf16 and fp32 and each --tokens count.
 
@@ -40,7 +40,8 @@ LORA_SHAPES = {
 # (experts, top k, hidden, expert intermediate size); the sizes are the kernels' run-time
 # arguments, so one shape covers every compiled variant
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768)}
-_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
+          torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
 Launch = tuple[triton.runtime.JITFunction, tuple, dict]
 
 
@@ -101,6 +102,13 @@ def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
             triton_moe, ("_align_kernel", "_expert_gemm_kernel"),
             functools.partial(triton_moe.fused_experts, x, w13, w2, weights, ids),
         )  # fmt: skip
+        if dtype == torch.bfloat16:  # fp8 experts (W8A16) with bf16 activations
+            fp8 = (w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn))
+            scales = (torch.ones(experts, 2 * inter), torch.ones(experts, hidden))
+            out[f"{shape} fp8"] = recorded(
+                triton_moe, ("_align_kernel", "_expert_gemm_kernel"),
+                functools.partial(triton_moe.fused_experts, x, *fp8, weights, ids, scales=scales),
+            )  # fmt: skip
     return out
 
 

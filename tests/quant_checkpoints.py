@@ -202,10 +202,11 @@ def write_compressed_fp8(source: Path, target: Path) -> dict[str, torch.Tensor]:
     return expected
 
 
-def write_vllm_fp8(source: Path, target: Path, kv_scales: tuple[float, float] | None = None
-                   ) -> dict[str, torch.Tensor]:  # fmt: skip
-    """vLLM's fp8: weight fp8 [N, K], weight_scale and input_scale one float32 a tensor
-    (static activations); kv_scales: self_attn.k_scale / v_scale of every layer."""
+def write_vllm_fp8(source: Path, target: Path, kv_scales: tuple[float, float] | None = None,
+                   static: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+    """vLLM's fp8: weight fp8 [N, K], weight_scale one float32 a tensor, and input_scale
+    (static activations; static False: dynamic, none); kv_scales: self_attn.k_scale / v_scale
+    of every layer."""
     state = load_file(source / "model.safetensors")
     expected = {}
     for name in linear_weights(state):
@@ -213,13 +214,15 @@ def write_vllm_fp8(source: Path, target: Path, kv_scales: tuple[float, float] | 
         scale = (w.float().abs().amax() / 448).clamp(min=1e-8)
         state[name] = _fp8(w, scale)
         state[name.replace(".weight", ".weight_scale")] = scale.reshape(())
-        state[name.replace(".weight", ".input_scale")] = torch.tensor(0.05)
+        if static:
+            state[name.replace(".weight", ".input_scale")] = torch.tensor(0.05)
         expected[name] = state[name].float() * scale
         if kv_scales is not None and name.endswith("self_attn.q_proj.weight"):
             attention = name.removesuffix(".q_proj.weight")
             state[f"{attention}.k_scale"] = torch.tensor(kv_scales[0])
             state[f"{attention}.v_scale"] = torch.tensor(kv_scales[1])
-    _write(source, target, state, {"quant_method": "fp8", "activation_scheme": "static"})
+    scheme = "static" if static else "dynamic"
+    _write(source, target, state, {"quant_method": "fp8", "activation_scheme": scheme})
     return expected
 
 

@@ -22,6 +22,8 @@ from pagedserve.kernels import moe_ref
 from pagedserve.models.loader import load_model
 from pagedserve.models.model_config import load_model_config, num_experts
 from pagedserve.models.moe import MIXTRAL_EXPERTS, QWEN_EXPERTS, expert_target
+from pagedserve.models.scoring import token_logprobs
+from tests import quant_checkpoints as qc
 from tests.engine_settings import NO_STANDBY
 from tests.test_model_parity import (
     COMMON,
@@ -33,6 +35,7 @@ from tests.test_model_parity import (
 )
 from tests.tiny_models import hf_greedy, merge_lora, save_lora_adapter
 
+CPU = torch.device("cpu")
 MOE_CONFIGS = {
     # top-2 of 8, renormalised; layer 1 dense (mlp_only_layers)
     "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
@@ -177,7 +180,7 @@ def test_llm_generates_what_transformers_does(tmp_path: Path) -> None:
 def test_quantized_experts_fail_at_start(tmp_path: Path) -> None:
     save_moe_model("mixtral", tmp_path)
     config = EngineConfig(model=str(tmp_path), quantization="int8")
-    with pytest.raises(ValueError, match="not supported for mixture-of-experts"):
+    with pytest.raises(ValueError, match="not supported for the experts of a mixture-of-experts"):
         load_model(config, torch.device("cpu"))
 
 
@@ -244,3 +247,107 @@ def test_lora_adapts_the_attention_of_a_moe_model(tmp_path: Path) -> None:
     merged = merge_lora(base, attention)
     merged.generation_config.eos_token_id = None
     assert adapted.outputs[0].token_ids == hf_greedy(merged, prompt, 16)[0]
+
+
+def dequantized_experts(model: torch.nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer`'s fp8 experts as the engine computes with them: w13 and w2 times their
+    per-channel scales."""
+    experts = model.model.layers[layer].mlp.experts
+    assert experts.w13.dtype == torch.float8_e4m3fn
+    return (
+        experts.w13.float() * experts.w13_scale[..., None],
+        experts.w2.float() * experts.w2_scale[..., None],
+    )
+
+
+def stacked(expected: dict[str, torch.Tensor], layer: int, experts: int) -> tuple:
+    """A checkpoint's dequantized expert weights of `layer`, stacked as w13 and w2."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    w13 = torch.stack([
+        torch.cat([expected[f"{prefix}.{e}.gate_proj.weight"],
+                   expected[f"{prefix}.{e}.up_proj.weight"]])
+        for e in range(experts)
+    ])  # fmt: skip
+    w2 = torch.stack([expected[f"{prefix}.{e}.down_proj.weight"] for e in range(experts)])
+    return w13, w2
+
+
+@pytest.fixture(scope="module")
+def float_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("float_moe")
+    save_moe_model("qwen3-moe", path)
+    return path
+
+
+def test_fp8_checkpoints_of_a_moe_model_load_their_experts(float_moe: Path, tmp_path: Path) -> None:
+    """A per-tensor FP8 checkpoint's experts (one scale an expert's projection) exactly; a
+    block-wise one's (16 x 16 blocks, re-quantized per channel at load) within one more fp8
+    rounding; the engine's scores of a sequence stay close to the float model's."""
+    per_tensor = qc.write_vllm_fp8(float_moe, tmp_path / "tensor", static=False)
+    block = qc.write_block_fp8(float_moe, tmp_path / "block", block=(16, 16))
+    tokens = random_prompts(seed=4)[7]
+    float_scores = token_logprobs(load_model(EngineConfig(model=str(float_moe)), CPU), tokens)
+    for path, expected, exact in ((tmp_path / "tensor", per_tensor, True),
+                                  (tmp_path / "block", block, False)):  # fmt: skip
+        model = load_model(EngineConfig(model=str(path)), CPU)
+        got, want = dequantized_experts(model, 0), stacked(expected, 0, 8)
+        for g, w in zip(got, want):
+            if exact:
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+            else:
+                row_scale = w.abs().amax(dim=2, keepdim=True) / 448
+                assert bool(((g - w).abs() <= 2**-4 * w.abs() + row_scale * 2**-10).all())
+        scores = token_logprobs(model, tokens)
+        assert float((scores - float_scores).abs().mean()) < 0.06 * float(float_scores.abs().mean())
+
+
+def test_fp8_quantized_at_load_runs_a_moe_model_close_to_float(float_moe: Path) -> None:
+    """quantization="fp8" on the float checkpoint (experts and attention in fp8): the engine
+    generates and frees every block; the fp8 model's teacher-forced scores of the float
+    engine's greedy tokens stay within 6% of the float model's (this random model's
+    next-token distributions are nearly flat, so greedy tokens themselves flip easily)."""
+    prompts = random_prompts(seed=5)[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    outputs = {}
+    for quantization in (None, "fp8"):
+        with LLM(
+            str(float_moe), skip_tokenizer_init=True, quantization=quantization,
+            num_kv_blocks=64, supervision=NO_STANDBY,
+        ) as llm:  # fmt: skip
+            outputs[quantization] = [o.outputs[0].token_ids for o in llm.generate(requests, params)]
+            stats = llm.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert all(len(tokens) == 12 for tokens in outputs[quantization])
+    float_model = load_model(EngineConfig(model=str(float_moe)), CPU)
+    fp8_model = load_model(EngineConfig(model=str(float_moe), quantization="fp8"), CPU)
+    for prompt, tokens in zip(prompts, outputs[None]):
+        want = token_logprobs(float_model, prompt + tokens)
+        got = token_logprobs(fp8_model, prompt + tokens)
+        assert float((got - want).abs().mean()) < 0.06 * float(want.abs().mean())
+
+
+def test_fp8_moe_layer_matches_its_dequantized_weights() -> None:
+    """FusedMoE's fp8 forward on the CPU computes with exactly its dequantized weights."""
+    from pagedserve.kernels.attention_backends import torch_ref_backend
+    from pagedserve.models.layer_config import LayerConfig
+    from pagedserve.models.moe import FusedMoE
+    from pagedserve.models.quantization.config import Fp8Scheme, QuantizationConfig
+
+    quantization = QuantizationConfig("fp8", Fp8Scheme("float"))
+    config = LayerConfig(CPU, torch.float32, torch_ref_backend(), quantization=quantization)
+    layer = FusedMoE(num_experts=4, hidden_size=32, intermediate_size=16, config=config)
+    gen = torch.Generator().manual_seed(0)
+    layer.w13.data.copy_(torch.randn(4, 32, 32, generator=gen))
+    layer.w2.data.copy_(torch.randn(4, 32, 16, generator=gen))
+    layer.process_weights_after_loading()
+    x = torch.randn(5, 32, generator=gen)
+    weights, ids = (
+        torch.rand(5, 2, generator=gen),
+        torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0]]),
+    )
+    w13 = layer.w13.float() * layer.w13_scale[..., None]
+    w2 = layer.w2.float() * layer.w2_scale[..., None]
+    torch.testing.assert_close(
+        layer(x, weights, ids), moe_ref.fused_experts(x, w13, w2, weights, ids)
+    )

@@ -177,3 +177,31 @@ def test_route_matches_softmax_and_top_k(experts: int, top_k: int, renormalize: 
         assert order == sorted(order)  # largest first, ties by the lower expert
     with pytest.raises(ValueError, match="1 <= k <= E"):
         tm.route(logits, experts + 1, renormalize)
+
+
+@pytest.mark.parametrize(("t", "k"), [(1, 2), (60, 2)])
+def test_fp8_experts_match_their_dequantized_weights(t: int, k: int) -> None:
+    """W8A16: fp8 weights with a scale per output channel, bf16 activations, against the
+    reference on the dequantized weights in fp32 (within 2% of the output's scale); a mutated
+    scale of one expert's up rows changes the tokens routed to it."""
+    assert tm is not None
+    gen = torch.Generator().manual_seed(t)
+    experts, hidden, inter = 5, 72, 40
+    x = torch.randn(t, hidden, generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 50).to(torch.float8_e4m3fn)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 50).to(torch.float8_e4m3fn)
+    scales = (torch.rand(experts, 2 * inter, generator=gen) * 0.01 + 0.001,
+              torch.rand(experts, hidden, generator=gen) * 0.01 + 0.001)  # fmt: skip
+    weights, ids = routing(t, experts, k, seed=t)
+    got = tm.fused_experts(x, w13, w2, weights, ids, scales=scales)
+    dequantized = (w13.float() * scales[0][..., None], w2.float() * scales[1][..., None])
+    want = moe_ref.fused_experts(x.float(), *dequantized, weights, ids)
+    scale = float(want.abs().max())
+    assert float((got.float() - want).abs().max()) < 0.02 * scale
+    up_of_expert = scales[0].clone()
+    expert = int(ids[0, 0])
+    up_of_expert[expert, inter:] *= 2
+    changed = tm.fused_experts(x, w13, w2, weights, ids, scales=(up_of_expert, scales[1]))
+    assert not torch.equal(changed[0], got[0])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        tm.fused_experts(x, w13.to(torch.bfloat16), w2, weights, ids, scales=scales)

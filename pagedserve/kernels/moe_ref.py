@@ -25,13 +25,19 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] (float32) and topk_ids
-    [T, k] -> y [T, H] in x's dtype."""
+    [T, k] -> y [T, H] in x's dtype. scales: fp8 weights' per-output-channel scales, [E, 2I]
+    and [E, H] (each expert's weights dequantized into x's dtype where they are used)."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
         tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
-        hidden = silu_and_mul(F.linear(x.index_select(0, tokens), w13[expert]))
-        contribution = F.linear(hidden, w2[expert]).float()
+        gate_up, down = w13[expert], w2[expert]
+        if scales is not None:
+            gate_up = (gate_up.float() * scales[0][expert, :, None]).to(x.dtype)
+            down = (down.float() * scales[1][expert, :, None]).to(x.dtype)
+        hidden = silu_and_mul(F.linear(x.index_select(0, tokens), gate_up))
+        contribution = F.linear(hidden, down).float()
         out.index_add_(0, tokens, contribution * topk_weights[tokens, slots, None].float())
     return out.to(x.dtype)

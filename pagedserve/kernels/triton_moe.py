@@ -22,7 +22,8 @@ cover the most blocks any routing can need, cdiv(P, BLOCK_M) + min(E, P); progra
 
 so each expert's weights are read once per block of its tokens. BLOCK_M follows the pairs an
 expert gets on average (16 for decode steps, up to 64). Accumulation is float32, z is float32;
-float32 models multiply exactly (`ieee`).
+float32 models multiply exactly (`ieee`). FP8 experts (W8A16): the weights are read as fp8,
+widened to x's dtype for the dot, and each output channel's sum multiplied by its scale.
 """
 
 from __future__ import annotations
@@ -187,14 +188,18 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr, num_blocks_ptr, weights_ptr,
-    num_pairs, N, K, gate_offset, stride_a, stride_we, stride_wn, stride_out,
+    scale_ptr, num_pairs, N, K, gate_offset, stride_a, stride_we, stride_wn, stride_out,
+    stride_se,
     PAIRS_PER_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """For the pairs p of sorted block m (expert e) and BLOCK_N outputs n (program (m, j)),
     with a = a[p // PAIRS_PER_ROW]: out[p, n] = a . w[e, n] (times weights[p] if WEIGHTED), or
-    if GATED silu(a . w[e, n]) * (a . w[e, gate_offset + n]) (gate rows, then up rows)."""
+    if GATED silu(a . w[e, n]) * (a . w[e, gate_offset + n]) (gate rows, then up rows).
+    SCALED: w is fp8, converted to a's dtype as it is read, each output channel's dot times
+    its scale (scale[e, n], scale[e, gate_offset + n])."""
     m = tl.program_id(0)
     j = tl.program_id(1)
     if m < tl.load(num_blocks_ptr):
@@ -214,11 +219,20 @@ def _expert_gemm_kernel(
             a = tl.load(a_rows + k[None, :], mask=valid[:, None] & k_inside[None, :], other=0.0)
             w_mask = k_inside[:, None] & inside[None, :]
             w = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+            if SCALED:
+                w = w.to(a_ptr.dtype.element_ty)
             acc = _dot(a, w, acc, PRECISION, UPCAST)
             if GATED:
                 w_up = tl.load(w_cols + gate_offset * stride_wn + k[:, None], mask=w_mask,
                                other=0.0)  # fmt: skip
+                if SCALED:
+                    w_up = w_up.to(a_ptr.dtype.element_ty)
                 up = _dot(a, w_up, up, PRECISION, UPCAST)
+        if SCALED:
+            scales = scale_ptr + expert * stride_se + n
+            acc *= tl.load(scales, mask=inside, other=0.0)[None, :]
+            if GATED:
+                up *= tl.load(scales + gate_offset, mask=inside, other=0.0)[None, :]
         if GATED:
             gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # as the reference rounds
             silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -237,9 +251,11 @@ def _expert_gemm(
     weights: torch.Tensor | None,
     pairs_per_row: int,
     tiles: _Tiles,
+    scale: torch.Tensor | None,
 ) -> None:
     """out [P, N] from a and w [E, rows, K] (module doc): GEMM 1 (no weights) is gated, w's
-    rows [gate; up] with N of each; GEMM 2 multiplies by the pairs' weights."""
+    rows [gate; up] with N of each; GEMM 2 multiplies by the pairs' weights; an fp8 w has a
+    scale [E, rows] per output channel."""
     num_pairs, n = out.shape
     k = a.shape[1]
     gated = weights is None
@@ -248,9 +264,11 @@ def _expert_gemm(
     grid = (blocks.max_blocks, triton.cdiv(n, tiles.block_n))
     _expert_gemm_kernel[grid](
         a, w, out, blocks.pairs, blocks.block_experts, blocks.num_blocks,
-        weights if weights is not None else out, num_pairs, n, k, n, a.stride(0), w.stride(0),
-        w.stride(1), out.stride(0),
+        weights if weights is not None else out, scale if scale is not None else out,
+        num_pairs, n, k, n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        scale.stride(0) if scale is not None else 0,
         PAIRS_PER_ROW=pairs_per_row, GATED=gated, WEIGHTED=weights is not None,
+        SCALED=scale is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         PRECISION=precision, UPCAST=upcast, num_warps=tiles.num_warps,
     )  # fmt: skip
@@ -262,10 +280,12 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H] (rows contiguous), w13 [E, 2I, H] and w2 [E, H, I] contiguous in x's dtype,
     topk_weights [T, k] float32 and topk_ids [T, k] int (contiguous) -> y [T, H] in x's dtype
-    (module doc)."""
+    (module doc). scales: fp8 weights (W8A16): float32 [E, 2I] and [E, H] contiguous, one a
+    weight's output channel."""
     t, hidden = x.shape
     num_experts, two_i, h_w13 = w13.shape
     inter = two_i // 2
@@ -275,8 +295,17 @@ def fused_experts(
         raise ValueError(f"topk ids {tuple(topk_ids.shape)}, weights {tuple(topk_weights.shape)}")
     if x.stride(1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("x needs a unit column stride, w13 and w2 must be contiguous")
-    if w13.dtype != x.dtype or w2.dtype != x.dtype or topk_weights.dtype != torch.float32:
-        raise ValueError("x, w13 and w2 share a dtype; topk_weights are float32")
+    weight_dtype = x.dtype if scales is None else torch.float8_e4m3fn
+    if w13.dtype != weight_dtype or w2.dtype != weight_dtype:
+        raise ValueError(f"w13 and w2 must be {weight_dtype} (x {x.dtype}, scales {scales})")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError("topk_weights must be float32")
+    if scales is not None and (
+        scales[0].shape != (num_experts, two_i) or scales[1].shape != (num_experts, hidden)
+        or not all(s.dtype == torch.float32 and s.is_contiguous() for s in scales)
+    ):  # fmt: skip
+        raise ValueError("scales: float32 [E, 2I] and [E, H], contiguous")
+    w13_scale, w2_scale = scales if scales is not None else (None, None)
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
@@ -285,7 +314,8 @@ def fused_experts(
     tiles = _tiles(num_pairs, num_experts)
     blocks = align_by_expert(topk_ids.contiguous(), num_experts, tiles.block_m)
     activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _expert_gemm(x, w13, activated, blocks, None, top_k, tiles)
+    _expert_gemm(x, w13, activated, blocks, None, top_k, tiles, w13_scale)
     contributions = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    _expert_gemm(activated, w2, contributions, blocks, topk_weights.reshape(-1), 1, tiles)
+    _expert_gemm(activated, w2, contributions, blocks, topk_weights.reshape(-1), 1, tiles,
+                 w2_scale)  # fmt: skip
     return torch.sum(contributions.view(t, top_k, hidden), dim=1, out=out)

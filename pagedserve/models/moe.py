@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import moe_ref
+from pagedserve.kernels import moe_ref, quant_ref
+from pagedserve.kernels.quant_ref import FP8_DTYPE
 from pagedserve.models.layer_config import LayerConfig
+from pagedserve.models.quantization.config import Fp8Scheme, QuantizationError
 from pagedserve.models.weights import default_weight_loader, divide, new_parameter
 
 # checkpoint projection name -> (stacked parameter, part: 0 gate, 1 up, None down)
@@ -36,18 +38,22 @@ QWEN_EXPERTS: ExpertMapping = {
     "down_proj": ("w2", None),
 }
 MIXTRAL_EXPERTS: ExpertMapping = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
-_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT_TENSOR = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale_inv|weight_scale)$"
+)
+# a checkpoint tensor's kind -> the suffix of our stacked parameter's name (w13, w13_scale_inv)
+_KINDS = {"weight": "", "weight_scale_inv": "_scale_inv", "weight_scale": "_scale"}
 
 
 def expert_target(name: str, mapping: ExpertMapping) -> tuple[str, tuple[int, int | None]] | None:
-    """A checkpoint tensor of one expert -> (our stacked parameter's name, (expert, part));
-    None for any other tensor."""
+    """A checkpoint tensor of one expert (its weight, or an FP8 checkpoint's scales of it) ->
+    (our stacked parameter's name, (expert, part)); None for any other tensor."""
     match = _EXPERT_TENSOR.match(name)
     if match is None or match.group(3) not in mapping:
         return None
-    prefix, expert, projection = match.groups()
+    prefix, expert, projection, kind = match.groups()
     param, part = mapping[projection]
-    return f"{prefix}.{param}", (int(expert), part)
+    return f"{prefix}.{param}{_KINDS[kind]}", (int(expert), part)
 
 
 def triton_moe_module() -> ModuleType:
@@ -95,50 +101,138 @@ class Router(ReplicatedLinear):
         return weights, ids
 
 
+def _fp8_scheme(config: LayerConfig) -> Fp8Scheme | None:
+    """The experts' FP8 scheme (None: float weights); other quantizations are refused."""
+    quantization = config.quantization
+    if quantization is None:
+        return None
+    scheme = quantization.scheme
+    if not isinstance(scheme, Fp8Scheme) or scheme.static_input or scheme.source == "per_channel":
+        raise QuantizationError(
+            f"quantization {quantization.method!r} is not supported for the experts "
+            "of a mixture-of-experts model (fp8 of a float checkpoint, or an FP8 checkpoint with "
+            "per-tensor or block-wise scales and dynamic activations, is)"
+        )
+    return scheme
+
+
 class FusedMoE(nn.Module):
     """Every expert's SwiGLU MLP, stacked: w13 [E, 2 * I/tp, hidden] (this rank's gate rows,
     then its up rows) and w2 [E, hidden, I/tp]; forward sums the routed experts' outputs and
-    all-reduces them over the tensor-parallel group."""
+    all-reduces them over the tensor-parallel group.
+
+    FP8 (quantization "fp8": a float checkpoint quantized at load, or an FP8 checkpoint's
+    per-tensor or block-wise scales): after loading w13 and w2 are float8_e4m3fn with one
+    float32 scale per output channel (w13_scale [E, 2 * I/tp], w2_scale [E, hidden]), as the
+    dense FP8 layers hold theirs; the products are weight-only (W8A16)."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, config: LayerConfig
     ) -> None:
         super().__init__()
-        if config.quantization is not None:
-            raise ValueError(
-                f"quantization {config.quantization.method!r} is not supported for "
-                "mixture-of-experts models"
-            )
+        self.scheme = scheme = _fp8_scheme(config)
         self.tp = config.tp
         self.local_size = local = divide(intermediate_size, config.tp.size)
-        self.w13 = new_parameter(num_experts, 2 * local, hidden_size, loader=self.weight_loader)
-        self.w2 = new_parameter(num_experts, hidden_size, local, loader=self.weight_loader)
-        # what a checkpoint must fill: each expert's gate and up, and its down (models/loader)
-        self.w13.expected_shards = {(e, part) for e in range(num_experts) for part in (0, 1)}  # type: ignore[attr-defined]
-        self.w2.expected_shards = {(e, None) for e in range(num_experts)}  # type: ignore[attr-defined]
+        dtype = FP8_DTYPE if scheme is not None and scheme.source != "float" else None
+        shapes = {"w13": (2 * local, hidden_size), "w2": (hidden_size, local)}
+        for name, (rows, cols) in shapes.items():
+            self._stacked(name, (num_experts, rows, cols), dtype, (1, 1))
+        if scheme is not None and scheme.block is not None:
+            bn, bk = scheme.block
+            if local % bn or local % bk:
+                raise QuantizationError(
+                    f"block-wise FP8 with blocks of {scheme.block}: the experts' intermediate "
+                    f"size per rank ({local}) is not whole blocks"
+                )
+            for name, (rows, cols) in shapes.items():
+                blocks = (num_experts, -(-rows // bn), -(-cols // bk))
+                self._stacked(f"{name}_scale_inv", blocks, torch.float32, (bn, bk))
+        elif scheme is not None and scheme.source == "per_tensor":
+            self._stacked("w13_scale", (num_experts, 2), torch.float32, None)
+            self._stacked("w2_scale", (num_experts, 1), torch.float32, None)
         self.fused_ops = config.fused_ops
+
+    def _stacked(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None,
+        blocks: tuple[int, int] | None,
+    ) -> None:
+        """A stacked parameter filled expert by expert (blocks: the output and input channels
+        one index covers; None: one value per part, a per-tensor scale)."""
+        param = new_parameter(*shape, loader=self.weight_loader, dtype=dtype)
+        param.expert_blocks = blocks  # type: ignore[attr-defined]
+        # what a checkpoint must fill: each expert's gate and up, or its down (models/loader)
+        parts = (0, 1) if name.startswith("w13") else (None,)
+        param.expected_shards = {(e, part) for e in range(shape[0]) for part in parts}  # type: ignore[attr-defined]
+        self.register_parameter(name, param)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]
     ) -> None:
-        """One expert's projection, whole ([I, hidden] gate or up, [hidden, I] down), into
-        this rank's slice of the stacked parameter."""
+        """One expert's projection, whole ([I, hidden] gate or up, [hidden, I] down, or its
+        scales by blocks of those channels, or its one per-tensor scale), into this rank's
+        slice of the stacked parameter."""
         expert, part = shard_id
+        blocks: tuple[int, int] | None = param.expert_blocks  # type: ignore[attr-defined]
+        if blocks is None:  # a per-tensor scale
+            default_weight_loader(param.data[expert, part or 0], loaded.reshape(()))
+            return
+        rows_per, cols_per = blocks
         local, start = self.local_size, self.tp.rank * self.local_size
         if part is None:  # down: this rank's input columns
-            default_weight_loader(param.data[expert], loaded.narrow(1, start, local))
+            source = loaded.narrow(1, start // cols_per, local // cols_per)
+            default_weight_loader(param.data[expert], source)
         else:
-            target = param.data[expert].narrow(0, part * local, local)
-            default_weight_loader(target, loaded.narrow(0, start, local))
+            target = param.data[expert].narrow(0, part * local // rows_per, local // rows_per)
+            default_weight_loader(target, loaded.narrow(0, start // rows_per, local // rows_per))
+
+    def process_weights_after_loading(self) -> None:
+        """FP8: the weights as fp8 with one scale per output channel (class doc)."""
+        if self.scheme is None:
+            return
+        for name in ("w13", "w2"):
+            weight = getattr(self, name).data
+            if self.scheme.source == "per_tensor":
+                scale = getattr(self, f"{name}_scale").data
+                scale = scale.repeat_interleave(weight.shape[1] // scale.shape[1], dim=1)
+                qweight = weight
+            else:
+                qweight, scale = self._quantized(name, weight)
+            for suffix in ("", "_scale", "_scale_inv"):
+                if hasattr(self, name + suffix):
+                    delattr(self, name + suffix)
+            self.register_buffer(name, qweight.contiguous())
+            self.register_buffer(f"{name}_scale", scale.float().contiguous())
+
+    def _quantized(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float weight, or a block-wise checkpoint's dequantized, quantized per output
+        channel, expert by expert: (fp8 [E, rows, cols], scales [E, rows])."""
+        qweight = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+        scales = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+        block = self.scheme.block if self.scheme is not None else None
+        for expert in range(weight.shape[0]):
+            w = weight[expert].float()
+            if block is not None:
+                by_block = getattr(self, f"{name}_scale_inv").data[expert]
+                by_row = by_block.repeat_interleave(block[0], 0)[: w.shape[0]]
+                w = w * by_row.repeat_interleave(block[1], 1)[:, : w.shape[1]]
+            q, scale = quant_ref.quantize_fp8_rows(w)
+            qweight[expert], scales[expert] = q, scale.squeeze(1)
+        return qweight, scales
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        scales = None if self.scheme is None else (self.w13_scale, self.w2_scale)
         if self.fused_ops == "triton":
             x = x if x.stride(-1) == 1 else x.contiguous()
-            y = triton_moe_module().fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+            y = triton_moe_module().fused_experts(
+                x, self.w13, self.w2, topk_weights, topk_ids, scales=scales
+            )
         else:
-            y = moe_ref.fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+            y = moe_ref.fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, scales)
         self.tp.all_reduce(y)
         return y
 
