@@ -265,8 +265,3 @@ class SparseMoeBlock(nn.Module):
             assert self.shared_expert_gate is not None
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
-
-
-def is_moe(model: nn.Module) -> bool:
-    """Whether any layer of the model is a mixture of experts."""
-    return any(isinstance(module, FusedMoE) for module in model.modules())
