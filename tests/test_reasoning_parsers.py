@@ -86,6 +86,45 @@ async def test_reasoning_content_through_the_chat_endpoint(model_path: Path, par
     assert "reasoning_content" not in (reply.choices[0].message.model_extra or {})
 
 
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+async def test_reasoning_output_item_through_the_responses_endpoint(
+    model_path: Path, parser: str
+) -> None:
+    """/v1/responses with --reasoning-parser: a reasoning item (its reasoning_text) before the
+    message, whole and streamed (reasoning_text deltas at output index 0, the message's text
+    at 1); reasoning_tokens counts the pieces that carried the thinking or its tags (one token
+    each here). Without the parser: one message of the whole reply, no reasoning tokens."""
+    pieces = 11
+    api = app_client(model_path, ScriptedEngine(REPLY, pieces), reasoning_parser=parser)
+    whole = await api.responses.create(model=str(model_path), input="2 + 2?")
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == THOUGHT and whole.output_text == "It is 4."
+    size = -(-len(REPLY) // pieces)
+    thinking_ends = len(f"<think>{THOUGHT}</think>")
+    assert whole.usage.output_tokens_details.reasoning_tokens == -(-thinking_ends // size)
+    stream = await api.responses.create(model=str(model_path), input="2 + 2?", stream=True)
+    events = [event async for event in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    reasoning = [e for e in events if e.type == "response.reasoning_text.delta"]
+    text = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in reasoning) == THOUGHT and {
+        e.output_index for e in reasoning
+    } == {0}
+    assert "".join(e.delta for e in text) == "It is 4." and {e.output_index for e in text} == {1}
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["reasoning", "message"]
+    assert done[0].content[0].text == THOUGHT
+    final = events[-1]
+    assert final.type == "response.completed" and final.response.output_text == "It is 4."
+    assert final.response.usage.output_tokens_details.reasoning_tokens == -(-thinking_ends // size)
+    async with api.responses.stream(model=str(model_path), input="2 + 2?") as helper:
+        assert (await helper.get_final_response()).output_text == "It is 4."  # the SDK's helper
+    plain = app_client(model_path, ScriptedEngine(REPLY, pieces=3))
+    reply = await plain.responses.create(model=str(model_path), input="2 + 2?")
+    assert [item.type for item in reply.output] == ["message"] and reply.output_text == REPLY
+    assert reply.usage.output_tokens_details.reasoning_tokens == 0
+
+
 def test_the_parser_name_is_checked() -> None:
     with pytest.raises(ValueError, match="not one of"):
         ServerConfig(reasoning_parser="granite")

@@ -10,8 +10,12 @@ response.failed; no `data: [DONE]`).
 Stateless: nothing is stored, so `store` is accepted and ignored (no response can be fetched
 later), and `previous_response_id` is a 400. `tools` (beyond an empty list, tool_choice "none")
 and input items other than messages of text are a 400; `text.format` text, json_object and
-json_schema map onto the chat endpoint's response_format; `reasoning` is accepted and ignored
-(no reasoning output item). Unknown fields are ignored, as on every endpoint.
+json_schema map onto the chat endpoint's response_format. With a reasoning parser (`serve
+--reasoning-parser`) the reply's thinking is a "reasoning" output item before the message (its
+text a reasoning_text part; streamed as response.reasoning_text.delta events), and
+usage.output_tokens_details.reasoning_tokens counts the output tokens of the deltas that carried
+it or its tags; the request's `reasoning` settings are echoed and otherwise ignored. Unknown
+fields are ignored, as on every endpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pagedserve.api.client import EngineRequestError
 from pagedserve.api.errors import APIError
 from pagedserve.api.generation import Choice, Event, plan_jobs
 from pagedserve.api.protocol import ChatCompletionRequest, ChatMessageIn, Int64
+from pagedserve.api.reasoning_parsers import ReasoningStream, split_reasoning
 from pagedserve.api.render import Render
 from pagedserve.api.responses import SSE_HEADERS, GenerationResponse
 from pagedserve.api.structured import JsonSchemaFormat, ResponseFormat
@@ -111,7 +116,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     metadata: dict[str, str] | None = None  # echoed
     store: bool = True  # accepted; nothing is stored
-    reasoning: dict[str, Any] | None = None  # accepted and ignored
+    reasoning: dict[str, Any] | None = None  # echoed
     text: TextConfig | None = None
     parallel_tool_calls: bool = True
     # Not implemented: a 400 when asked for
@@ -176,6 +181,30 @@ async def create_response(server: OpenAIServer, request: Request) -> GenerationR
     )
 
 
+class ReplySplit:
+    """The one reply's reasoning and content by the server's reasoning parser (None: all
+    content), fed delta by delta, and the output tokens of the deltas that carried reasoning
+    or its tags (exact when a delta is one token, as in a plain decode step)."""
+
+    def __init__(self, parser: str | None) -> None:
+        self.stream = None if parser is None else ReasoningStream(parser)
+        self.reasoning = self.content = ""
+        self.reasoning_tokens = 0
+
+    def feed(self, delta: RequestDelta) -> tuple[str, str]:
+        """This delta's (reasoning, content) text."""
+        if self.stream is None:
+            self.content += delta.text
+            return "", delta.text
+        before = self.stream.state
+        reasoning, content = self.stream.feed(delta.text, final=delta.finish_reason is not None)
+        if reasoning or "reasoning" in (before, self.stream.state):
+            self.reasoning_tokens += len(delta.token_ids)
+        self.reasoning += reasoning
+        self.content += content
+        return reasoning, content
+
+
 class ResponsesRender(Render):
     """The Response object of the one choice, and its stream events (without their
     sequence numbers)."""
@@ -192,9 +221,23 @@ class ResponsesRender(Render):
         self.request = request
         self.sampling = sampling
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self.parser = server.limits.reasoning_parser
+        self.split = ReplySplit(self.parser)  # fed the deltas, whole or streamed
+        self.streamed = False  # the stream's split decides the parts (else the whole text's)
 
     def full(self, choices: list[Choice]) -> dict:
         return self.response(choices[0])
+
+    def parts(self, choice: Choice) -> tuple[str | None, str]:
+        """(reasoning or None, content) of the finished reply: as streamed, or as the chat
+        endpoint splits a whole reply."""
+        if self.streamed:
+            return self.split.reasoning or None, self.split.content
+        if self.parser is None:
+            return None, choice.text
+        reasoning, content = split_reasoning(choice.text, self.parser)
+        return reasoning, content or ""
 
     def response(self, choice: Choice | None, failure: str | None = None) -> dict:
         """The Response object: in progress (no choice yet), failed, or finished."""
@@ -215,7 +258,7 @@ class ResponsesRender(Render):
             "instructions": self.request.instructions,
             "metadata": self.request.metadata,
             "model": self.request.model or self.server.model_name,
-            "output": [] if choice is None else [self.message(choice, status)],
+            "output": [] if choice is None else self.output(choice, status),
             "parallel_tool_calls": self.request.parallel_tool_calls,
             "temperature": self.sampling.temperature,
             "tool_choice": "none",
@@ -230,24 +273,42 @@ class ResponsesRender(Render):
             "usage": None if choice is None else self.response_usage(choice),
         }
 
-    def message(self, choice: Choice, status: str) -> dict:
-        """The output message item (status: in_progress, completed or incomplete)."""
-        content = [] if status == "in_progress" else [output_text(choice.text)]
+    def output(self, choice: Choice, status: str) -> list[dict]:
+        """The output items: the reasoning (if the reply has any), then the message."""
+        reasoning, content = self.parts(choice)
+        items = [] if reasoning is None else [self.reasoning_item(reasoning, status)]
+        return [*items, self.message(content, status)]
+
+    def message(self, text: str | None, status: str) -> dict:
+        """The output message item (status: in_progress, completed or incomplete; text None
+        while in progress)."""
         return {
             "type": "message",
             "id": self.message_id,
             "status": status,
             "role": "assistant",
+            "content": [] if text is None else [output_text(text)],
+        }
+
+    def reasoning_item(self, text: str | None, status: str) -> dict:
+        """The reasoning output item (text None while in progress)."""
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "summary": [],
             "content": content,
+            "status": status,
         }
 
     def response_usage(self, choice: Choice) -> dict:
         prompt, output = len(choice.prompt_token_ids), len(choice.token_ids)
+        reasoning = self.split.reasoning_tokens if self.parts(choice)[0] is not None else 0
         return {
             "input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
             "output_tokens": output,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + output,
         }
 
@@ -257,35 +318,65 @@ class ResponsesRender(Render):
         """The stream events, the last one the finished response (its status completed or
         incomplete)."""
         choice = Choice(0)
+        self.streamed = True
         yield {"type": "response.created", "response": self.response(None)}
         yield {"type": "response.in_progress", "response": self.response(None)}
-        yield self.item_event("added", self.message(choice, "in_progress"))
-        yield self.part_event("added", output_text(""))
+        opened: list[str] = []  # the output items begun, in order: "reasoning", "message"
         async for _, delta in events:
             choice.add(delta)
-            if delta.text:
-                yield self.text_delta(delta)
-        yield self.at_content({"type": "response.output_text.done", "text": choice.text})
-        yield self.part_event("done", output_text(choice.text))
+            reasoning, content = self.split.feed(delta)
+            if reasoning:
+                if not opened:
+                    opened.append("reasoning")
+                    yield self.item_event("added", self.reasoning_item(None, "in_progress"), 0)
+                yield self.at_reasoning({"type": "response.reasoning_text.delta",
+                                         "delta": reasoning})  # fmt: skip
+            if content:
+                for event in self.open_message(opened):
+                    yield event
+                yield self.at_content({"type": "response.output_text.delta", "delta": content})
+        for event in self.open_message(opened):
+            yield event
         final = self.response(choice)
-        yield self.item_event("done", final["output"][0])
+        text = self.split.content
+        yield self.at_content({"type": "response.output_text.done", "text": text})
+        yield self.part_event("done", output_text(text))
+        yield self.item_event("done", final["output"][-1], len(opened) - 1)
         yield {"type": "response.completed", "response": final}
 
-    def item_event(self, kind: str, item: dict) -> dict:
-        return {"type": f"response.output_item.{kind}", "output_index": 0, "item": item}
+    def open_message(self, opened: list[str]) -> list[dict]:
+        """The events that close the reasoning item (if open) and begin the message item, the
+        first time content comes (or the reply ends); none after that."""
+        if "message" in opened:
+            return []
+        events = []
+        if opened:  # the reasoning, whole
+            text = self.split.reasoning
+            events.append(self.at_reasoning({"type": "response.reasoning_text.done",
+                                             "text": text}))  # fmt: skip
+            events.append(self.item_event("done", self.reasoning_item(text, "completed"), 0))
+        opened.append("message")
+        events.append(self.item_event("added", self.message(None, "in_progress"), len(opened) - 1))
+        events.append(self.part_event("added", output_text("")))
+        return events
+
+    def item_event(self, kind: str, item: dict, index: int) -> dict:
+        return {"type": f"response.output_item.{kind}", "output_index": index, "item": item}
 
     def part_event(self, kind: str, part: dict) -> dict:
         return self.at_content({"type": f"response.content_part.{kind}", "part": part})
 
-    def text_delta(self, delta: RequestDelta) -> dict:
-        return self.at_content({"type": "response.output_text.delta", "delta": delta.text})
-
     def at_content(self, event: dict) -> dict:
-        """An event about the message's one text part."""
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        """An event about the message's one text part (after the reasoning item, if any)."""
+        index = 1 if self.split.reasoning else 0
+        where = {"item_id": self.message_id, "output_index": index, "content_index": 0}
         if event["type"].startswith("response.output_text."):
             where["logprobs"] = []
         return event | where
+
+    def at_reasoning(self, event: dict) -> dict:
+        """An event about the reasoning item's one text part (always the first item)."""
+        return event | {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
 
 
 def output_text(text: str) -> dict:
@@ -298,6 +389,16 @@ class ResponsesGeneration(GenerationResponse):
     engine error after that ends the stream with response.failed."""
 
     render: ResponsesRender
+
+    async def send_whole(self, events: AsyncIterator[Event], send: Send) -> None:
+        await super().send_whole(self.split(events), send)
+
+    async def split(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        """The events, each fed to the render's reasoning split on the way (its token
+        count)."""
+        async for event in events:
+            self.render.split.feed(event[1])
+            yield event
 
     async def send_stream(self, events: AsyncIterator[Event], send: Send) -> None:
         first = await anext(events, None)
