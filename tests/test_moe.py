@@ -30,6 +30,7 @@ from tests.test_model_parity import (
     LOGPROB_ATOL,
     MAX_NEW_TOKENS,
     MiniScheduler,
+    _tensor_parallel_worker,
     make_runner,
     random_prompts,
 )
@@ -184,21 +185,6 @@ def test_quantized_experts_fail_at_start(tmp_path: Path) -> None:
         load_model(config, torch.device("cpu"))
 
 
-def _tensor_parallel_worker(rank: int, path: str, init_file: str, out_file: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        torch.set_num_threads(1)
-        runner = make_runner(Path(path), tensor_parallel_size=2)
-        params = WireSamplingParams(temperature=0.0, logprobs=0)
-        requests = MiniScheduler(random_prompts(seed=11), params).run(runner)
-        if rank == 0:
-            torch.save([(r.outputs, r.logprobs) for r in requests], out_file)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_tensor_parallel_two_ranks_match_one(tmp_path: Path) -> None:
     """Two gloo ranks, each with half of every expert's intermediate dim (and half of the
     shared expert's), give the single-process tokens and logprobs."""
@@ -207,7 +193,7 @@ def test_tensor_parallel_two_ranks_match_one(tmp_path: Path) -> None:
     expected = MiniScheduler(random_prompts(seed=11), params).run(make_runner(tmp_path))
     out_file = tmp_path / "tp_out.pt"
     torch.multiprocessing.spawn(
-        _tensor_parallel_worker,
+        _tensor_parallel_worker,  # test_model_parity's: the same runs, on this model
         args=(str(tmp_path), str(tmp_path / "dist_init"), str(out_file)),
         nprocs=2,
     )

@@ -224,7 +224,6 @@ class ResponsesRender(Render):
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.parser = server.limits.reasoning_parser
         self.split = ReplySplit(self.parser)  # fed the deltas, whole or streamed
-        self.streamed = False  # the stream's split decides the parts (else the whole text's)
 
     def full(self, choices: list[Choice]) -> dict:
         return self.response(choices[0])
@@ -232,7 +231,7 @@ class ResponsesRender(Render):
     def parts(self, choice: Choice) -> tuple[str | None, str]:
         """(reasoning or None, content) of the finished reply: as streamed, or as the chat
         endpoint splits a whole reply."""
-        if self.streamed:
+        if self.request.stream:
             return self.split.reasoning or None, self.split.content
         if self.parser is None:
             return None, choice.text
@@ -318,7 +317,6 @@ class ResponsesRender(Render):
         """The stream events, the last one the finished response (its status completed or
         incomplete)."""
         choice = Choice(0)
-        self.streamed = True
         yield {"type": "response.created", "response": self.response(None)}
         yield {"type": "response.in_progress", "response": self.response(None)}
         opened: list[str] = []  # the output items begun, in order: "reasoning", "message"

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.triton_dot import accumulate_dot
+
 __all__ = ["add_lora_delta", "reference_lora_delta"]
 
 _BLOCK_K = 128
@@ -31,15 +33,6 @@ _BLOCK_N = 128
 _MAX_PARTS = 3
 _MAX_SPLIT_K = 8
 _SMALL_STEP = 16  # tokens: up to this many, BLOCK_M 16 and the shrink's K split
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ b in fp32. UPCAST (the CPU interpreter, which multiplies bf16 as raw
-    integers): the operands through fp32, exact for bf16 products."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -78,7 +71,7 @@ def _shrink_kernel(
             inside = k < K
             x = tl.load(x_rows + k[None, :], mask=valid[:, None] & inside[None, :], other=0.0)
             a = tl.load(a_cols + k[:, None], mask=inside[:, None], other=0.0)  # [BLOCK_K, R]
-            acc = _dot(x, a, acc, PRECISION, UPCAST)
+            acc = accumulate_dot(x, a, acc, PRECISION, UPCAST)
         h_rows = h_ptr + split * stride_hs + tokens[:, None] * stride_ht + p * R + r[None, :]
         tl.store(h_rows, acc, mask=valid[:, None])
 
@@ -114,7 +107,7 @@ def _expand_kernel(
                 for split in tl.static_range(SPLIT_K):
                     h_rows = h_ptr + split * stride_hs + tokens[:, None] * stride_ht + q * R
                     h += tl.load(h_rows + r[None, :], mask=valid[:, None], other=0.0)
-                d = _dot(h.to(b.dtype), b, tl.zeros_like(acc), PRECISION, UPCAST)
+                d = accumulate_dot(h.to(b.dtype), b, tl.zeros_like(acc), PRECISION, UPCAST)
                 acc += tl.where((part == q)[None, :], d, 0.0)
         y_rows = y_ptr + tokens[:, None] * stride_y + o[None, :]
         mask = valid[:, None] & inside[None, :]

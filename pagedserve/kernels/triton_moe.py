@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.triton_dot import accumulate_dot
+
 __all__ = ["ExpertBlocks", "align_by_expert", "fused_experts", "route"]
 
 _CHUNK = 1024  # pairs (and padded entries) the align program handles at a time
@@ -177,15 +179,6 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 
 @triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ b in fp32. UPCAST (the CPU interpreter, which multiplies bf16 as raw
-    integers): the operands through fp32, exact for bf16 products."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr, num_blocks_ptr, weights_ptr,
     scale_ptr, num_pairs, N, K, gate_offset, stride_a, stride_we, stride_wn, stride_out,
@@ -221,13 +214,13 @@ def _expert_gemm_kernel(
             w = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
             if SCALED:
                 w = w.to(a_ptr.dtype.element_ty)
-            acc = _dot(a, w, acc, PRECISION, UPCAST)
+            acc = accumulate_dot(a, w, acc, PRECISION, UPCAST)
             if GATED:
                 w_up = tl.load(w_cols + gate_offset * stride_wn + k[:, None], mask=w_mask,
                                other=0.0)  # fmt: skip
                 if SCALED:
                     w_up = w_up.to(a_ptr.dtype.element_ty)
-                up = _dot(a, w_up, up, PRECISION, UPCAST)
+                up = accumulate_dot(a, w_up, up, PRECISION, UPCAST)
         if SCALED:
             scales = scale_ptr + expert * stride_se + n
             acc *= tl.load(scales, mask=inside, other=0.0)[None, :]
