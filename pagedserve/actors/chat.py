@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -21,68 +22,107 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })  # fmt: skip
 
 
-TOKENIZER_CLASS_FILE = "tokenizer-class.json"  # in the run directory
+# the files whose contents decide which class AutoTokenizer builds
+TOKENIZER_DECIDING_FILES = (
+    "tokenizer_config.json", "config.json", "tokenizer.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json",
+)  # fmt: skip
 
 
 def load_tokenizer(
-    path: str,
-    chat_template: str | None = None,
-    run_dir: str | None = None,
-    use_fast: bool = True,
+    path: str, chat_template: str | None = None, use_fast: bool = True
 ) -> PreTrainedTokenizerBase:
     """The model's HF tokenizer, from local files only (a directory or the HF cache);
     `chat_template` (Jinja text, `EngineConfig.chat_template`) replaces its own; `use_fast`
     False: the slow (Python) tokenizer where the model has one (tokenizer_mode "slow").
 
     AutoTokenizer chooses the class (by the tokenizer's config and the model's type) and in
-    doing so imports torch: ~2 s of a restart. With `run_dir`, the first load of a run records
-    the class it chose there, and later loads (restarted actors, standbys) build that class
+    doing so imports torch: 2-5 s of every actor's start. The class it chose is recorded in
+    the user's cache directory (`tokenizer_class_dir`), keyed by the tokenizer's files and the
+    transformers version, and later loads (restarts, other actors, later runs) build that class
     directly."""
-    tokenizer = _load_recorded_class(path, run_dir) if run_dir else None
+    record = TokenizerClassRecord(path, use_fast)
+    tokenizer = record.load()
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=use_fast)
-        if run_dir:
-            _record_class(path, run_dir, type(tokenizer).__name__)
+        record.save(type(tokenizer).__name__)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def _class_record(path: str, class_name: str) -> dict[str, str]:
-    import transformers
-
-    return {"path": path, "transformers": transformers.__version__, "class": class_name}
-
-
-def _load_recorded_class(path: str, run_dir: str) -> PreTrainedTokenizerBase | None:
-    """The tokenizer built from the class recorded in `run_dir`; None when none matches."""
-    try:
-        with open(os.path.join(run_dir, TOKENIZER_CLASS_FILE), encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or record != _class_record(path, str(record.get("class"))):
-        return None
-    import transformers
-
-    cls = getattr(transformers, record["class"], None)
-    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedTokenizerBase):
-        return None
-    return cls.from_pretrained(path, local_files_only=True)
+def tokenizer_class_dir() -> str:
+    """Where the classes AutoTokenizer chose are recorded: pagedserve/tokenizer-classes in
+    $XDG_CACHE_HOME (default ~/.cache), as Hugging Face keeps its caches."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "pagedserve", "tokenizer-classes")
 
 
-def _record_class(path: str, run_dir: str, class_name: str) -> None:
-    """Write the record whole or not at all (the actors that load a tokenizer start together)."""
-    target = os.path.join(run_dir, TOKENIZER_CLASS_FILE)
-    partial = f"{target}.{os.getpid()}"
-    try:
-        with open(partial, "w", encoding="utf-8") as f:
-            json.dump(_class_record(path, class_name), f)
-        os.replace(partial, target)
-    except OSError:
-        pass  # a cache: without it a restart takes AutoTokenizer's path
+class TokenizerClassRecord:
+    """The class AutoTokenizer chose for one tokenizer, in one JSON file named by a digest of
+    what decides the choice: the model directory, the mode, the transformers version, and the size
+    and modification time of each deciding file. A file that is missing, unreadable or does
+    not match is no record: the load takes AutoTokenizer's path."""
+
+    def __init__(self, path: str, use_fast: bool) -> None:
+        import transformers
+
+        self.path = path
+        self.key = {
+            "path": os.path.realpath(path),
+            "use_fast": use_fast,
+            "transformers": transformers.__version__,
+            "files": _file_stamps(path),
+        }
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()
+        self.file = os.path.join(tokenizer_class_dir(), f"{digest[:32]}.json")
+        # a hub id (the HF cache's snapshot may change under the same name) is not recorded
+        self.recordable = os.path.isdir(path)
+
+    def load(self) -> PreTrainedTokenizerBase | None:
+        """The tokenizer built from the recorded class; None when there is no valid record."""
+        if not self.recordable:
+            return None
+        try:
+            with open(self.file, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or record.get("key") != self.key:
+            return None
+        import transformers
+
+        cls = getattr(transformers, str(record.get("class")), None)
+        if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedTokenizerBase):
+            return None
+        return cls.from_pretrained(self.path, local_files_only=True)
+
+    def save(self, class_name: str) -> None:
+        """Write the record whole or not at all (actors that load a tokenizer start together)."""
+        if not self.recordable:
+            return
+        partial = f"{self.file}.{os.getpid()}"
+        try:
+            os.makedirs(os.path.dirname(self.file), exist_ok=True)
+            with open(partial, "w", encoding="utf-8") as f:
+                json.dump({"key": self.key, "class": class_name}, f)
+            os.replace(partial, self.file)
+        except OSError:
+            pass  # a cache: without it the next load takes AutoTokenizer's path again
+
+
+def _file_stamps(path: str) -> dict[str, list[int]]:
+    """[size, mtime in ns] of each deciding file the directory has."""
+    stamps = {}
+    for name in TOKENIZER_DECIDING_FILES:
+        try:
+            stat = os.stat(os.path.join(path, name))
+        except OSError:
+            continue
+        stamps[name] = [stat.st_size, stat.st_mtime_ns]
+    return stamps
 
 
 def resolve_chat_template(value: str) -> str:

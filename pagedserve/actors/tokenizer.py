@@ -207,7 +207,6 @@ class TokenizerActor(Actor):
             tokenizer = load_tokenizer(
                 self.config.tokenizer_path,
                 self.config.chat_template,
-                self.addresses.run_dir,
                 use_fast=self.config.tokenizer_mode != "slow",
             )
             vocab_size = min(len(tokenizer), model_vocab_size)  # ids the model can take

@@ -467,7 +467,6 @@ class APIServerActor(Actor):
             self.tokenizer = load_tokenizer(
                 self.config.tokenizer_path,
                 self.config.chat_template,
-                self.addresses.run_dir,
                 use_fast=self.config.tokenizer_mode != "slow",
             )
 
