@@ -1,5 +1,6 @@
 """Results of the offline API, shaped like vLLM's `RequestOutput` / `CompletionOutput`,
-`EmbeddingRequestOutput` / `EmbeddingOutput` and `ScoringRequestOutput` / `ScoringOutput`."""
+`EmbeddingRequestOutput` / `EmbeddingOutput`, `ClassificationRequestOutput` /
+`ClassificationOutput` and `ScoringRequestOutput` / `ScoringOutput`."""
 
 from __future__ import annotations
 
@@ -108,5 +109,24 @@ class ScoringRequestOutput:
 
     request_id: str
     outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one a label, in label order (api/classification.py: vLLM's softmax)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's classification (LLM.classify), vLLM's shape."""
+
+    request_id: str
+    outputs: ClassificationOutput
     prompt_token_ids: list[int]
     finished: bool

@@ -56,9 +56,11 @@ def save_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     tie_word_embeddings: bool = False,
+    num_labels: int | None = None,
 ) -> Path:
     """A random model of `arch` (2 layers unless told) with peaked logits (so greedy has no
-    near-ties); 4 query heads of hidden_size / 4 dims, 2 kv heads."""
+    near-ties); 4 query heads of hidden_size / 4 dims, 2 kv heads. With `num_labels`:
+    transformers' *ForSequenceClassification of that many labels instead of the causal LM."""
     tokenizer = build_tokenizer()
     extra = {"head_dim": hidden_size // 4} if arch == "qwen3" else {}
     config = CONFIGS[arch](
@@ -75,8 +77,12 @@ def save_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         **extra,
     )
+    auto = transformers.AutoModelForCausalLM
+    if num_labels is not None:
+        config.num_labels = num_labels
+        auto = transformers.AutoModelForSequenceClassification
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

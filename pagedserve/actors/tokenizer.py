@@ -30,7 +30,7 @@ from pagedserve.actors.messages import (
 )
 from pagedserve.config import read_hf_config
 from pagedserve.models.lora_format import AdapterChecks
-from pagedserve.models.model_config import load_model_config
+from pagedserve.models.model_config import check_task, load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,10 @@ class PromptEncoder:
         grammars: GrammarChecker | None = None,
         max_logprobs: int = 20,
         hidden_size: int = 0,
+        model_config: dict | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.model_config = model_config or {}  # config.json: what tasks the model serves
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.hidden_size = hidden_size  # the most values an embedding has (PoolingParams)
         self.max_logprobs = min(max_logprobs, vocab_size)  # EngineConfig.max_logprobs
@@ -67,6 +69,12 @@ class PromptEncoder:
         """Whether to encode it in the loop: a small prompt, and no grammar to validate."""
         structured = request.sampling.structured_outputs is not None
         return not structured and self.size(request) <= INLINE_ENCODE_CHARS
+
+    def check_task(self, request: GenerateRequest) -> None:
+        """The model serves what the request asks (a sequence classifier classifies only; a
+        causal LM generates and embeds)."""
+        task = "generate" if request.pooling is None else request.pooling.task or "embed"
+        check_task(self.model_config, task)
 
     def check_size(self, request: GenerateRequest) -> None:
         """Refuse text that cannot fit max_model_len tokens, before encoding it (unless the
@@ -219,7 +227,7 @@ class TokenizerActor(Actor):
         self.adapters = AdapterChecks(model, self.config.enable_lora, self.config.max_lora_rank)
         self.encoder = PromptEncoder(
             tokenizer, vocab_size, self.config.max_model_len or 0, grammars,
-            self.config.max_logprobs, model.hidden_size,
+            self.config.max_logprobs, model.hidden_size, model.to_dict(),
         )  # fmt: skip
 
     def queue_depths(self) -> dict[str, int]:
@@ -264,6 +272,7 @@ class TokenizerActor(Actor):
         try:
             if request.lora is not None:
                 self.adapters.check(request.lora.lora_int_id, request.lora.lora_path)
+            self.encoder.check_task(request)
             self.encoder.check_size(request)
             if off_loop:
                 ids = await anyio.to_thread.run_sync(

@@ -133,12 +133,13 @@ def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--runner", default=None,
-        help="auto, generate or pooling: accepted; every model serves both generation and "
-        "embeddings",
+        help="auto, generate or pooling: accepted; the model says what it serves (a causal LM: "
+        "generation and embeddings; a *ForSequenceClassification model: classification)",
     )  # fmt: skip
     group.add_argument(
         "--task", default=None,
-        help="vLLM's legacy --runner: auto, generate, embed, embedding or score (accepted)",
+        help="vLLM's legacy --runner: auto, generate, embed, embedding, score or classify "
+        "(accepted; the model says what it serves)",
     )  # fmt: skip
     group.add_argument(
         "--data-parallel-size", "-dp", type=int, default=None,
@@ -147,7 +148,7 @@ def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
 
 
 RUNNERS = ("auto", "generate", "pooling")
-TASKS = ("auto", "generate", "embed", "embedding", "score")
+TASKS = ("auto", "generate", "embed", "embedding", "score", "classify")
 
 
 def check_vllm_compat_args(args: argparse.Namespace) -> None:
@@ -159,13 +160,13 @@ def check_vllm_compat_args(args: argparse.Namespace) -> None:
         )
     if args.runner is not None and args.runner not in RUNNERS:
         raise ValueError(
-            f"--runner {args.runner!r} is not supported: pagedserve serves generation and "
-            "embeddings (auto, generate or pooling)"
+            f"--runner {args.runner!r} is not supported: pagedserve serves generation, "
+            "embeddings and classification (auto, generate or pooling)"
         )
     if args.task is not None and args.task not in TASKS:
         raise ValueError(
-            f"--task {args.task!r} is not supported: pagedserve serves generation and "
-            f"embeddings ({', '.join(TASKS)})"
+            f"--task {args.task!r} is not supported: pagedserve serves generation, "
+            f"embeddings and classification ({', '.join(TASKS)})"
         )
     if args.data_parallel_size is not None and args.data_parallel_size != 1:
         raise ValueError(

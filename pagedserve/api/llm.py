@@ -1,10 +1,12 @@
 """Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`, embeddings:
-`LLM(model).embed(prompts, PoolingParams(...))`, and scores of text pairs from them:
-`LLM(model).score(query, documents)`.
+`LLM(model).embed(prompts, PoolingParams(...))`, scores of text pairs from them:
+`LLM(model).score(query, documents)`, and a sequence classifier's classifications:
+`LLM(model).classify(prompts)`.
 
 It starts the same actor processes as the server (tokenizer, scheduler, workers), submits every
 prompt at once through the ZeroMQ client and gathers the streamed deltas into vLLM-shaped
-`RequestOutput`s (`EmbeddingRequestOutput`s, `ScoringRequestOutput`s), in prompt order.
+`RequestOutput`s (`EmbeddingRequestOutput`s, `ClassificationRequestOutput`s,
+`ScoringRequestOutput`s), in prompt order.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import atexit
 import functools
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 from tqdm import tqdm
@@ -35,13 +38,16 @@ from pagedserve.api.beam_search import (
     BeamSearchParams,
     Candidates,
 )
+from pagedserve.api.classification import Classifier
 from pagedserve.api.client import Client
 from pagedserve.api.client_core import EngineRequestError, Prompt, fan_out
 from pagedserve.api.preflight import prepare_config
 from pagedserve.api.sampling_defaults import sampling_defaults
-from pagedserve.api.scoring import TextPrompt, pair_scores, plan_scores
-from pagedserve.config import DEFAULT_MODEL, EngineConfig
+from pagedserve.api.scoring import TextPrompt, check_bi_encoder, pair_scores, plan_scores
+from pagedserve.config import DEFAULT_MODEL, EngineConfig, read_hf_config
 from pagedserve.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -70,6 +76,15 @@ class _Job(NamedTuple):
 
 
 Fold = Callable[[RequestDelta, tuple[int, int]], None]  # a delta into its place's result
+
+
+@dataclass
+class _Pooled:
+    """One prompt's pooled vector (engine's wire form: little-endian float32 bytes)."""
+
+    request_id: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    vector: bytes = b""
 
 
 class LLM:
@@ -149,25 +164,72 @@ class LLM:
         `lora_request` as generate's."""
         items = [_to_prompt(p) for p in _as_list(prompts)]
         pooling = _per_prompt(pooling_params or PoolingParams(), len(items), PoolingParams)
+        pooled = self._pool(items, pooling, truncate_prompt_tokens, use_tqdm, lora_request, "embed")
+        return [
+            EmbeddingRequestOutput(
+                result.request_id,
+                EmbeddingOutput(embedding_floats(result.vector)),
+                result.prompt_token_ids,
+                finished=True,
+            )
+            for result in pooled
+        ]
+
+    def classify(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify, for a sequence-classification model: each prompt's labels'
+        probabilities (`.outputs.probs`, in label order: a softmax of the score head's logits
+        over the prompt's last token; a sigmoid for one label), in prompt order. Other
+        arguments as embed's; a model without a classification head is a ValueError."""
+        items = [_to_prompt(p) for p in _as_list(prompts)]
+        pooling = [PoolingParams(task="classify")] * len(items)
+        pooled = self._pool(
+            items, pooling, truncate_prompt_tokens, use_tqdm, lora_request, "classify"
+        )
+        classifier = Classifier.of(self._model_config)
+        return [
+            ClassificationRequestOutput(
+                result.request_id,
+                ClassificationOutput(classifier.probabilities(result.vector)),
+                result.prompt_token_ids,
+                finished=True,
+            )
+            for result in pooled
+        ]
+
+    def _pool(
+        self,
+        items: list[tuple[str | None, Prompt]],
+        pooling: list[PoolingParams],
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+        desc: str,
+    ) -> list[_Pooled]:
+        """Each prompt's pooled vector (pooling requests), in prompt order; `desc` names the
+        progress bar."""
         loras = _per_prompt(lora_request, len(items), (LoRARequest, type(None)))
         sampling = pooling_sampling(truncate_prompt_tokens)
-        labels = [str(next(self._request_counter)) for _ in items]
-        results = [
-            EmbeddingRequestOutput(label, EmbeddingOutput([]), [], False) for label in labels
-        ]
+        results = [_Pooled(str(next(self._request_counter))) for _ in items]
         jobs = [
-            _Job(0, (index, 0), prompt, sampling, labels[index], loras[index], pooling[index])
+            _Job(0, (index, 0), prompt, sampling, results[index].request_id, loras[index],
+                 pooling[index])
             for index, (_, prompt) in enumerate(items)
-        ]
-        bar = tqdm(total=len(results), desc="embed", disable=not use_tqdm or len(items) < 16)
+        ]  # fmt: skip
+        bar = tqdm(total=len(results), desc=desc, disable=not use_tqdm or len(items) < 16)
 
         def fold(delta: RequestDelta, place: tuple[int, int]) -> None:
             result = results[place[0]]
             if delta.prompt_token_ids is not None:
                 result.prompt_token_ids = delta.prompt_token_ids
             if delta.embedding is not None:  # its one delta, the final one
-                result.outputs = EmbeddingOutput(embedding_floats(delta.embedding))
-                result.finished = True
+                result.vector = delta.embedding
                 bar.update(1)
 
         with bar:
@@ -187,7 +249,9 @@ class LLM:
         """vLLM's LLM.score for an embedding model: the cosine similarity of the embeddings of
         data_1 (one text or token-id list) and of each of data_2 (1 -> N), or of data_1[i] and
         data_2[i] (N -> N), in data_2's order; each distinct text is embedded once.
-        `truncate_prompt_tokens` as embed's; `lora_request`: one adapter for every text."""
+        `truncate_prompt_tokens` as embed's; `lora_request`: one adapter for every text. A
+        sequence-classification model (a cross-encoder) is a ValueError."""
+        check_bi_encoder(self._model_config)
         plan = plan_scores(_text_prompts(data_1), _text_prompts(data_2), ("data_1", "data_2"))
         embedded = self.embed(
             plan.texts,
@@ -248,6 +312,11 @@ class LLM:
             self.config.chat_template,
             use_fast=self.config.tokenizer_mode != "slow",
         )
+
+    @functools.cached_property
+    def _model_config(self) -> dict[str, Any]:
+        """The model's config.json (with hf_overrides)."""
+        return read_hf_config(self.config.model_path, self.config.hf_overrides)
 
     @functools.cached_property
     def _eos_token_ids(self) -> list[int]:

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server: a Starlette app on uvicorn, running as its own actor process.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
-ending in `data: [DONE]`, or not), POST /v1/embeddings, POST /score and /v1/score, POST /rerank,
+ending in `data: [DONE]`, or not), POST /v1/embeddings, POST /classify and /v1/classify (vLLM's:
+a sequence classifier's probabilities), POST /score and /v1/score, POST /rerank,
 /v1/rerank and /v2/rerank (vLLM's: cosine similarities of embeddings), GET /v1/models and
 /v1/models/{id}, POST /v1/load_lora_adapter and /v1/unload_lora_adapter, POST /tokenize and
 /detokenize (vLLM's shapes), GET /health and GET or POST /ping (200 only while the engine
@@ -49,6 +50,7 @@ from pagedserve.api.actor_status import AsyncStatusClient, render_prometheus
 from pagedserve.api.auth import APIKeyGuard
 from pagedserve.api.beam_search import BeamEngineFacts, BeamSearchParams, open_beams
 from pagedserve.api.body import read_json
+from pagedserve.api.classification import Classifier
 from pagedserve.api.client import AsyncClient
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.errors import APIError, on_api_error, on_http_exception
@@ -61,6 +63,7 @@ from pagedserve.api.lora_adapters import (
 from pagedserve.api.metrics import Metrics
 from pagedserve.api.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -71,6 +74,7 @@ from pagedserve.api.protocol import (
 )
 from pagedserve.api.render import (
     ChatRender,
+    ClassificationRender,
     CompletionRender,
     EmbeddingRender,
     PooledRender,
@@ -81,6 +85,7 @@ from pagedserve.api.render import (
 from pagedserve.api.responses import GenerationResponse
 from pagedserve.api.responses_api import create_response
 from pagedserve.api.sampling_defaults import sampling_defaults
+from pagedserve.api.scoring import check_bi_encoder
 from pagedserve.config import EngineConfig, ServerConfig, read_hf_config
 
 logger = logging.getLogger(__name__)
@@ -107,11 +112,11 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(config.model_path, tokenizer)  # beam search's
         self.loras = LoRAAdapters(config, self.model_name, state_dir)  # by a request's `model`
+        self.model_config = read_hf_config(config.model_path, config.hf_overrides)
         self.vocab_size = (
-            len(tokenizer)
-            if tokenizer is not None
-            else read_hf_config(config.model_path, config.hf_overrides)["vocab_size"]
+            len(tokenizer) if tokenizer is not None else self.model_config["vocab_size"]
         )
+        self.classifier = Classifier.of(self.model_config)  # /classify's labels and activation
         self.defaults = defaults
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -124,6 +129,10 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/responses", functools.partial(create_response, self), methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            *(
+                Route(path, self.classify, methods=["POST"])
+                for path in ("/classify", "/v1/classify")
+            ),
             *(Route(path, self.score, methods=["POST"]) for path in ("/score", "/v1/score")),
             *(
                 Route(path, self.rerank, methods=["POST"])
@@ -282,6 +291,21 @@ class OpenAIServer:
         jobs = plan_jobs(prompts, sampling, body.prompt_options(), body.priority, lora, pooling)
         return self.pooled(EmbeddingRender(self, body), jobs, arrival)
 
+    async def classify(self, request: Request) -> Response:
+        """vLLM's /classify: each input's labels' probabilities, by a sequence classifier (the
+        engine refuses it for a model without a classification head)."""
+        arrival = time.perf_counter()
+        body = await read_json(request, ClassificationRequest, self.limits)
+        lora = self.check_model(body.model)
+        try:
+            prompts = body.prompts(self.limits)
+            self.check_token_prompts(prompts, room=0)
+            pooling, sampling = body.pooling_params(), body.to_sampling()
+        except ValueError as exc:
+            raise APIError(str(exc), 400) from None
+        jobs = plan_jobs(prompts, sampling, body.prompt_options(), body.priority, lora, pooling)
+        return self.pooled(ClassificationRender(self, body, self.classifier), jobs, arrival)
+
     async def score(self, request: Request) -> Response:
         """vLLM's /score: the cosine similarity of text_1's embedding and each of text_2's."""
         return await self.scored(request, ScoreRequest, ScoreRender)
@@ -302,6 +326,7 @@ class OpenAIServer:
         body = await read_json(request, kind, self.limits)
         lora = self.check_model(body.model)
         try:
+            check_bi_encoder(self.model_config)
             plan, sampling = body.plan(self.limits), body.to_sampling()
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
@@ -310,7 +335,7 @@ class OpenAIServer:
         return self.pooled(render_class(self, body, plan), jobs, arrival)  # type: ignore[arg-type]
 
     def pooled(self, render: PooledRender, jobs: list[Job], arrival: float) -> GenerationResponse:
-        """The response of embedding jobs, answered whole by `render`."""
+        """The response of pooling jobs, answered whole by `render`."""
         if not self.limits.disable_log_requests:
             prompts = logged_prompts(jobs, self.limits.max_log_len)
             logger.info("%s: %d engine request(s)%s, %s", render.id, len(jobs), prompts,

@@ -401,6 +401,25 @@ class EmbeddingRequest(_PoolingFields, kw_only=True):
         return PoolingParams(dimensions=self.dimensions)
 
 
+class ClassificationRequest(_PoolingFields, kw_only=True):
+    """vLLM's /classify body: `input`, a text, texts, token ids or lists of them, each
+    classified by a sequence classifier, with vLLM's add_special_tokens, truncate_prompt_tokens
+    and priority. `user` is accepted and ignored."""
+
+    input: str | list[str | Int64 | list[Int64]]
+    user: str | None = None
+    add_special_tokens: bool | None = None  # None: yes
+
+    def prompts(self, limits: ServerConfig) -> list[Prompt]:
+        return prompt_list(self.input, "input", limits)  # type: ignore[return-value]
+
+    def prompt_options(self) -> PromptOptions:
+        return PromptOptions(add_special_tokens=self.add_special_tokens)
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(task="classify")
+
+
 class ScoreRequest(_PoolingFields, kw_only=True):
     """vLLM's /score body: text_1 against each text of text_2 (1 -> N), or the two lists
     pair by pair (N -> N)."""

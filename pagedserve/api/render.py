@@ -1,5 +1,5 @@
 """OpenAI response JSON: whole responses and stream chunks for completions and chat; the
-answers made of embeddings (embeddings, vLLM's score and rerank)."""
+answers made of pooled vectors (embeddings, vLLM's score, rerank and classify)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import msgspec
 import numpy as np
 
 from pagedserve.actors.messages import RequestDelta, TokenLogprobs
+from pagedserve.api.classification import Classifier
 from pagedserve.api.client_core import Prompt
 from pagedserve.api.generation import Choice, Event
 from pagedserve.api.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
     RerankRequest,
@@ -394,8 +396,8 @@ class ChatRender(Render):
 
 
 class PooledRender:
-    """An answer made of embeddings, given whole: the base of the embeddings, score and
-    rerank answers."""
+    """An answer made of pooled vectors, given whole: the base of the embeddings, score,
+    rerank and classify answers."""
 
     id_prefix = ""
 
@@ -452,6 +454,32 @@ class EmbeddingRender(PooledRender):
             else embedding_floats(vector)
         )
         return {"object": "embedding", "embedding": encoded, "index": choice.index}
+
+
+class ClassificationRender(PooledRender):
+    """vLLM's /classify answer: each input's labels' probabilities (from the logits the engine
+    gives: api/classification.py), the likeliest label's name and the number of labels; the
+    inputs' tokens as usage."""
+
+    id_prefix = "classify"
+
+    def __init__(
+        self, server: OpenAIServer, body: ClassificationRequest, classifier: Classifier
+    ) -> None:
+        super().__init__(server, body.model)
+        self.classifier = classifier
+
+    def full(self, choices: list[Choice]) -> dict:
+        return self.listing([self.item(choice) for choice in choices], choices)
+
+    def item(self, choice: Choice) -> dict:
+        probs = self.classifier.probabilities(choice.embedding or b"")
+        return {
+            "index": choice.index,
+            "label": self.classifier.label(probs),
+            "probs": probs,
+            "num_classes": len(probs),
+        }
 
 
 class ScoreRender(PooledRender):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
+from pagedserve.models.model_config import is_sequence_classifier
+
 TextPrompt = str | list[int]  # a text, or its token ids
 NORM_EPS = 1e-8  # as torch's cosine_similarity (vLLM's): a zero vector scores 0
 
@@ -43,6 +45,17 @@ def plan_scores(
         return places[key]
 
     return ScorePlan(texts, [(place(a), place(b)) for a, b in zip(first, second)])
+
+
+def check_bi_encoder(hf_config: dict) -> None:
+    """A ValueError for a sequence-classification model: its scores would be a cross-encoder's
+    (the pair as one sequence through its head), which pagedserve does not compute."""
+    if is_sequence_classifier(hf_config):
+        raise ValueError(
+            "score and rerank of a sequence-classification model (a cross-encoder) are not "
+            "supported: pagedserve scores pairs by the cosine similarity of an embedding "
+            "model's vectors; classify texts with /classify (LLM.classify)"
+        )
 
 
 def check_pairing(num_first: int, num_second: int, names: tuple[str, str]) -> None:

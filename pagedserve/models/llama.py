@@ -1,4 +1,5 @@
-"""Llama (2, 3, 3.1 rope scaling) and Mistral, written against the shared layer set.
+"""Llama (2, 3, 3.1 rope scaling) and Mistral, written against the shared layer set, as causal
+LMs and as sequence classifiers (a `score` head instead of the LM head).
 
 The decoder pieces here are reused by the other architectures: a model subclass swaps the
 attention class (`attention_cls`), which overrides one of its small hooks (biases) or sets
@@ -24,7 +25,12 @@ from pagedserve.models.linear import (
     RowParallelLinear,
     VocabEmbedding,
 )
-from pagedserve.models.model_config import ModelConfig, context_limit, rope_scaling_of
+from pagedserve.models.model_config import (
+    ModelConfig,
+    class_labels,
+    context_limit,
+    rope_scaling_of,
+)
 from pagedserve.models.stages import MissingLayer, StageActivations, lm_head_is_tied
 
 
@@ -237,16 +243,26 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    # whether the model has an LM head (samples tokens); False for a classifier, which serves
+    # pooling requests only (the loader and the worker's start-up read it)
+    generates_tokens = True
+
     def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
         super().__init__()
         self.config, self.layer_config = config, layer_config
         self.model = LlamaModel(config, layer_config, self.attention_cls, self.build_mlp)
-        stage, tie = layer_config.stage, bool(getattr(config, "tie_word_embeddings", False))
-        self.tie_word_embeddings = lm_head_is_tied(stage, tie)  # the loader reads it
-        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.tie_word_embeddings = False  # the loader reads it
         self.lm_head: LMHead | None = None
-        if stage.is_last:
-            self.lm_head = LMHead(config.vocab_size, config.hidden_size, layer_config, tied_to)
+        if layer_config.stage.is_last:
+            self.build_head(config, layer_config)
+
+    def build_head(self, config: ModelConfig, layer_config: LayerConfig) -> None:
+        """The last stage's head: the LM head, tied to the embedding where the config says so
+        and one stage holds both."""
+        tie = bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = lm_head_is_tied(layer_config.stage, tie)
+        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, layer_config, tied_to)
 
     @staticmethod
     def build_mlp(config: ModelConfig, layer_config: LayerConfig, index: int) -> nn.Module:
@@ -274,3 +290,23 @@ class LlamaForCausalLM(nn.Module):
         """out[r] = the argmax of logits[r] (compute_logits' [M, vocab]), on the device."""
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
         self.lm_head.greedy(logits, out)
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """transformers' *ForSequenceClassification: the decoder with a `score` head ([num_labels,
+    hidden], no bias) where the LM head was. It serves pooling requests only: the engine pools
+    the prompt's final hidden states (its last token's, as transformers does) and `classify`
+    turns them into the labels' logits (worker/pooling.py)."""
+
+    generates_tokens = False
+
+    def build_head(self, config: ModelConfig, layer_config: LayerConfig) -> None:
+        num_labels = len(class_labels(config.to_dict()))
+        self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a sequence-classification model has no LM head: it samples nothing")
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] pooled final hidden states (float32) -> [N, num_labels] float32 logits."""
+        return self.score(pooled.to(self.score.weight.dtype)).float()

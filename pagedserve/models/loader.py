@@ -159,7 +159,8 @@ def load_model(
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed)
         else:
-            tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+            tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+            tied = tie and model.generates_tokens  # a classifier has no LM head to tie
             rename = checkpoint_names(layer_config.stage, tied)
             load_weights(model, iterate_safetensors(config.model_path, rename))
         for module in model.modules():

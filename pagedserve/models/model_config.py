@@ -138,3 +138,39 @@ def active_sliding_window(values: dict[str, Any]) -> int | None:
     if layer_types is not None:
         return int(window) if "sliding_attention" in layer_types else None
     return int(window) if values.get("use_sliding_window", True) else None
+
+
+def is_sequence_classifier(values: dict[str, Any]) -> bool:
+    """Whether config.json names a sequence-classification model (`*ForSequenceClassification`:
+    the decoder with a `score` head over its last token instead of an LM head)."""
+    return any(
+        name.endswith("ForSequenceClassification") for name in values.get("architectures") or []
+    )
+
+
+TASK_NAMES = {"generate": "generation", "embed": "embeddings", "classify": "classification"}
+
+
+def supported_tasks(values: dict[str, Any]) -> tuple[str, ...]:
+    """What requests the model serves, vLLM's task names: a sequence-classification model
+    classifies only; a causal LM generates and embeds."""
+    return ("classify",) if is_sequence_classifier(values) else ("generate", "embed")
+
+
+def check_task(values: dict[str, Any], task: str) -> None:
+    """A ValueError, naming what the model serves, unless it serves `task`."""
+    tasks = supported_tasks(values)
+    if task not in tasks:
+        model = "/".join(values.get("architectures") or []) or "this model"
+        served = " and ".join(TASK_NAMES[name] for name in tasks)
+        raise ValueError(f"{model} serves {served}, not {TASK_NAMES[task]}")
+
+
+def class_labels(values: dict[str, Any]) -> list[str]:
+    """A classifier's labels in index order, as transformers reads them: config.json's
+    `id2label` (keys are the indices, as strings), else `num_labels` of LABEL_i (2 unless
+    told)."""
+    id2label = values.get("id2label")
+    if id2label:
+        return [str(id2label[key]) for key in sorted(id2label, key=int)]
+    return [f"LABEL_{index}" for index in range(int(values.get("num_labels") or 2))]

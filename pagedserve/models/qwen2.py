@@ -1,8 +1,13 @@
-"""Qwen2 / Qwen2.5: the Llama decoder with a bias on q, k and v (none on o_proj)."""
+"""Qwen2 / Qwen2.5: the Llama decoder with a bias on q, k and v (none on o_proj); as a causal LM
+and as a sequence classifier."""
 
 from __future__ import annotations
 
-from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedserve.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+)
 from pagedserve.models.model_config import ModelConfig
 
 
@@ -15,4 +20,8 @@ class Qwen2Attention(LlamaAttention):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen2Attention
+
+
+class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
     attention_cls = Qwen2Attention

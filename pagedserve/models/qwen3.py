@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pagedserve.models.layer_config import LayerConfig
 from pagedserve.models.layers import RMSNorm, RotaryEmbedding
-from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedserve.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+)
 from pagedserve.models.model_config import ModelConfig
 
 
@@ -20,4 +24,8 @@ class Qwen3Attention(LlamaAttention):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
     attention_cls = Qwen3Attention

@@ -14,6 +14,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
+    # sequence classifiers: a score head instead of the LM head, pooling requests only
+    "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+    "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("qwen2", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForSequenceClassification"),
 }
 
 

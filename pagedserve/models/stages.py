@@ -3,8 +3,9 @@ hands to the next.
 
 A stage builds only its own decoder layers (the others are `MissingLayer`s, so parameter names
 stay the checkpoint's: model.layers.{i}.*), the embedding when it is the first stage, and the
-final norm and the LM head when it is the last. Between stages travel the hidden states and
-the residual stream of every token (`StageActivations`): a decoder layer takes both.
+final norm and the LM head (a classifier's score head) when it is the last. Between stages
+travel the hidden states and the residual stream of every token (`StageActivations`): a
+decoder layer takes both.
 
 Loading: `checkpoint_names(stage, tied)` maps each checkpoint tensor to this stage's parameter
 name, or None for a tensor of another stage (skipped before it is read). A last stage that is
@@ -24,6 +25,7 @@ from pagedserve.layout import PipelineStage
 
 EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
+SCORE_HEAD = "score.weight"  # a sequence classifier's head, in place of the LM head
 _LAYER_PREFIX = "model.layers."
 
 
@@ -63,6 +65,8 @@ def checkpoint_names(
             return name if stage.is_first else None
         if name == LM_HEAD:
             return name if stage.is_last and not head_from_embedding else None
+        if name == SCORE_HEAD:
+            return name if stage.is_last else None
         if name.startswith("model.norm."):
             return name if stage.is_last else None
         return name

@@ -159,6 +159,9 @@ class ModelRunner(StaticPaths):
         self.logits = StepLogits(
             self.model.compute_logits, self.structured, self._settle_pending, self.pooler
         )
+        self.generates_tokens = bool(self.model.generates_tokens)  # False: a classifier
+        if not self.generates_tokens:  # its requests all pool, through its score head
+            self.pooler.head = self.model.classify
         self.link = StageLink.of(self.groups, self.model, self.device)
         if self.config.enable_lora:
             self.lora_slots = LoRASlots(self.model, self.config, self.device)

@@ -11,8 +11,10 @@ request's earlier chunks pooled (kept in the persistent batch, `pooled_so_far`),
 position 0's row until the prompt ends. The step that computes the prompt's last token makes
 the vector (MEAN: the sum over the prompt's length); `to_wire` keeps its first `dimensions`
 values, normalizes it unless the request or the engine says not to, and gives it as
-little-endian float32 bytes (StepResult.pooled). A pooling request never samples: the scheduler
-finishes it with its vector (scheduler/pooling.py).
+little-endian float32 bytes (StepResult.pooled). A sequence classifier's vector goes through
+the model's score head instead (`Pooler.head`): its labels' logits, neither cut nor normalized
+(the API turns them into probabilities: api/classification.py). A pooling request never
+samples: the scheduler finishes it with its vector (scheduler/pooling.py).
 
 The static paths (decode rows, the lone-prompt graphs) produce no hidden states to pool: a step
 with a pooling request takes the general path. The scheduler gives MEAN and CLS requests no
@@ -23,6 +25,7 @@ forgets what a removed request pooled).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +80,9 @@ class Pooler:
     def __init__(self, config: PoolerConfig, batch: InputBatch) -> None:
         assert config.pooling_type is not None and config.normalize is not None, "resolve() it"
         self.pooling_type, self.normalize, self.batch = config.pooling_type, config.normalize, batch
+        # a sequence classifier's head over the pooled vectors (set by ModelRunner.load_model):
+        # [N, hidden] -> [N, num_labels] logits; None: the vectors are embeddings
+        self.head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def select_rows(
         self, handles: list[int], rows: np.ndarray, computed: np.ndarray, query_lens: np.ndarray
@@ -145,8 +151,13 @@ class Pooler:
             lengths = batch.num_prompt_tokens[[rows.rows[i] for i in finished]]
             stacked /= torch.from_numpy(lengths.astype(np.float32)).to(stacked.device)[:, None]
         params = [batch.pooling[rows.rows[i]] for i in finished]
+        handles = [rows.handles[i] for i in finished]
+        if self.head is not None:  # a classifier's vector: its labels' logits, as they are
+            return PooledVectors(
+                handles, self.head(stacked), [None] * len(params), [False] * len(params)
+            )
         return PooledVectors(
-            handles=[rows.handles[i] for i in finished],
+            handles=handles,
             vectors=stacked,
             dimensions=[p.dimensions for p in params],
             normalize=[self.normalize if p.normalize is None else p.normalize for p in params],

@@ -11,7 +11,9 @@
   Triton kernels compile in parallel threads (kernels.compile_ahead).
 
 Synthetic steps run through the runner's real path on made-up requests (negative handles,
-consecutive blocks from block 0) and leave nothing behind in its persistent batch.
+consecutive blocks from block 0) and leave nothing behind in its persistent batch. A sequence
+classifier (no LM head) samples nothing: its synthetic requests pool, and it has no static
+decode path (its requests all pool, and pooling steps take the general path).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import msgspec
 import torch
 
-from pagedserve.actors.messages import NewRequestData, SamplingParams, StepPlan
+from pagedserve.actors.messages import NewRequestData, PoolingParams, SamplingParams, StepPlan
 from pagedserve.actors.worker.cpu_tuning import advise_huge_pages
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.model_runner import ModelRunner
@@ -80,7 +82,8 @@ def init_kv_cache(runner: ModelRunner, blocks: int) -> None:
         warm_up_eager_kernels(runner, blocks)
         runner.timed("kernel_warmup", start)
     start = time.perf_counter()
-    _build_decode_step(runner)
+    if runner.generates_tokens:  # a classifier's requests all pool: no static path
+        _build_decode_step(runner)
     runner.timed("cuda_graphs", start)
 
 
@@ -123,6 +126,8 @@ def dry_run(runner: ModelRunner) -> None:
     try:
         for plan, _ in plans:
             _execute_synthetic(runner, plan)
+        if not runner.generates_tokens:
+            return
         step = runner.new_decode_step()
         for size in sorted({min(n, config.max_num_seqs) for n in (1, 2, 16, config.max_num_seqs)}):
             step.forward(size, step.metadata(size, step.max_model_len))
@@ -234,7 +239,9 @@ def _synthetic_plan(
     runner: ModelRunner, requests: list[tuple[int, int]], sampling: SamplingParams
 ) -> tuple[StepPlan, int]:
     """A step over made-up requests, each (tokens scheduled, tokens already computed), on
-    consecutive KV blocks from block 0; returns the plan and the blocks it uses."""
+    consecutive KV blocks from block 0 (pooling ones for a classifier); returns the plan and
+    the blocks it uses."""
+    pooling = None if runner.generates_tokens else PoolingParams()
     new_requests, next_block = [], 0
     for index, (scheduled, computed) in enumerate(requests):
         length = computed + scheduled
@@ -244,7 +251,9 @@ def _synthetic_plan(
         tokens = [index % runner.vocab_size] * length
         handle = -1 - index  # engine handles are never negative
         new_requests.append(
-            NewRequestData(handle, tokens, length, sampling, index, block_ids, computed)
+            NewRequestData(
+                handle, tokens, length, sampling, index, block_ids, computed, pooling=pooling
+            )
         )
     plan = StepPlan(
         step_id=-1,
