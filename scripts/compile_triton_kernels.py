@@ -6,7 +6,8 @@ any failure.
   lora  add_lora_delta (pagedserve/kernels/triton_lora.py): shrink and expand for a small step
         (K split over programs) and a large one, on Qwen3-0.6B's projection shapes.
   moe   the router and fused_experts (pagedserve/kernels/triton_moe.py: route, the align and
-        the two grouped GEMMs, and the GEMMs of fp8 experts) on Qwen3-30B-A3B's shapes.
+        the two grouped GEMMs, and the GEMMs of fp8 and of int4 experts, the int4 ones in
+        groups of 128 inputs as Qwen3-30B-A3B-GPTQ-Int4's) on Qwen3-30B-A3B's shapes.
 
 Each for bf16 and fp32 and each --tokens count.
 
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pagedserve.kernels import triton_lora, triton_moe  # noqa: E402
+from pagedserve.kernels.moe_ref import Int4Experts  # noqa: E402
 
 LORA_SHAPES = {
     "qkv": (1024, [2048, 1024, 1024]),
@@ -40,6 +42,7 @@ LORA_SHAPES = {
 # (experts, top k, hidden, expert intermediate size); the sizes are the kernels' run-time
 # arguments, so one shape covers every compiled variant
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768)}
+INT4_GROUP = 128
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
           torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
 Launch = tuple[triton.runtime.JITFunction, tuple, dict]
@@ -86,7 +89,7 @@ def lora_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
 
 def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
     """The router's launch and fused_experts' three (the align, the two GEMMs) for each expert
-    shape."""
+    shape; for bf16 also those of its fp8 and int4 experts."""
     out = {}
     for shape, (experts, top_k, hidden, inter) in MOE_SHAPES.items():
         x = torch.zeros(tokens, hidden, dtype=dtype)
@@ -102,14 +105,27 @@ def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
             triton_moe, ("_align_kernel", "_expert_gemm_kernel"),
             functools.partial(triton_moe.fused_experts, x, w13, w2, weights, ids),
         )  # fmt: skip
-        if dtype == torch.bfloat16:  # fp8 experts (W8A16) with bf16 activations
+        if dtype == torch.bfloat16:  # fp8 (W8A16) and int4 (W4A16) experts, bf16 activations
             fp8 = (w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn))
             scales = (torch.ones(experts, 2 * inter), torch.ones(experts, hidden))
             out[f"{shape} fp8"] = recorded(
                 triton_moe, ("_align_kernel", "_expert_gemm_kernel"),
                 functools.partial(triton_moe.fused_experts, x, *fp8, weights, ids, scales=scales),
             )  # fmt: skip
+            int4 = (int4_experts(w13, dtype), int4_experts(w2, dtype))
+            out[f"{shape} int4"] = recorded(
+                triton_moe, ("_align_kernel", "_expert_gemm_kernel"),
+                functools.partial(triton_moe.fused_experts, x, *int4, weights, ids),
+            )  # fmt: skip
     return out
+
+
+def int4_experts(w: torch.Tensor, dtype: torch.dtype) -> Int4Experts:
+    """Zero int4 codes in w's shape [E, N, K], groups of INT4_GROUP, scales and zeros in dtype."""
+    experts, n, k = w.shape
+    groups = torch.zeros(experts, n, k // INT4_GROUP, dtype=dtype)
+    codes = torch.zeros(experts, n, k // 8, dtype=torch.int32)
+    return Int4Experts(codes, groups, groups.clone(), INT4_GROUP)
 
 
 KERNELS = {"lora": lora_launches, "moe": moe_launches}

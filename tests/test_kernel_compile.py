@@ -29,6 +29,6 @@ def test_the_lora_kernels_compile_for_sm_90() -> None:
 
 
 def test_the_moe_kernels_compile_for_sm_90() -> None:
-    # (the router, the align and two GEMMs) x bf16 / fp32, and the fp8 experts' align and two
-    # GEMMs, each for a small and a large step
-    assert compiled("moe").count("\nok ") + 1 == 2 * (4 * 2 + 3)
+    # (the router, the align and two GEMMs) x bf16 / fp32, and the fp8 and the int4 experts'
+    # align and two GEMMs, each for a small and a large step
+    assert compiled("moe").count("\nok ") + 1 == 2 * (4 * 2 + 3 + 3)

@@ -4,7 +4,8 @@ test_triton_kernels.py for how the interpreter is chosen and the fresh-process f
 
 Tolerances: fp32 within 1e-5 (exact products, outputs O(1)); bf16 against the reference run in
 fp32 on the same bf16 inputs, within 2% of the output's scale (the activation between the
-GEMMs is rounded to bf16, as the kernels' operands must be).
+GEMMs is rounded to bf16, as the kernels' operands must be). Quantized experts (fp8, int4)
+against the reference on their dequantized weights, the same way.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import torch  # noqa: E402
 
-from pagedserve.kernels import moe_ref  # noqa: E402
+from pagedserve.kernels import moe_ref, quant_ref  # noqa: E402
 from pagedserve.kernels.attention_backends import torch_ref_backend  # noqa: E402
 from pagedserve.models.layer_config import LayerConfig  # noqa: E402
 from pagedserve.models.moe import SparseMoeBlock  # noqa: E402
+from pagedserve.models.quantization.config import IntScheme, QuantizationConfig  # noqa: E402
 from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
 
 IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
@@ -205,3 +207,107 @@ def test_fp8_experts_match_their_dequantized_weights(t: int, k: int) -> None:
     assert not torch.equal(changed[0], got[0])
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         tm.fused_experts(x, w13.to(torch.bfloat16), w2, weights, ids, scales=scales)
+
+
+def int4_experts(
+    experts: int, n: int, k: int, group: int, symmetric: bool, gen: torch.Generator,
+    dtype: torch.dtype,
+) -> moe_ref.Int4Experts:  # fmt: skip
+    """Random weights [experts, n, k] quantized to int4 in groups of `group` inputs (k: one
+    group a row), scales and zeros in dtype."""
+    weights = [
+        quant_ref.quantize_int_weight(torch.randn(n, k, generator=gen) * 0.2, 4, group, symmetric)
+        for _ in range(experts)
+    ]
+    return moe_ref.Int4Experts(
+        torch.stack([w.qweight for w in weights]),
+        torch.stack([w.scales for w in weights]).to(dtype),
+        torch.stack([w.zeros for w in weights]).to(dtype),
+        group,
+    )
+
+
+def groups_of(group: int | None, k: int) -> int:
+    """`group` where it divides k, else one group of k."""
+    return group if group and k % group == 0 else k
+
+
+def in_float32(w: moe_ref.Int4Experts) -> moe_ref.Int4Experts:
+    return moe_ref.Int4Experts(w.qweight, w.scales.float(), w.zeros.float(), w.group_size)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "t", "group", "symmetric"),
+    [
+        (torch.float32, 1, 32, True),
+        (torch.float32, 60, 64, False),
+        (torch.float32, 7, 48, True),  # K tiles of 16 (the largest power of two dividing 48)
+        (torch.bfloat16, 5, 32, False),
+        (torch.bfloat16, 100, None, True),  # one group a row
+    ],
+)  # fmt: skip
+def test_int4_experts_match_their_dequantized_weights(
+    dtype: torch.dtype, t: int, group: int | None, symmetric: bool
+) -> None:
+    """W4A16: int4 codes dequantized in the GEMMs' K loop, (q - z) * s by groups, against the
+    reference on the same weights (hidden 192, intermediate 96: groups that do not divide them
+    fall back to one a row)."""
+    assert tm is not None
+    gen = torch.Generator().manual_seed(t)
+    experts, hidden, inter, k = 5, 192, 96, 2
+    w13 = int4_experts(experts, 2 * inter, hidden, groups_of(group, hidden), symmetric, gen, dtype)
+    w2 = int4_experts(experts, hidden, inter, groups_of(group, inter), symmetric, gen, dtype)
+    x = torch.randn(t, hidden, generator=gen).to(dtype)
+    weights, ids = routing(t, experts, k, seed=t)
+    got = tm.fused_experts(x, w13, w2, weights, ids)
+    assert got.dtype == dtype and got.shape == (t, hidden)
+    want = moe_ref.fused_experts(x.float(), in_float32(w13), in_float32(w2), weights, ids)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # 3%: the interpreter truncates each dequantized weight to bf16 (a GPU rounds it)
+        assert float((got.float() - want).abs().max()) < 0.03 * float(want.abs().max())
+
+
+def test_int4_experts_reject_bad_arguments() -> None:
+    assert tm is not None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 48)
+    weights, ids = routing(3, 4, 2, seed=0)
+    w13 = int4_experts(4, 64, 48, 16, True, gen, torch.float32)
+    w2 = int4_experts(4, 48, 32, 16, True, gen, torch.float32)
+    tm.fused_experts(x, w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="both Int4Experts"):
+        tm.fused_experts(x, w13, torch.randn(4, 48, 32), weights, ids)
+    odd_groups = int4_experts(4, 64, 48, 24, True, gen, torch.float32)
+    with pytest.raises(ValueError, match="a multiple of 16"):
+        tm.fused_experts(x, odd_groups, w2, weights, ids)
+    column_major = w2.scales.transpose(1, 2).contiguous().transpose(1, 2)
+    strided = moe_ref.Int4Experts(w2.qweight, column_major, w2.zeros, w2.group_size)
+    with pytest.raises(ValueError, match="contiguous"):
+        tm.fused_experts(x, w13, strided, weights, ids)
+
+
+def test_int4_block_takes_the_kernels_on_the_triton_path() -> None:
+    """A SparseMoeBlock with int4 experts (float weights quantized at load, groups of 32) on
+    the Triton path gives the torch path's output."""
+    gen = torch.Generator().manual_seed(2)
+    quantization = QuantizationConfig("gptq", IntScheme(4, 32, symmetric=False, source="float"))
+    weights = {
+        "gate.weight": torch.randn(6, 64, generator=gen),
+        "experts.w13": torch.randn(6, 64, 64, generator=gen) * 0.2,
+        "experts.w2": torch.randn(6, 64, 32, generator=gen) * 0.2,
+    }
+    blocks = {}
+    for fused_ops in ("triton", "torch"):
+        config = LayerConfig(
+            torch.device("cpu"), torch.float32, torch_ref_backend(), fused_ops=fused_ops,
+            quantization=quantization,
+        )  # fmt: skip
+        block = SparseMoeBlock(64, (6, 2, 32), renormalize=True, config=config)
+        for name, param in block.named_parameters():
+            param.data.copy_(weights[name])
+        block.experts.process_weights_after_loading()
+        assert block.experts.w13.dtype == torch.int32
+        blocks[fused_ops] = block
+    x = torch.randn(7, 64, generator=gen)
+    torch.testing.assert_close(blocks["triton"](x), blocks["torch"](x), rtol=1e-5, atol=1e-5)

@@ -9,34 +9,77 @@ w2[e] ([H, I]):
 
 Here expert by expert over the tokens routed to it (as transformers computes it), each expert's
 contribution weighted in float32 and summed into a float32 output.
+
+Quantized experts are dequantized into x's dtype where they are used: fp8 weights times their
+scale per output channel; int4 weights (`Int4Experts`: kernels.quant_ref's integer layout, one
+weight an expert) as W[n, k] = (q[n, k] - z[n, k // G]) * s[n, k // G], computed in float32.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.ops import silu_and_mul
+from pagedserve.kernels.quant_ref import IntWeight, dequantize_int_weight
+
+
+@dataclass(frozen=True)
+class Int4Experts:
+    """One stacked expert weight W [E, N, K] of int4 codes, each expert's in quant_ref's
+    layout: qweight [E, N, K / 8] int32 (code k of a row at bits 4 (k % 8) of word k // 8),
+    scales and zeros [E, N, K / group_size] in the model's dtype."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K) of the weight it stands for."""
+        experts, n, groups = self.scales.shape
+        return experts, n, groups * self.group_size
+
+    def expert(self, index: int) -> IntWeight:
+        """Expert `index`'s weight [N, K]."""
+        return IntWeight(self.qweight[index], self.scales[index], self.zeros[index], 4,
+                         self.group_size)  # fmt: skip
+
+
+ExpertWeight = torch.Tensor | Int4Experts
+
+
+def _expert_weight(
+    weight: ExpertWeight, scale: torch.Tensor | None, expert: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Expert `expert`'s weight [N, K] in dtype (scale: an fp8 weight's, per output channel)."""
+    if isinstance(weight, Int4Experts):
+        return dequantize_int_weight(weight.expert(expert), dtype)
+    if scale is not None:
+        return (weight[expert].float() * scale[expert, :, None]).to(dtype)
+    return weight[expert]
 
 
 def fused_experts(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: ExpertWeight,
+    w2: ExpertWeight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] (float32) and topk_ids
-    [T, k] -> y [T, H] in x's dtype. scales: fp8 weights' per-output-channel scales, [E, 2I]
-    and [E, H] (each expert's weights dequantized into x's dtype where they are used)."""
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (tensors, or both Int4Experts),
+    topk_weights [T, k] (float32) and topk_ids [T, k] -> y [T, H] in x's dtype. scales: fp8
+    weights' per-output-channel scales, [E, 2I] and [E, H]."""
+    w13_scale, w2_scale = scales if scales is not None else (None, None)
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
         tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
-        gate_up, down = w13[expert], w2[expert]
-        if scales is not None:
-            gate_up = (gate_up.float() * scales[0][expert, :, None]).to(x.dtype)
-            down = (down.float() * scales[1][expert, :, None]).to(x.dtype)
+        gate_up = _expert_weight(w13, w13_scale, expert, x.dtype)
+        down = _expert_weight(w2, w2_scale, expert, x.dtype)
         hidden = silu_and_mul(F.linear(x.index_select(0, tokens), gate_up))
         contribution = F.linear(hidden, down).float()
         out.index_add_(0, tokens, contribution * topk_weights[tokens, slots, None].float())

@@ -24,6 +24,16 @@ so each expert's weights are read once per block of its tokens. BLOCK_M follows 
 expert gets on average (16 for decode steps, up to 64). Accumulation is float32, z is float32;
 float32 models multiply exactly (`ieee`). FP8 experts (W8A16): the weights are read as fp8,
 widened to x's dtype for the dot, and each output channel's sum multiplied by its scale.
+
+Int4 experts (W4A16; moe_ref.Int4Experts: codes q packed 8 to an int32 along K, a scale s and
+a zero z per output channel and group of G inputs, symmetric schemes with z = 8):
+
+    W[e, n, k] = (q[e, n, k] - z[e, n, k // G]) * s[e, n, k // G]
+
+Each K tile of BLOCK_K columns lies in one group (BLOCK_K divides G, or one group spans K), so
+a tile loads BLOCK_K / 8 words a row, unpacks them in registers (code k at bits 4 (k % 8) of
+word k // 8), and dequantizes with that group's s and z (float32, rounded once to x's dtype,
+as the reference does) before the same tensor-core dot: the weights cross memory as 4 bits.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.moe_ref import ExpertWeight, Int4Experts
 from pagedserve.kernels.triton_dot import accumulate_dot
 
 __all__ = ["ExpertBlocks", "align_by_expert", "fused_experts", "route"]
@@ -179,20 +190,48 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 
 @triton.jit
+def _weight_tile(
+    w_cols, scale_cols, zero_cols, k0, K, n_inside, group_size,
+    WEIGHTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """The tile w[e, n, k0 : k0 + BLOCK_K]^T, [BLOCK_K, BLOCK_N] of DTYPE (w_cols: row n's
+    start; zero past N, and past K for "float" / "fp8"): "float" as stored, "fp8" widened
+    (its scale applies after the dot), "int4" the BLOCK_K / 8 words of each row unpacked (code
+    k at bits 4 (k % 8) of word k // 8) and dequantized, (q - z) * s in float32 with the
+    scale and zero of the one group the tile lies in (scale_cols / zero_cols: row n's)."""
+    if WEIGHTS == "int4":
+        words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask = (words_k < K // 8)[:, None] & n_inside[None, :]
+        words = tl.load(w_cols + words_k[:, None], mask=mask, other=0)  # [BLOCK_K / 8, BLOCK_N]
+        shifts = 4 * tl.arange(0, 8)
+        codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
+        codes = tl.reshape(codes, [BLOCK_K, BLOCK_N])
+        group = k0 // group_size
+        scale = tl.load(scale_cols + group, mask=n_inside, other=0.0).to(tl.float32)
+        zero = tl.load(zero_cols + group, mask=n_inside, other=0.0).to(tl.float32)
+        return ((codes.to(tl.float32) - zero[None, :]) * scale[None, :]).to(DTYPE)
+    k = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & n_inside[None, :], other=0.0)
+    return w.to(DTYPE)
+
+
+@triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr, num_blocks_ptr, weights_ptr,
-    scale_ptr, num_pairs, N, K, gate_offset, stride_a, stride_we, stride_wn, stride_out,
-    stride_se,
+    scale_ptr, zero_ptr, num_pairs, N, K, gate_offset, group_size, stride_a, stride_we,
+    stride_wn, stride_out, stride_se, stride_sn,
     PAIRS_PER_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
-    SCALED: tl.constexpr,
+    WEIGHTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """For the pairs p of sorted block m (expert e) and BLOCK_N outputs n (program (m, j)),
     with a = a[p // PAIRS_PER_ROW]: out[p, n] = a . w[e, n] (times weights[p] if WEIGHTED), or
     if GATED silu(a . w[e, n]) * (a . w[e, gate_offset + n]) (gate rows, then up rows).
-    SCALED: w is fp8, converted to a's dtype as it is read, each output channel's dot times
-    its scale (scale[e, n], scale[e, gate_offset + n])."""
+    WEIGHTS (_weight_tile): "float"; "fp8", each output channel's dot times its scale
+    (scale[e, n], scale[e, gate_offset + n]); "int4", dequantized tile by tile (BLOCK_K
+    divides the group size, or one group spans K) from words w[e, n, k // 8] and
+    scale / zero[e, n, k // group_size]."""
     m = tl.program_id(0)
     j = tl.program_id(1)
     if m < tl.load(num_blocks_ptr):
@@ -203,29 +242,30 @@ def _expert_gemm_kernel(
         n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = n < N
         a_rows = a_ptr + rows[:, None] * stride_a
-        w_cols = w_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn
+        w_cols = w_ptr + expert * stride_we + n.to(tl.int64) * stride_wn
+        up_cols = w_cols + gate_offset * stride_wn
+        scale_cols = scale_ptr + expert * stride_se + n * stride_sn
+        zero_cols = zero_ptr + expert * stride_se + n * stride_sn
+        up_offset = gate_offset * stride_sn  # the up rows' scales and zeros
+        dtype = a_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            k_inside = k < K
-            a = tl.load(a_rows + k[None, :], mask=valid[:, None] & k_inside[None, :], other=0.0)
-            w_mask = k_inside[:, None] & inside[None, :]
-            w = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-            if SCALED:
-                w = w.to(a_ptr.dtype.element_ty)
+            a = tl.load(a_rows + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
+            w = _weight_tile(w_cols, scale_cols, zero_cols, k0, K, inside, group_size,
+                             WEIGHTS, BLOCK_K, BLOCK_N, dtype)  # fmt: skip
             acc = accumulate_dot(a, w, acc, PRECISION, UPCAST)
             if GATED:
-                w_up = tl.load(w_cols + gate_offset * stride_wn + k[:, None], mask=w_mask,
-                               other=0.0)  # fmt: skip
-                if SCALED:
-                    w_up = w_up.to(a_ptr.dtype.element_ty)
+                w_up = _weight_tile(
+                    up_cols, scale_cols + up_offset, zero_cols + up_offset, k0, K, inside,
+                    group_size, WEIGHTS, BLOCK_K, BLOCK_N, dtype,
+                )  # fmt: skip
                 up = accumulate_dot(a, w_up, up, PRECISION, UPCAST)
-        if SCALED:
-            scales = scale_ptr + expert * stride_se + n
-            acc *= tl.load(scales, mask=inside, other=0.0)[None, :]
+        if WEIGHTS == "fp8":
+            acc *= tl.load(scale_cols, mask=inside, other=0.0)[None, :]
             if GATED:
-                up *= tl.load(scales + gate_offset, mask=inside, other=0.0)[None, :]
+                up *= tl.load(scale_cols + up_offset, mask=inside, other=0.0)[None, :]
         if GATED:
             gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # as the reference rounds
             silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -236,41 +276,118 @@ def _expert_gemm_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & inside[None, :])
 
 
+@dataclass(frozen=True)
+class _WeightOperands:
+    """One stacked expert weight as the GEMM kernel reads it (_expert_gemm_kernel's doc):
+    `codes` [E, rows, K] (float or fp8) or [E, rows, K / 8] (int4 words); `scales` / `zeros`
+    [E, rows] (fp8) or [E, rows, groups] (int4), None where the format has none."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    zeros: torch.Tensor | None
+    group_size: int  # int4's (else unused)
+    kind: str  # "float", "fp8" or "int4"
+
+
+def _operands(w: ExpertWeight, scale: torch.Tensor | None) -> _WeightOperands:
+    if isinstance(w, Int4Experts):
+        return _WeightOperands(w.qweight, w.scales, w.zeros, w.group_size, "int4")
+    return _WeightOperands(w, scale, None, 0, "float" if scale is None else "fp8")
+
+
+def _block_k(operands: _WeightOperands, k: int, tiles: _Tiles) -> int:
+    """The K tile: the tiles' own, or for int4 at most the largest power of two dividing the
+    group size (so that a tile lies in one group), unless one group spans K."""
+    if operands.kind != "int4" or operands.group_size >= k:
+        return tiles.block_k
+    group = operands.group_size
+    return min(tiles.block_k, group & -group)
+
+
 def _expert_gemm(
     a: torch.Tensor,
-    w: torch.Tensor,
+    w: _WeightOperands,
     out: torch.Tensor,
     blocks: ExpertBlocks,
     weights: torch.Tensor | None,
     pairs_per_row: int,
     tiles: _Tiles,
-    scale: torch.Tensor | None,
 ) -> None:
-    """out [P, N] from a and w [E, rows, K] (module doc): GEMM 1 (no weights) is gated, w's
-    rows [gate; up] with N of each; GEMM 2 multiplies by the pairs' weights; an fp8 w has a
-    scale [E, rows] per output channel."""
+    """out [P, N] from a and w (rows [E, rows, K]; module doc): GEMM 1 (no weights) is gated,
+    w's rows [gate; up] with N of each; GEMM 2 multiplies by the pairs' weights."""
     num_pairs, n = out.shape
     k = a.shape[1]
     gated = weights is None
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # fp32 models: exact products
     upcast = a.device.type == "cpu" and a.dtype != torch.float32  # the interpreter
     grid = (blocks.max_blocks, triton.cdiv(n, tiles.block_n))
+    scales = w.scales if w.scales is not None else out
     _expert_gemm_kernel[grid](
-        a, w, out, blocks.pairs, blocks.block_experts, blocks.num_blocks,
-        weights if weights is not None else out, scale if scale is not None else out,
-        num_pairs, n, k, n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        scale.stride(0) if scale is not None else 0,
-        PAIRS_PER_ROW=pairs_per_row, GATED=gated, WEIGHTED=weights is not None,
-        SCALED=scale is not None,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        a, w.codes, out, blocks.pairs, blocks.block_experts, blocks.num_blocks,
+        weights if weights is not None else out, scales,
+        w.zeros if w.zeros is not None else out,
+        num_pairs, n, k, n, w.group_size, a.stride(0), w.codes.stride(0), w.codes.stride(1),
+        out.stride(0), scales.stride(0) if w.scales is not None else 0,
+        scales.stride(1) if w.scales is not None else 0,
+        PAIRS_PER_ROW=pairs_per_row, GATED=gated, WEIGHTED=weights is not None, WEIGHTS=w.kind,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=_block_k(w, k, tiles),
         PRECISION=precision, UPCAST=upcast, num_warps=tiles.num_warps,
     )  # fmt: skip
 
 
+def _check_int4(w: Int4Experts, shape: tuple[int, int, int], name: str) -> None:
+    """w stands for [E, N, K] = shape: words [E, N, K / 8] int32, scales and zeros of one
+    shape [E, N, K / group], all contiguous; groups a multiple of 16 columns (whole K tiles)
+    unless one spans K."""
+    experts, n, k = shape
+    group = w.group_size
+    if (
+        w.shape != shape or k % 8 or w.qweight.shape != (experts, n, k // 8)
+        or w.qweight.dtype != torch.int32 or w.zeros.shape != w.scales.shape
+        or not all(t.is_contiguous() for t in (w.qweight, w.scales, w.zeros))
+    ):  # fmt: skip
+        raise ValueError(
+            f"int4 {name} for {shape}: qweight int32 [E, N, K / 8], scales and zeros "
+            "[E, N, K / group], contiguous"
+        )
+    if group < k and group % 16:
+        raise ValueError(f"int4 {name}: groups of {group} columns (a multiple of 16 needed)")
+
+
+def _check_weights(
+    x: torch.Tensor,
+    w13: ExpertWeight,
+    w2: ExpertWeight,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """The weights' shapes fit x [T, H] (w13 [E, 2I, H], w2 [E, H, I]) and their formats
+    agree: both x's dtype, both fp8 with scales, or both int4."""
+    num_experts, two_i, h_w13 = w13.shape
+    hidden, inter = x.shape[1], two_i // 2
+    if h_w13 != hidden or two_i % 2 or tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x {hidden}")
+    if isinstance(w13, Int4Experts) or isinstance(w2, Int4Experts):
+        if not (isinstance(w13, Int4Experts) and isinstance(w2, Int4Experts)) or scales:
+            raise ValueError("int4 experts: w13 and w2 both Int4Experts, no fp8 scales")
+        _check_int4(w13, (num_experts, two_i, hidden), "w13")
+        _check_int4(w2, (num_experts, hidden, inter), "w2")
+        return
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("w13 and w2 must be contiguous")
+    weight_dtype = x.dtype if scales is None else torch.float8_e4m3fn
+    if w13.dtype != weight_dtype or w2.dtype != weight_dtype:
+        raise ValueError(f"w13 and w2 must be {weight_dtype} (x {x.dtype}, scales {scales})")
+    if scales is not None and (
+        scales[0].shape != (num_experts, two_i) or scales[1].shape != (num_experts, hidden)
+        or not all(s.dtype == torch.float32 and s.is_contiguous() for s in scales)
+    ):  # fmt: skip
+        raise ValueError("scales: float32 [E, 2I] and [E, H], contiguous")
+
+
 def fused_experts(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: ExpertWeight,
+    w2: ExpertWeight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -278,26 +395,16 @@ def fused_experts(
     """x [T, H] (rows contiguous), w13 [E, 2I, H] and w2 [E, H, I] contiguous in x's dtype,
     topk_weights [T, k] float32 and topk_ids [T, k] int (contiguous) -> y [T, H] in x's dtype
     (module doc). scales: fp8 weights (W8A16): float32 [E, 2I] and [E, H] contiguous, one a
-    weight's output channel."""
+    weight's output channel. Int4 weights (W4A16): w13 and w2 both moe_ref.Int4Experts."""
     t, hidden = x.shape
-    num_experts, two_i, h_w13 = w13.shape
-    inter = two_i // 2
-    if h_w13 != hidden or two_i % 2 or w2.shape != (num_experts, hidden, inter):
-        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x {hidden}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
         raise ValueError(f"topk ids {tuple(topk_ids.shape)}, weights {tuple(topk_weights.shape)}")
-    if x.stride(1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("x needs a unit column stride, w13 and w2 must be contiguous")
-    weight_dtype = x.dtype if scales is None else torch.float8_e4m3fn
-    if w13.dtype != weight_dtype or w2.dtype != weight_dtype:
-        raise ValueError(f"w13 and w2 must be {weight_dtype} (x {x.dtype}, scales {scales})")
+    if x.stride(1) != 1:
+        raise ValueError("x needs a unit column stride")
     if topk_weights.dtype != torch.float32:
         raise ValueError("topk_weights must be float32")
-    if scales is not None and (
-        scales[0].shape != (num_experts, two_i) or scales[1].shape != (num_experts, hidden)
-        or not all(s.dtype == torch.float32 and s.is_contiguous() for s in scales)
-    ):  # fmt: skip
-        raise ValueError("scales: float32 [E, 2I] and [E, H], contiguous")
+    _check_weights(x, w13, w2, scales)
+    num_experts, two_i, _ = w13.shape
     w13_scale, w2_scale = scales if scales is not None else (None, None)
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
@@ -306,9 +413,9 @@ def fused_experts(
         return out
     tiles = _tiles(num_pairs, num_experts)
     blocks = align_by_expert(topk_ids.contiguous(), num_experts, tiles.block_m)
-    activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _expert_gemm(x, w13, activated, blocks, None, top_k, tiles, w13_scale)
+    activated = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
+    _expert_gemm(x, _operands(w13, w13_scale), activated, blocks, None, top_k, tiles)
     contributions = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    _expert_gemm(activated, w2, contributions, blocks, topk_weights.reshape(-1), 1, tiles,
-                 w2_scale)  # fmt: skip
+    _expert_gemm(activated, _operands(w2, w2_scale), contributions, blocks,
+                 topk_weights.reshape(-1), 1, tiles)  # fmt: skip
     return torch.sum(contributions.view(t, top_k, hidden), dim=1, out=out)

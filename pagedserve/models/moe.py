@@ -11,8 +11,16 @@ columns) so each rank computes a partial sum of every token's output, all-reduce
 router is replicated.
 
 Checkpoints hold one tensor per expert and projection (`experts.{e}.gate_proj.weight`, or
-Mixtral's `experts.{e}.w1.weight`); the model's `expert_params_mapping` says which stacked
-parameter and part each projection name loads into (`expert_target`).
+Mixtral's `experts.{e}.w1.weight`, and a quantized checkpoint's tensors of it: FP8 scales, or
+GPTQ's / AWQ's / compressed-tensors' packed int4 codes, scales and zero points); the model's
+`expert_params_mapping` says which stacked parameter and part each projection name loads into
+(`expert_target`).
+
+Int4 experts (W4A16: GPTQ, AWQ and compressed-tensors pack-quantized checkpoints, or dummy
+weights of such a scheme) are declared in the checkpoint's layout, stacked per expert, and
+converted after loading, expert by expert, with the dense layers' converters
+(models.quantization.int_weight) into kernels.quant_ref's layout, stacked (moe_ref.Int4Experts).
+The router and Qwen2-MoE's shared_expert_gate are always float (checkpoints leave them so).
 """
 
 from __future__ import annotations
@@ -25,10 +33,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import moe_ref, quant_ref
+from pagedserve.kernels.moe_ref import ExpertWeight, Int4Experts
 from pagedserve.kernels.quant_ref import FP8_DTYPE
 from pagedserve.models.layer_config import LayerConfig
-from pagedserve.models.quantization.config import Fp8Scheme, QuantizationError
-from pagedserve.models.weights import default_weight_loader, divide, new_parameter
+from pagedserve.models.quantization import int_weight
+from pagedserve.models.quantization.config import Fp8Scheme, IntScheme, QuantizationError
+from pagedserve.models.weights import (
+    MATRIX,
+    OutputShard,
+    ParamLayout,
+    default_weight_loader,
+    divide,
+    narrow_shard,
+    new_parameter,
+)
 
 # checkpoint projection name -> (stacked parameter, part: 0 gate, 1 up, None down)
 ExpertMapping = dict[str, tuple[str, int | None]]
@@ -38,15 +56,24 @@ QWEN_EXPERTS: ExpertMapping = {
     "down_proj": ("w2", None),
 }
 MIXTRAL_EXPERTS: ExpertMapping = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
-_EXPERT_TENSOR = re.compile(
-    r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale_inv|weight_scale)$"
-)
 # a checkpoint tensor's kind -> the suffix of our stacked parameter's name (w13, w13_scale_inv)
-_KINDS = {"weight": "", "weight_scale_inv": "_scale_inv", "weight_scale": "_scale"}
+_KINDS = {
+    "weight": "",
+    "weight_scale_inv": "_scale_inv",  # FP8
+    "weight_scale": "_scale",  # FP8, compressed-tensors int
+    "qweight": "_qweight",  # GPTQ, AWQ
+    "qzeros": "_qzeros",
+    "scales": "_scales",
+    "g_idx": "_g_idx",
+    "weight_packed": "_packed",  # compressed-tensors int
+    "weight_zero_point": "_zero_point",
+    "weight_g_idx": "_g_idx",
+}
+_EXPERT_TENSOR = re.compile(rf"^(.*\.experts)\.(\d+)\.(\w+)\.({'|'.join(_KINDS)})$")
 
 
 def expert_target(name: str, mapping: ExpertMapping) -> tuple[str, tuple[int, int | None]] | None:
-    """A checkpoint tensor of one expert (its weight, or an FP8 checkpoint's scales of it) ->
+    """A checkpoint tensor of one expert (its weight, or a quantized checkpoint's tensors) ->
     (our stacked parameter's name, (expert, part)); None for any other tensor."""
     match = _EXPERT_TENSOR.match(name)
     if match is None or match.group(3) not in mapping:
@@ -101,19 +128,28 @@ class Router(ReplicatedLinear):
         return weights, ids
 
 
-def _fp8_scheme(config: LayerConfig) -> Fp8Scheme | None:
-    """The experts' FP8 scheme (None: float weights); other quantizations are refused."""
+def _expert_scheme(config: LayerConfig) -> Fp8Scheme | IntScheme | None:
+    """The experts' quantization (None: float weights): FP8, or int4 without act-order; any
+    other is refused."""
     quantization = config.quantization
     if quantization is None:
         return None
     scheme = quantization.scheme
-    if not isinstance(scheme, Fp8Scheme) or scheme.static_input or scheme.source == "per_channel":
-        raise QuantizationError(
-            f"quantization {quantization.method!r} is not supported for the experts "
-            "of a mixture-of-experts model (fp8 of a float checkpoint, or an FP8 checkpoint with "
-            "per-tensor or block-wise scales and dynamic activations, is)"
-        )
-    return scheme
+    if isinstance(scheme, IntScheme) and scheme.bits == 4:
+        if scheme.act_order:
+            raise QuantizationError(
+                "act-order int4 experts (GPTQ desc_act, compressed-tensors actorder 'group': "
+                "each expert's own order of its input channels) are not supported"
+            )
+        return scheme
+    if isinstance(scheme, Fp8Scheme) and not scheme.static_input and scheme.source != "per_channel":
+        return scheme
+    raise QuantizationError(
+        f"quantization {quantization.method!r} is not supported for the experts "
+        "of a mixture-of-experts model (int4 weight-only GPTQ, AWQ or compressed-tensors "
+        "checkpoints; fp8 of a float checkpoint, or an FP8 checkpoint with per-tensor or "
+        "block-wise scales and dynamic activations, are)"
+    )
 
 
 class FusedMoE(nn.Module):
@@ -124,19 +160,36 @@ class FusedMoE(nn.Module):
     FP8 (quantization "fp8": a float checkpoint quantized at load, or an FP8 checkpoint's
     per-tensor or block-wise scales): after loading w13 and w2 are float8_e4m3fn with one
     float32 scale per output channel (w13_scale [E, 2 * I/tp], w2_scale [E, hidden]), as the
-    dense FP8 layers hold theirs; the products are weight-only (W8A16)."""
+    dense FP8 layers hold theirs; the products are weight-only (W8A16).
+
+    Int4 (module doc): after loading w13 [E, 2 * I/tp, hidden / 8] and w2 [E, hidden, I/tp / 8]
+    are int32 words of codes, with w13_scales / w13_zeros [E, 2 * I/tp, hidden / G] and
+    w2_scales / w2_zeros [E, hidden, I/tp / G] in the model's dtype (W4A16). Tensor parallelism
+    keeps whole groups: I/tp must be a multiple of the group size G."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, config: LayerConfig
     ) -> None:
         super().__init__()
-        self.scheme = scheme = _fp8_scheme(config)
+        self.scheme = scheme = _expert_scheme(config)
         self.tp = config.tp
+        self.dtype = config.dtype
         self.local_size = local = divide(intermediate_size, config.tp.size)
-        dtype = FP8_DTYPE if scheme is not None and scheme.source != "float" else None
         shapes = {"w13": (2 * local, hidden_size), "w2": (hidden_size, local)}
+        self.group_sizes: dict[str, int] = {}  # int4: each weight's input channels a group
+        if isinstance(scheme, IntScheme):
+            self._int4_params(num_experts, shapes, scheme, intermediate_size)
+        else:
+            self._fp8_or_float_params(num_experts, shapes, scheme)
+        self.fused_ops = config.fused_ops
+
+    def _fp8_or_float_params(
+        self, num_experts: int, shapes: dict[str, tuple[int, int]], scheme: Fp8Scheme | None
+    ) -> None:
+        dtype = FP8_DTYPE if scheme is not None and scheme.source != "float" else None
         for name, (rows, cols) in shapes.items():
-            self._stacked(name, (num_experts, rows, cols), dtype, (1, 1))
+            self._stacked(name, (num_experts, rows, cols), dtype, MATRIX)
+        local = self.local_size
         if scheme is not None and scheme.block is not None:
             bn, bk = scheme.block
             if local % bn or local % bk:
@@ -146,72 +199,126 @@ class FusedMoE(nn.Module):
                 )
             for name, (rows, cols) in shapes.items():
                 blocks = (num_experts, -(-rows // bn), -(-cols // bk))
-                self._stacked(f"{name}_scale_inv", blocks, torch.float32, (bn, bk))
+                layout = ParamLayout(outputs_per_index=bn, inputs_per_index=bk)
+                self._stacked(f"{name}_scale_inv", blocks, torch.float32, layout)
         elif scheme is not None and scheme.source == "per_tensor":
-            self._stacked("w13_scale", (num_experts, 2), torch.float32, None)
-            self._stacked("w2_scale", (num_experts, 1), torch.float32, None)
-        self.fused_ops = config.fused_ops
+            per_part = ParamLayout(per_shard=True)
+            self._stacked("w13_scale", (num_experts, 2), torch.float32, per_part)
+            self._stacked("w2_scale", (num_experts, 1), torch.float32, per_part)
+
+    def _int4_params(
+        self,
+        num_experts: int,
+        shapes: dict[str, tuple[int, int]],
+        scheme: IntScheme,
+        intermediate_size: int,
+    ) -> None:
+        """The checkpoint's tensors of every expert's projections (int_weight.param_specs),
+        stacked; w2's groups along this rank's I/tp inputs must be whole."""
+        local, group = self.local_size, scheme.group_size
+        if scheme.source != "float" and group > 0 and local % group:
+            raise QuantizationError(
+                f"int4 experts in groups of {group} inputs: the experts' intermediate size per "
+                f"rank ({intermediate_size} / {self.tp.size} = {local}) is not whole groups "
+                "(choose a tensor-parallel size that keeps them whole)"
+            )
+        per_channel = group <= 0
+        for name, (rows, cols) in shapes.items():
+            self.group_sizes[name] = group_size = int_weight.group_size_for(scheme, cols)
+            # w2's inputs are split by rank: its groups too, unless one group spans them all
+            groups_sliced = name == "w13" or not per_channel
+            weight = int_weight.WeightShapes(rows, cols, scheme.bits, group_size, groups_sliced)
+            for kind, (shape, dtype, layout) in int_weight.param_specs(scheme, weight).items():
+                optional = int_weight.is_optional(kind, scheme)
+                self._stacked(name + _KINDS[kind], (num_experts, *shape), dtype, layout, optional)
 
     def _stacked(
         self,
         name: str,
         shape: tuple[int, ...],
         dtype: torch.dtype | None,
-        blocks: tuple[int, int] | None,
+        layout: ParamLayout,
+        optional: bool = False,
     ) -> None:
-        """A stacked parameter filled expert by expert (blocks: the output and input channels
-        one index covers; None: one value per part, a per-tensor scale)."""
-        param = new_parameter(*shape, loader=self.weight_loader, dtype=dtype)
-        param.expert_blocks = blocks  # type: ignore[attr-defined]
+        """A stacked parameter filled expert by expert; `layout`: one expert's tensor's
+        (models.weights; per_shard: one value per part, a per-tensor scale). optional: a
+        checkpoint may leave it out (zeros)."""
+        param = new_parameter(
+            *shape, loader=self.weight_loader, dtype=dtype, layout=layout, optional=optional
+        )
         # what a checkpoint must fill: each expert's gate and up, or its down (models/loader)
         parts = (0, 1) if name.startswith("w13") else (None,)
-        param.expected_shards = {(e, part) for e in range(shape[0]) for part in parts}  # type: ignore[attr-defined]
+        param.expected_shards = set() if optional else {  # type: ignore[attr-defined]
+            (e, part) for e in range(shape[0]) for part in parts
+        }  # fmt: skip
+        if optional:
+            param.data.zero_()
         self.register_parameter(name, param)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]
     ) -> None:
-        """One expert's projection, whole ([I, hidden] gate or up, [hidden, I] down, or its
-        scales by blocks of those channels, or its one per-tensor scale), into this rank's
-        slice of the stacked parameter."""
+        """One expert's tensor of one projection, whole (a weight, [I, hidden] gate or up or
+        [hidden, I] down, or its scales, codes or zero points: the parameter's layout says
+        which dims index its output and input channels), into this rank's slice of the
+        stacked parameter: the rank's rows of gate or up, its input columns of down."""
         expert, part = shard_id
-        blocks: tuple[int, int] | None = param.expert_blocks  # type: ignore[attr-defined]
-        if blocks is None:  # a per-tensor scale
-            default_weight_loader(param.data[expert, part or 0], loaded.reshape(()))
-            return
-        rows_per, cols_per = blocks
         local, start = self.local_size, self.tp.rank * self.local_size
-        if part is None:  # down: this rank's input columns
-            source = loaded.narrow(1, start // cols_per, local // cols_per)
-            default_weight_loader(param.data[expert], source)
+        if part is None:
+            output, inputs = None, (start, local)
         else:
-            target = param.data[expert].narrow(0, part * local // rows_per, local // rows_per)
-            default_weight_loader(target, loaded.narrow(0, start // rows_per, local // rows_per))
+            output, inputs = OutputShard(part * local, start, local, part), None
+        layout: ParamLayout = param.shard_layout  # type: ignore[attr-defined]
+        target, source = narrow_shard(param.data[expert], loaded, layout, output, inputs)
+        default_weight_loader(target, source)
 
     def process_weights_after_loading(self) -> None:
-        """FP8: the weights as fp8 with one scale per output channel (class doc)."""
-        if self.scheme is None:
-            return
-        for name in ("w13", "w2"):
-            weight = getattr(self, name).data
-            if self.scheme.source == "per_tensor":
-                scale = getattr(self, f"{name}_scale").data
-                scale = scale.repeat_interleave(weight.shape[1] // scale.shape[1], dim=1)
-                qweight = weight
-            else:
-                qweight, scale = self._quantized(name, weight)
-            for suffix in ("", "_scale", "_scale_inv"):
-                if hasattr(self, name + suffix):
-                    delattr(self, name + suffix)
-            self.register_buffer(name, qweight.contiguous())
-            self.register_buffer(f"{name}_scale", scale.float().contiguous())
+        """FP8: the weights as fp8 with one scale per output channel; int4: the engine's
+        layout (class doc)."""
+        if isinstance(self.scheme, IntScheme):
+            for name in ("w13", "w2"):
+                self._convert_int4(name, self.scheme)
+        elif self.scheme is not None:
+            for name in ("w13", "w2"):
+                self._convert_fp8(name, self.scheme)
 
-    def _quantized(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _convert_fp8(self, name: str, scheme: Fp8Scheme) -> None:
+        weight = getattr(self, name).data
+        if scheme.source == "per_tensor":
+            scale = getattr(self, f"{name}_scale").data
+            scale = scale.repeat_interleave(weight.shape[1] // scale.shape[1], dim=1)
+            qweight = weight
+        else:
+            qweight, scale = self._quantized(name, weight, scheme.block)
+        for suffix in ("", "_scale", "_scale_inv"):
+            if hasattr(self, name + suffix):
+                delattr(self, name + suffix)
+        self.register_buffer(name, qweight.contiguous())
+        self.register_buffer(f"{name}_scale", scale.float().contiguous())
+
+    def _convert_int4(self, name: str, scheme: IntScheme) -> None:
+        """The checkpoint's stacked tensors of `name`, expert by expert through the dense
+        layers' converter (int_weight.int_weight_of), stacked again in the engine's layout."""
+        kinds = [kind for kind in int_weight.SOURCE_PARAMS[scheme.source]
+                 if hasattr(self, name + _KINDS[kind])]  # fmt: skip
+        stacked = {kind: getattr(self, name + _KINDS[kind]).data for kind in kinds}
+        group_size, experts = self.group_sizes[name], []
+        for expert in range(next(iter(stacked.values())).shape[0]):
+            params = {kind: tensor[expert] for kind, tensor in stacked.items()}
+            experts.append(int_weight.int_weight_of(params, scheme, group_size, self.dtype))
+        for kind in kinds:
+            delattr(self, name + _KINDS[kind])
+        self.register_buffer(name, torch.stack([w.qweight for w in experts]))
+        self.register_buffer(f"{name}_scales", torch.stack([w.scales for w in experts]))
+        self.register_buffer(f"{name}_zeros", torch.stack([w.zeros for w in experts]))
+
+    def _quantized(
+        self, name: str, weight: torch.Tensor, block: tuple[int, int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A float weight, or a block-wise checkpoint's dequantized, quantized per output
         channel, expert by expert: (fp8 [E, rows, cols], scales [E, rows])."""
         qweight = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
         scales = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
-        block = self.scheme.block if self.scheme is not None else None
         for expert in range(weight.shape[0]):
             w = weight[expert].float()
             if block is not None:
@@ -222,17 +329,29 @@ class FusedMoE(nn.Module):
             qweight[expert], scales[expert] = q, scale.squeeze(1)
         return qweight, scales
 
+    def _weights(
+        self,
+    ) -> tuple[ExpertWeight, ExpertWeight, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(w13, w2, fp8 scales) as the expert kernels take them."""
+        if isinstance(self.scheme, IntScheme):
+            w13, w2 = (
+                Int4Experts(getattr(self, name), getattr(self, f"{name}_scales"),
+                            getattr(self, f"{name}_zeros"), self.group_sizes[name])
+                for name in ("w13", "w2")
+            )  # fmt: skip
+            return w13, w2, None
+        scales = None if self.scheme is None else (self.w13_scale, self.w2_scale)
+        return self.w13, self.w2, scales
+
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        scales = None if self.scheme is None else (self.w13_scale, self.w2_scale)
+        w13, w2, scales = self._weights()
         if self.fused_ops == "triton":
             x = x if x.stride(-1) == 1 else x.contiguous()
-            y = triton_moe_module().fused_experts(
-                x, self.w13, self.w2, topk_weights, topk_ids, scales=scales
-            )
+            y = triton_moe_module().fused_experts(x, w13, w2, topk_weights, topk_ids, scales=scales)
         else:
-            y = moe_ref.fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, scales)
+            y = moe_ref.fused_experts(x, w13, w2, topk_weights, topk_ids, scales)
         self.tp.all_reduce(y)
         return y
 

@@ -7,7 +7,9 @@ input)`: `output` says where the tensor's output channels go in this rank's para
 layer's part: q, k or v of qkv_proj, gate or up of gate_up_proj) and where they start in the
 checkpoint tensor; `input` says which input channels this rank keeps (row-parallel layers).
 `ParamLayout` tells which dim indexes those channels and how many channels one index covers
-(8 for 4-bit codes packed along it, the group size for per-group scales).
+(8 for 4-bit codes packed along it, the group size for per-group scales). `narrow_shard` does
+the slicing alone (the mixture-of-experts layer fills one expert's slice of a stacked parameter
+with it).
 """
 
 from __future__ import annotations
@@ -83,19 +85,7 @@ def load_shard(
     """Copy this rank's part of `loaded` into `param` (see the module doc). output None: all
     output channels; input_range (start, size) None: all input channels."""
     layout: ParamLayout = param.shard_layout  # type: ignore[attr-defined]
-    if layout.per_shard:
-        index = 0 if output is None else output.index
-        default_weight_loader(param.data[index], loaded.reshape(()))
-        return
-    target, source = param.data, loaded
-    if output is not None and layout.output_dim is not None:
-        dim, per = layout.output_dim, layout.outputs_per_index
-        target = target.narrow(dim, divide(output.start, per), divide(output.size, per))
-        source = source.narrow(dim, divide(output.source_start, per), divide(output.size, per))
-    if input_range is not None and layout.input_dim is not None:
-        dim, per = layout.input_dim, layout.inputs_per_index
-        start, size = input_range
-        source = source.narrow(dim, divide(start, per), divide(size, per))
+    target, source = narrow_shard(param.data, loaded, layout, output, input_range)
     if layout.output_dim is None and output is not None:  # one tensor every fused part shares
         parts: set[int] = param.__dict__.setdefault("loaded_parts", set())
         if parts and not torch.equal(target, source.to(target.device, target.dtype)):
@@ -105,6 +95,30 @@ def load_shard(
             )
         parts.add(output.index)
     default_weight_loader(target, source)
+
+
+def narrow_shard(
+    target: torch.Tensor,
+    loaded: torch.Tensor,
+    layout: ParamLayout,
+    output: OutputShard | None,
+    input_range: tuple[int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the part of `target` that this rank's part of `loaded` fills, that part of `loaded`),
+    by `layout` (load_shard's arguments; a per-shard value: target[output.index], loaded as a
+    scalar)."""
+    if layout.per_shard:
+        return target[0 if output is None else output.index], loaded.reshape(())
+    source = loaded
+    if output is not None and layout.output_dim is not None:
+        dim, per = layout.output_dim, layout.outputs_per_index
+        target = target.narrow(dim, divide(output.start, per), divide(output.size, per))
+        source = source.narrow(dim, divide(output.source_start, per), divide(output.size, per))
+    if input_range is not None and layout.input_dim is not None:
+        dim, per = layout.input_dim, layout.inputs_per_index
+        start, size = input_range
+        source = source.narrow(dim, divide(start, per), divide(size, per))
+    return target, source
 
 
 def replace_with_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:

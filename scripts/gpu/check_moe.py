@@ -7,14 +7,17 @@ kernels  fused_experts (kernels.triton_moe) on Qwen3-30B-A3B's expert shapes (12
          top 8, hidden 2048, intermediate 768) against kernels.moe_ref in fp32 on the same
          inputs: bf16 and fp32, 1 to 2,048 tokens, eager and replayed in a CUDA graph captured
          with one routing and given another; µs a call (bf16, a graph of 20 calls) and the
-         bandwidth of the expert weights it reads.
+         bandwidth of the expert weights it reads; then the same experts in fp8 and in int4
+         (groups of 128, as Qwen3-30B-A3B-GPTQ-Int4's) against their dequantized weights.
 check    tiny fp32 Qwen3-MoE, Mixtral and Qwen2-MoE models (tests/test_moe.py's) through `LLM`
          on the GPU, greedy, against transformers on the CPU: equal tokens, or where they
          differ, and the largest logprob gap of the engine's tokens (teacher-forced); with the
          engine's defaults (TF32 attention, whose noise can flip a near-tied routing) and with
          exact fp32 attention.
-timing   Qwen3-30B-A3B's shape with dummy bf16 weights: batch-1 time per output token (128-token
-         prompt, 128 tokens out) and 256 prompts of 128 tokens, 128 out: output tokens / s.
+timing   Qwen3-30B-A3B's shape with dummy bf16 weights, and quantized at load to fp8 and to
+         int4 (quantization "gptq" on dummy weights: groups of 128): batch-1 time per output
+         token (128-token prompt, 128 tokens out) and 256 prompts of 128 tokens, 128 out:
+         output tokens / s.
          Roofline: a batch-1 step reads the active weights, ~3.0 B parameters (6.1 GB).
 """
 
@@ -120,6 +123,7 @@ def kernels() -> list[str]:
             print(lines[-1], flush=True)
         free_gpu()
     lines += fp8_kernels(w13, w2)
+    lines += int4_kernels(w13, w2)
     return lines
 
 
@@ -147,6 +151,40 @@ def fp8_kernels(w13: torch.Tensor, w2: torch.Tensor) -> list[str]:
         read = len(torch.unique(ids)) * 3 * INTER * HIDDEN
         ok = "ok" if error < 2e-2 else "**FAIL**"
         lines.append(f"| fp8 experts | {t} | {error:.1e} {ok} | {call * 1e6:.1f} | | "
+                     f"{read / call / 1e9:,.0f} |")  # fmt: skip
+        print(lines[-1], flush=True)
+    return lines
+
+
+def int4_kernels(w13: torch.Tensor, w2: torch.Tensor) -> list[str]:
+    """The same experts in int4 (groups of 128, asymmetric), bf16 activations, against the
+    reference on their dequantized weights in fp32."""
+    from pagedserve.kernels import quant_ref
+    from pagedserve.kernels.triton_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(2)
+    int4 = []
+    for w in (w13, w2):
+        quantized = [quant_ref.quantize_int_weight(e.cuda(), 4, 128, False) for e in w]
+        int4.append(moe_ref.Int4Experts(
+            torch.stack([q.qweight for q in quantized]),
+            torch.stack([q.scales for q in quantized]).to(torch.bfloat16),
+            torch.stack([q.zeros for q in quantized]).to(torch.bfloat16), 128,
+        ))  # fmt: skip
+    exact = [moe_ref.Int4Experts(w.qweight, w.scales.float(), w.zeros.float(), 128) for w in int4]
+    lines = []
+    for t in (1, 8, 64, 512):
+        x = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
+        draws = [torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(t)]
+        ids = torch.stack(draws).cuda()
+        weights = torch.rand(t, TOP_K, generator=gen).cuda()
+        got = fused_experts(x, *int4, weights, ids)
+        want = moe_ref.fused_experts(x.float(), *exact, weights, ids)
+        error = float((got.float() - want).abs().max()) / float(want.abs().max())
+        call = graph_seconds(functools.partial(fused_experts, x, *int4, weights, ids))
+        read = len(torch.unique(ids)) * 3 * INTER * HIDDEN * (0.5 + 2 * 2 / 128)
+        ok = "ok" if error < 2e-2 else "**FAIL**"
+        lines.append(f"| int4 experts (g128) | {t} | {error:.1e} {ok} | {call * 1e6:.1f} | | "
                      f"{read / call / 1e9:,.0f} |")  # fmt: skip
         print(lines[-1], flush=True)
     return lines
@@ -189,7 +227,9 @@ def timing() -> list[str]:
         "| start-up s |",
         "|---|---:|---:|---:|",
     ]
-    for label, extra in (("bf16", {}), ("fp8 (quantized at load)", {"quantization": "fp8"})):
+    variants = (("bf16", {}), ("fp8 (quantized at load)", {"quantization": "fp8"}),
+                ("int4 g128 (quantized at load)", {"quantization": "gptq"}))  # fmt: skip
+    for label, extra in variants:
         started = time.perf_counter()
         with LLM(**engine_args(QWEN_MOE, **extra)) as llm:
             load = time.perf_counter() - started

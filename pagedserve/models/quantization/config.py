@@ -20,12 +20,14 @@ refuses what the engine cannot run with one clear message.
 
 `quantization` unset takes the checkpoint's method; set, it must agree with the checkpoint.
 With load_format="dummy" the random float weights are quantized while loading, in the scheme
-the config (or the method's default: 4-bit groups of 128) names. The LM head and the embedding
-stay in the model's dtype; a checkpoint that leaves other modules unquantized is refused.
+the config (or the method's default: 4-bit groups of 128) names. The LM head, the embedding and
+the mixture-of-experts routers (`gate`, `shared_expert_gate`) stay in the model's dtype; a
+checkpoint that leaves other modules unquantized is refused.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -150,13 +152,23 @@ def _scheme(method: str, stored: dict[str, Any]) -> Fp8Scheme | IntScheme:
     return _compressed_tensors_scheme(stored)
 
 
+def _never_quantized(name: str) -> bool:
+    """A module name (or compressed-tensors' "re:" pattern) of a module the engine keeps in the
+    model's dtype whatever the scheme: the LM head, the embedding, a mixture-of-experts router
+    (`mlp.gate`, Mixtral's `block_sparse_moe.gate`) or Qwen2-MoE's shared_expert_gate."""
+    if "lm_head" in name or "embed_tokens" in name:
+        return True
+    words = re.findall(r"\w+", name.removeprefix("re:"))  # the last: the module's own name
+    return bool(words) and words[-1] in ("gate", "shared_expert_gate")
+
+
 def _refuse_ignored_modules(names: list[str] | None, key: str) -> None:
-    """Modules left unquantized: only the LM head (never quantized here) is accepted."""
-    others = [n for n in names or [] if "lm_head" not in n and "embed_tokens" not in n]
+    """Modules left unquantized: only those the engine never quantizes are accepted."""
+    others = [n for n in names or [] if not _never_quantized(n)]
     if others:
         raise QuantizationError(
-            f"{key} lists modules other than the LM head ({others[:3]}): per-module exceptions "
-            "are not supported"
+            f"{key} lists modules other than the LM head and the MoE routers ({others[:3]}): "
+            "per-module exceptions are not supported"
         )
 
 

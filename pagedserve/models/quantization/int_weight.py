@@ -3,7 +3,8 @@
 The layer's parameters are the checkpoint's (formats.py: GPTQ, AWQ, compressed-tensors) or a
 float weight quantized after loading (int8; dummy weights of any integer scheme). After
 loading it holds the engine's layout as buffers: `qweight`, `scales`, `zeros` and `perm`
-(act-order only, else None).
+(act-order only, else None). The mixture-of-experts layer (models.moe) declares and converts
+its int4 experts with the same functions (`param_specs`, `int_weight_of`), expert by expert.
 
 The product, chosen at construction:
   * CUDA (config.cuda_quant_gemv: the kernel is built for this device, and the scheme in
@@ -30,9 +31,9 @@ from pagedserve.models.quantization import formats
 from pagedserve.models.quantization.config import IntScheme, QuantizationError
 from pagedserve.models.weights import VECTOR, ParamLayout, new_parameter, replace_with_buffer
 
-# each source's parameters: name -> (shape, dtype, layout) for a layer, made by _param_specs
+# each source's parameters: name -> (shape, dtype, layout) for a layer, made by param_specs
 ParamSpecs = dict[str, tuple[tuple[int, ...], torch.dtype | None, ParamLayout]]
-_SOURCE_PARAMS = {
+SOURCE_PARAMS = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx"),
@@ -52,7 +53,7 @@ class IntWeightLinearMethod:
     def create_weights(self, layer: LinearBase, bias: bool) -> None:
         self.group_size = self._layer_group_size(layer)
         for name, (shape, dtype, layout) in self._param_specs(layer).items():
-            optional = name in ("g_idx", "weight_g_idx") and not self.scheme.act_order
+            optional = is_optional(name, self.scheme)
             param = new_parameter(
                 *shape, loader=layer.weight_loader, dtype=dtype, layout=layout, optional=optional
             )
@@ -63,53 +64,31 @@ class IntWeightLinearMethod:
             if bias else None  # fmt: skip
 
     def _layer_group_size(self, layer: LinearBase) -> int:
-        """Input channels a group: the scheme's; per channel for -1 (and for a float weight
-        whose input size the scheme's groups do not divide)."""
-        k, group = layer.input_size, self.scheme.group_size
-        if group <= 0 or (self.scheme.source == "float" and k % group):
-            return k
-        if k % group:
-            raise QuantizationError(f"group size {group} does not divide the input size {k}")
+        group = group_size_for(self.scheme, layer.input_size)
         if self.scheme.act_order and isinstance(layer, RowParallelLinear) and layer.tp.size > 1:
             raise QuantizationError("act-order (g_idx) with tensor parallelism is not supported")
         return group
 
     def _param_specs(self, layer: LinearBase) -> ParamSpecs:
         """The checkpoint's parameters of this layer (none but a float weight for "float")."""
-        if self.scheme.source == "float":
-            return {"weight": ((layer.output_size, layer.input_size), None, ParamLayout())}
-        shapes = _Shapes(layer, self.scheme.bits, self.group_size, self.scheme.group_size <= 0)
-        if self.scheme.source == "gptq":
-            return _gptq_params(shapes)
-        if self.scheme.source == "awq":
-            return _awq_params(shapes)
-        return _compressed_tensors_params(shapes, self.scheme.symmetric)
+        # the dim of group scales / zeros along K is sliced by a row-parallel layer's rank,
+        # unless the scheme is per channel (the checkpoint holds one group for all of K)
+        per_channel = self.scheme.group_size <= 0
+        groups_sliced = not (per_channel and isinstance(layer, RowParallelLinear))
+        shapes = WeightShapes(layer.output_size, layer.input_size, self.scheme.bits,
+                              self.group_size, groups_sliced)  # fmt: skip
+        return param_specs(self.scheme, shapes)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        weight = self._int_weight(layer)
-        for name in _SOURCE_PARAMS[self.scheme.source]:
-            if hasattr(layer, name):
-                replace_with_buffer(layer, name, None)
+        params = {name: getattr(layer, name).data for name in SOURCE_PARAMS[self.scheme.source]
+                  if hasattr(layer, name)}  # fmt: skip
+        weight = int_weight_of(params, self.scheme, self.group_size, self.dtype)
+        for name in params:
+            replace_with_buffer(layer, name, None)
         layer.register_buffer("qweight", weight.qweight)
         layer.register_buffer("scales", weight.scales)
         layer.register_buffer("zeros", weight.zeros)
         layer.register_buffer("perm", weight.perm)
-
-    def _int_weight(self, layer: LinearBase) -> IntWeight:
-        scheme, group, dtype = self.scheme, self.group_size, self.dtype
-        p = {name: getattr(layer, name).data for name in _SOURCE_PARAMS[scheme.source]
-             if hasattr(layer, name)}  # fmt: skip
-        if scheme.source == "float":
-            return quant_ref.quantize_int_weight(p["weight"], scheme.bits, group, scheme.symmetric)
-        if scheme.source == "gptq":
-            return formats.from_gptq(p["qweight"], p["qzeros"], p["scales"], p["g_idx"], scheme,
-                                     group, dtype)  # fmt: skip
-        if scheme.source == "awq":
-            return formats.from_awq(p["qweight"], p["qzeros"], p["scales"], scheme, group, dtype)
-        return formats.from_compressed_tensors(
-            p["weight_packed"], p["weight_scale"], p.get("weight_zero_point"),
-            p["weight_g_idx"], scheme, group, dtype,
-        )  # fmt: skip
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = IntWeight(layer.qweight, layer.scales, layer.zeros, self.scheme.bits,
@@ -131,19 +110,69 @@ class IntWeightLinearMethod:
         return F.linear(x, triton_quant.dequantize(weight, x.dtype), bias)
 
 
-class _Shapes:
-    """A layer's sizes as the packed layouts need them."""
+def is_optional(name: str, scheme: IntScheme) -> bool:
+    """A parameter a checkpoint may leave out: g_idx, unless the scheme is act-order."""
+    return name in ("g_idx", "weight_g_idx") and not scheme.act_order
 
-    def __init__(self, layer: LinearBase, bits: int, group_size: int, per_channel: bool) -> None:
-        self.n, self.k, self.group = layer.output_size, layer.input_size, group_size
+
+def group_size_for(scheme: IntScheme, k: int) -> int:
+    """Input channels a group of a weight of k input channels: the scheme's; per channel for
+    -1 (and for a float weight whose input size the scheme's groups do not divide)."""
+    group = scheme.group_size
+    if group <= 0 or (scheme.source == "float" and k % group):
+        return k
+    if k % group:
+        raise QuantizationError(f"group size {group} does not divide the input size {k}")
+    return group
+
+
+def int_weight_of(
+    params: dict[str, torch.Tensor], scheme: IntScheme, group_size: int, dtype: torch.dtype
+) -> IntWeight:
+    """One weight's checkpoint tensors (SOURCE_PARAMS' names; a float weight for "float",
+    quantized here) -> the engine's IntWeight."""
+    if scheme.source == "float":
+        weight = params["weight"]
+        return quant_ref.quantize_int_weight(weight, scheme.bits, group_size, scheme.symmetric)
+    if scheme.source == "gptq":
+        return formats.from_gptq(
+            params["qweight"], params["qzeros"], params["scales"], params["g_idx"], scheme,
+            group_size, dtype,
+        )  # fmt: skip
+    if scheme.source == "awq":
+        return formats.from_awq(
+            params["qweight"], params["qzeros"], params["scales"], scheme, group_size, dtype
+        )
+    return formats.from_compressed_tensors(
+        params["weight_packed"], params["weight_scale"], params.get("weight_zero_point"),
+        params["weight_g_idx"], scheme, group_size, dtype,
+    )  # fmt: skip
+
+
+class WeightShapes:
+    """A weight's sizes as the packed layouts need them: n output and k input channels (this
+    rank's), groups of group_size inputs; groups_sliced: the scales' dim along K is sliced by
+    a rank that keeps part of the inputs (False: one group for all of K, kept whole)."""
+
+    def __init__(self, n: int, k: int, bits: int, group_size: int, groups_sliced: bool) -> None:
+        self.n, self.k, self.group = n, k, group_size
         self.per_word = 32 // bits
         self.groups = self.k // group_size
-        # the dim of group scales / zeros along K is sliced by a row-parallel layer's rank,
-        # unless the scheme is per channel (the checkpoint holds one group for all of K)
-        self.groups_sliced = not (per_channel and isinstance(layer, RowParallelLinear))
+        self.groups_sliced = groups_sliced
 
 
-def _gptq_params(s: _Shapes) -> ParamSpecs:
+def param_specs(scheme: IntScheme, shapes: WeightShapes) -> ParamSpecs:
+    """The checkpoint's parameters of one weight (none but a float weight for "float")."""
+    if scheme.source == "float":
+        return {"weight": ((shapes.n, shapes.k), None, ParamLayout())}
+    if scheme.source == "gptq":
+        return _gptq_params(shapes)
+    if scheme.source == "awq":
+        return _awq_params(shapes)
+    return _compressed_tensors_params(shapes, scheme.symmetric)
+
+
+def _gptq_params(s: WeightShapes) -> ParamSpecs:
     along_k = 0 if s.groups_sliced else None
     i32 = torch.int32
     return {
@@ -158,7 +187,7 @@ def _gptq_params(s: _Shapes) -> ParamSpecs:
     }
 
 
-def _awq_params(s: _Shapes) -> ParamSpecs:
+def _awq_params(s: WeightShapes) -> ParamSpecs:
     along_k = 0 if s.groups_sliced else None
     i32 = torch.int32
     return {
@@ -168,7 +197,7 @@ def _awq_params(s: _Shapes) -> ParamSpecs:
     }
 
 
-def _compressed_tensors_params(s: _Shapes, symmetric: bool) -> ParamSpecs:
+def _compressed_tensors_params(s: WeightShapes, symmetric: bool) -> ParamSpecs:
     along_k = 1 if s.groups_sliced else None
     i32 = torch.int32
     specs: ParamSpecs = {
