@@ -8,10 +8,14 @@ any failure.
   moe   the router and fused_experts (pagedserve/kernels/triton_moe.py: route, the align and
         the two grouped GEMMs, and the GEMMs of fp8 and of int4 experts, the int4 ones in
         groups of 128 inputs as Qwen3-30B-A3B-GPTQ-Int4's) on Qwen3-30B-A3B's shapes.
+  rotary qk_norm_rotary_ (pagedserve/kernels/triton_ops.py) with the KV cache write and
+        dependent launch, as the engine runs it: Qwen3-0.6B's (q/k norm), Phi-4-mini's
+        (partial rotary) and the two together.
 
 Each for bf16 and fp32 and each --tokens count.
 
-    python scripts/compile_triton_kernels.py [--arch 90] [--tokens 1 256] [--kernels lora moe]
+    python scripts/compile_triton_kernels.py [--arch 90] [--tokens 1 256] [--kernels lora moe
+        rotary]
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from triton.compiler import ASTSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedserve.kernels import triton_lora, triton_moe  # noqa: E402
+from pagedserve.kernels import triton_lora, triton_moe, triton_ops  # noqa: E402
 from pagedserve.kernels.moe_ref import Int4Experts  # noqa: E402
 
 LORA_SHAPES = {
@@ -43,6 +47,12 @@ LORA_SHAPES = {
 # arguments, so one shape covers every compiled variant
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768)}
 INT4_GROUP = 128
+# (q heads, kv heads, head_dim, rotary dims, q/k norm)
+ROTARY_SHAPES = {
+    "qwen3-0.6b": (16, 8, 128, 128, True),
+    "phi-4-mini": (24, 8, 128, 96, False),
+    "partial+norm": (16, 8, 128, 64, True),
+}
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
           torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
 Launch = tuple[triton.runtime.JITFunction, tuple, dict]
@@ -128,7 +138,29 @@ def int4_experts(w: torch.Tensor, dtype: torch.dtype) -> Int4Experts:
     return Int4Experts(codes, groups, groups.clone(), INT4_GROUP)
 
 
-KERNELS = {"lora": lora_launches, "moe": moe_launches}
+def rotary_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
+    """qk_norm_rotary_'s launch on a fused qkv buffer, writing the paged KV cache, for each
+    rotary shape."""
+    out = {}
+    for shape, (heads, kv_heads, head_dim, rotary_dim, norm) in ROTARY_SHAPES.items():
+        qk_width = (heads + kv_heads) * head_dim
+        qkv = torch.zeros(tokens, qk_width + kv_heads * head_dim, dtype=dtype)
+        qk = qkv[:, :qk_width].view(tokens, heads + kv_heads, head_dim)
+        v = qkv[:, qk_width:].view(tokens, kv_heads, head_dim)
+        cache = torch.zeros(4096, rotary_dim // 2, dtype=dtype)
+        weights = (torch.ones(head_dim, dtype=dtype),) * 2 if norm else (None, None)
+        kv_caches = (torch.zeros(64, 16, kv_heads, head_dim, dtype=dtype) for _ in "kv")
+        slots = torch.zeros(tokens, dtype=torch.int64)
+        write = triton_ops.KVWrite(v, *kv_caches, slots)
+        call = functools.partial(
+            triton_ops.qk_norm_rotary_, qk, slots, cache, cache, *weights, 1e-6,
+            num_q_heads=heads, kv_write=write, rotary_dim=rotary_dim, dependent_launch=True,
+        )  # fmt: skip
+        out[shape] = recorded(triton_ops, ("_qk_norm_rotary_kernel",), call)
+    return out
+
+
+KERNELS = {"lora": lora_launches, "moe": moe_launches, "rotary": rotary_launches}
 
 
 def compile_launch(fn: triton.runtime.JITFunction, args: tuple, kwargs: dict, arch: int) -> None:
@@ -136,7 +168,10 @@ def compile_launch(fn: triton.runtime.JITFunction, args: tuple, kwargs: dict, ar
     for i, name in enumerate(fn.arg_names):
         if i < len(args):
             value = args[i]
-            signature[name] = f"*{_TYPES[value.dtype]}" if torch.is_tensor(value) else "i32"
+            if torch.is_tensor(value):
+                signature[name] = f"*{_TYPES[value.dtype]}"
+            else:
+                signature[name] = "fp32" if isinstance(value, float) else "i32"
         else:
             signature[name] = "constexpr"
             constexprs[(i,)] = kwargs[name]

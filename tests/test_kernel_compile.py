@@ -32,3 +32,9 @@ def test_the_moe_kernels_compile_for_sm_90() -> None:
     # (the router, the align and two GEMMs) x bf16 / fp32, and the fp8 and the int4 experts'
     # align and two GEMMs, each for a small and a large step
     assert compiled("moe").count("\nok ") + 1 == 2 * (4 * 2 + 3 + 3)
+
+
+def test_the_rotary_kernel_compiles_for_sm_90() -> None:
+    # the q/k norm + rotary + KV write launch: full, partial, and partial with the norms x bf16
+    # / fp32 x a small and a large step
+    assert compiled("rotary").count("\nok ") + 1 == 3 * 2 * 2

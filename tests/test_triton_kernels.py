@@ -407,11 +407,13 @@ def rotary_caches(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim,index_dtype",
+    "num_heads,num_kv_heads,head_dim,rotary_dim,index_dtype",
     [
-        (4, 2, 64, torch.int64),  # GQA 2
-        (4, 2, 128, torch.int32),
-        (6, 1, 24, torch.int64),  # 7 heads, head_dim 24: padded head rows and columns
+        (4, 2, 64, 64, torch.int64),  # GQA 2
+        (4, 2, 128, 128, torch.int32),
+        (6, 1, 24, 24, torch.int64),  # 7 heads, head_dim 24: padded head rows and columns
+        (4, 2, 32, 24, torch.int64),  # partial rotary (Phi-4-mini's 0.75): 8 dims kept
+        (6, 1, 24, 8, torch.int32),  # partial, 16 dims kept: padded rotated columns
     ],
 )
 def test_qk_norm_rotary(
@@ -420,6 +422,7 @@ def test_qk_norm_rotary(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    rotary_dim: int,
     index_dtype: torch.dtype,
 ) -> None:
     """In place on qk, a strided view of a fused qkv buffer (with spare columns beyond v):
@@ -431,33 +434,40 @@ def test_qk_norm_rotary(
     qk = buffer[:, :width][:, :qk_width].view(num_tokens, num_heads + num_kv_heads, head_dim)
     positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(index_dtype)
     positions[-1] = positions[0]  # a repeated position
-    cos_cache, sin_cache = rotary_caches(head_dim, dtype)
+    cos_cache, sin_cache = rotary_caches(rotary_dim, dtype)
     weights = (None, None)
     if norm:
         weights = tuple((1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in "qk")
-    expected = ops.qk_norm_rotary(
-        qk, positions, cos_cache, sin_cache, *weights, 1e-6, num_q_heads=num_heads
-    )
+    expected = ops.qk_norm_rotary(qk, positions, cos_cache, sin_cache, *weights, 1e-6,
+                                  num_q_heads=num_heads, rotary_dim=rotary_dim)  # fmt: skip
     if norm:  # the norm really ran: rotary alone differs
-        assert not torch.allclose(expected, ops.apply_rotary(qk, cos_cache[positions],
-                                                             sin_cache[positions]))  # fmt: skip
+        rotary_only = ops.qk_norm_rotary(qk, positions, cos_cache, sin_cache,
+                                         rotary_dim=rotary_dim)  # fmt: skip
+        assert not torch.allclose(expected, rotary_only)
     untouched = buffer[:, qk_width:].clone()
-    got = tops.qk_norm_rotary_(
-        qk, positions, cos_cache, sin_cache, *weights, 1e-6, num_q_heads=num_heads
-    )
+    got = tops.qk_norm_rotary_(qk, positions, cos_cache, sin_cache, *weights, 1e-6,
+                               num_q_heads=num_heads, rotary_dim=rotary_dim)  # fmt: skip
     assert got is qk
-    assert_ulp_close(qk, expected)
+    if norm and rotary_dim < head_dim:
+        # the kernel sums the squares in three parts (the rotated halves, the kept dims), so
+        # its inv_rms may differ from torch's by a rounding; rotary's differences of O(1)
+        # products then show it absolutely, up to a few fp32 ulps of those products
+        ulp = ULP[dtype]
+        torch.testing.assert_close(qk.float(), expected.float(), rtol=ulp, atol=ulp * 0.1)
+    else:
+        assert_ulp_close(qk, expected)
     assert torch.equal(buffer[:, qk_width:], untouched)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim,block_size,norm",
-    [(4, 2, 64, 16, True), (6, 3, 24, 4, False), (4, 1, 32, 1, True)],
-)
+    "num_heads,num_kv_heads,head_dim,block_size,norm,rotary_dim",
+    [(4, 2, 64, 16, True, 64), (6, 3, 24, 4, False, 24), (4, 1, 32, 1, True, 32),
+     (4, 2, 32, 4, True, 24), (6, 3, 24, 4, False, 16)],  # the last two: partial rotary
+)  # fmt: skip
 def test_qk_norm_rotary_writes_the_kv_cache(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    norm: bool,
+    norm: bool, rotary_dim: int,
 ) -> None:  # fmt: skip
     """kv_write: one launch gives what qk_norm_rotary_ then write_kv_cache give (the rotated
     k and the untouched v in the paged caches at each token's slot; -1 slots skipped)."""
@@ -467,7 +477,7 @@ def test_qk_norm_rotary_writes_the_kv_cache(
     qkv = (2 * torch.randn(num_tokens, width, generator=gen)).to(dtype)
     qk_width = (num_heads + num_kv_heads) * head_dim
     positions = torch.randint(0, 64, (num_tokens,), generator=gen)
-    cos_cache, sin_cache = rotary_caches(head_dim, dtype)
+    cos_cache, sin_cache = rotary_caches(rotary_dim, dtype)
     weights = (None, None)
     if norm:
         weights = tuple((1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in "qk")
@@ -483,18 +493,18 @@ def test_qk_norm_rotary_writes_the_kv_cache(
     expected_qkv, expected_caches = qkv.clone(), [c.clone() for c in caches]
     qk, v = split(expected_qkv)
     tops.qk_norm_rotary_(qk, positions, cos_cache, sin_cache, *weights, 1e-6,
-                         num_q_heads=num_heads)  # fmt: skip
+                         num_q_heads=num_heads, rotary_dim=rotary_dim)  # fmt: skip
     ta.write_kv_cache(qk[:, num_heads:], v, *expected_caches, slots)
     qk, v = split(qkv)
     write = tops.KVWrite(v, caches[0], caches[1], slots)
     tops.qk_norm_rotary_(qk, positions, cos_cache, sin_cache, *weights, 1e-6,
-                         num_q_heads=num_heads, kv_write=write)  # fmt: skip
+                         num_q_heads=num_heads, kv_write=write, rotary_dim=rotary_dim)  # fmt: skip
     assert torch.equal(qkv, expected_qkv)
     assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
     with pytest.raises(ValueError, match="kv_write.v must be"):
         bad = tops.KVWrite(v[:-1], caches[0], caches[1], slots)
         tops.qk_norm_rotary_(qk, positions, cos_cache, sin_cache, num_q_heads=num_heads,
-                             kv_write=bad)  # fmt: skip
+                             kv_write=bad, rotary_dim=rotary_dim)  # fmt: skip
 
 
 def test_qk_norm_rotary_single_token_and_empty() -> None:
@@ -524,6 +534,9 @@ def test_qk_norm_rotary_rejects_bad_arguments() -> None:
         ("packed", (qkv.view(3, 4, 16)[:, ::2], pos, cos, sin), {}),
         ("overlap", (torch.zeros(1, 3, 16).expand(3, 3, 16), pos, cos, sin), {}),
         ("head_dim // 2", (qk, pos, cos[:, :4], sin[:, :4]), {}),
+        ("head_dim // 2", (qk, pos, cos, sin), {"rotary_dim": 8}),  # caches of all 16 dims
+        ("rotary_dim must be even", (qk, pos, cos[:, :3], sin[:, :3]), {"rotary_dim": 7}),
+        ("rotary_dim must be even", (qk, pos, cos, sin), {"rotary_dim": 18}),
         ("promote", (qk.to(bf16), pos, cos, sin), {}),  # an fp32 cache on a bf16 qk
         ("positions must be", (qk, pos[:2], cos, sin), {}),
         ("int32 or int64", (qk, pos.float(), cos, sin), {}),

@@ -55,16 +55,20 @@ def qk_norm_rotary(
     eps: float = 1e-6,
     *,
     num_q_heads: int | None = None,
+    rotary_dim: int | None = None,
 ) -> torch.Tensor:
     """The attention's q/k step on qk = [num_tokens, q_heads + kv_heads, head_dim] (q heads
     first): with the weights (Qwen3), rms_norm of each head (q_weight on the first num_q_heads
     heads, k_weight on the others); then apply_rotary with cos_cache[positions],
-    sin_cache[positions] (caches [max_pos, head_dim // 2]). Returns a new tensor."""
+    sin_cache[positions] on the first rotary_dim dims of each head (None: all; caches
+    [max_pos, rotary_dim // 2]), the others kept. Returns a new tensor."""
     if q_weight is not None and k_weight is not None:
         q = rms_norm(qk[:, :num_q_heads], q_weight, eps)
         k = rms_norm(qk[:, num_q_heads:], k_weight, eps)
         qk = torch.cat((q, k), dim=1)
-    return apply_rotary(qk, cos_cache[positions], sin_cache[positions])
+    rotary_dim = qk.shape[-1] if rotary_dim is None else rotary_dim
+    rotated = apply_rotary(qk[..., :rotary_dim], cos_cache[positions], sin_cache[positions])
+    return torch.cat((rotated, qk[..., rotary_dim:]), dim=-1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -227,8 +227,11 @@ def _qk_norm_rotary_kernel(
     NUM_HEADS: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
     HALF: tl.constexpr,
+    PASS: tl.constexpr,
     HEADS_P: tl.constexpr,
     HALF_P: tl.constexpr,
+    PASS_P: tl.constexpr,
+    HEAD_P: tl.constexpr,
     DTYPE: tl.constexpr,
     HAS_NORM: tl.constexpr,
     WRITE_KV: tl.constexpr,
@@ -236,12 +239,13 @@ def _qk_norm_rotary_kernel(
     BLOCK_SIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Token t, in place on its NUM_HEADS heads x = [x1, x2] (halves of HALF), round = to DTYPE
-    (qk's dtype), as ops.qk_norm_rotary:
+    """Token t, in place on its NUM_HEADS heads x = [x1, x2, xp]: the rotated halves x1, x2 of
+    HALF dims each, then PASS dims that rotary leaves alone (partial rotary; usually none);
+    round = to DTYPE (qk's dtype), as ops.qk_norm_rotary:
       HAS_NORM, per head: h = x in fp32, y = round(h * rsqrt(mean(h^2) + eps)), x = round(w * y)
         with w = q_weight for heads < NUM_Q_HEADS, k_weight for the others;
       rotary, with c = cos_cache[positions[t]], s = sin_cache[positions[t]]:
-        x = [round(round(x1 c) - round(x2 s)), round(round(x2 c) + round(x1 s))].
+        [x1, x2] = [round(round(x1 c) - round(x2 s)), round(round(x2 c) + round(x1 s))].
     WRITE_KV (the paged cache's k/v write fused in, as triton_attention.write_kv_cache): with
     slot = slot_mapping[t] >= 0, the k heads (heads >= NUM_Q_HEADS, after the above) go to
     k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] and the token's v heads to v_cache there.
@@ -256,9 +260,16 @@ def _qk_norm_rotary_kernel(
     x1_ptrs = qk_ptr + token * stride_t + heads * stride_h + cols
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if PASS > 0:
+        pass_cols = tl.arange(0, PASS_P)[None, :]
+        pass_mask = (heads < NUM_HEADS) & (pass_cols < PASS)
+        xp_ptrs = qk_ptr + token * stride_t + heads * stride_h + 2 * HALF + pass_cols
+        xp = tl.load(xp_ptrs, mask=pass_mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
-        inv_rms = tl.rsqrt(variance + eps)[:, None]
+        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if PASS > 0:
+            squares += tl.sum(xp * xp, axis=1)
+        inv_rms = tl.rsqrt(squares / (2 * HALF + PASS) + eps)[:, None]
         is_q = heads < NUM_Q_HEADS
         qw1 = tl.load(q_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         qw2 = tl.load(q_weight_ptr + HALF + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -266,6 +277,13 @@ def _qk_norm_rotary_kernel(
         kw2 = tl.load(k_weight_ptr + HALF + cols, mask=col_mask, other=0.0).to(tl.float32)
         x1 = _round(tl.where(is_q, qw1, kw1) * _round(x1 * inv_rms, DTYPE), DTYPE)
         x2 = _round(tl.where(is_q, qw2, kw2) * _round(x2 * inv_rms, DTYPE), DTYPE)
+        if PASS > 0:
+            pass_col_mask = pass_cols < PASS
+            qwp = tl.load(q_weight_ptr + 2 * HALF + pass_cols, mask=pass_col_mask, other=0.0)
+            kwp = tl.load(k_weight_ptr + 2 * HALF + pass_cols, mask=pass_col_mask, other=0.0)
+            wp = tl.where(is_q, qwp.to(tl.float32), kwp.to(tl.float32))
+            xp = _round(wp * _round(xp * inv_rms, DTYPE), DTYPE)
+            tl.store(xp_ptrs, xp.to(DTYPE), mask=pass_mask)
     cos = tl.load(cos_ptr + position * stride_c + cols, mask=col_mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + position * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
     o1, o2 = _rotate_half(x1, x2, cos, sin, DTYPE)
@@ -280,9 +298,12 @@ def _qk_norm_rotary_kernel(
             k_mask = mask & (heads >= NUM_Q_HEADS)
             tl.store(k_ptrs + cols, o1.to(DTYPE), mask=k_mask)
             tl.store(k_ptrs + HALF + cols, o2.to(DTYPE), mask=k_mask)
+            if PASS > 0:
+                k_pass_mask = pass_mask & (heads >= NUM_Q_HEADS)
+                tl.store(k_ptrs + 2 * HALF + pass_cols, xp.to(DTYPE), mask=k_pass_mask)
             v_heads = tl.arange(0, KV_HEADS_P)[:, None]
-            v_cols = tl.arange(0, 2 * HALF_P)[None, :]
-            v_mask = (v_heads < NUM_HEADS - NUM_Q_HEADS) & (v_cols < 2 * HALF)
+            v_cols = tl.arange(0, HEAD_P)[None, :]
+            v_mask = (v_heads < NUM_HEADS - NUM_Q_HEADS) & (v_cols < 2 * HALF + PASS)
             v = tl.load(v_ptr + token * stride_vt + v_heads * stride_vh + v_cols, mask=v_mask)
             v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + v_heads * stride_vch
             tl.store(v_dst + v_cols, v, mask=v_mask)
@@ -418,24 +439,27 @@ def qk_norm_rotary_(
     *,
     num_q_heads: int | None = None,
     kv_write: KVWrite | None = None,
+    rotary_dim: int | None = None,
     dependent_launch: bool = False,
 ) -> torch.Tensor:
     """ops.qk_norm_rotary in place on qk, one launch: optional per-head RMSNorm (q_weight on
     the first num_q_heads heads, k_weight on the rest; Qwen3), then rotary with cos/sin rows
-    cos_cache[positions], sin_cache[positions]; with kv_write, also the paged cache write of
-    the new k (as rotated) and v heads (what triton_attention.write_kv_cache does). Returns qk.
+    cos_cache[positions], sin_cache[positions] on the first rotary_dim dims of each head (None:
+    all; fewer: partial rotary, Phi-4-mini); with kv_write, also the paged cache write of the
+    new k (as rotated) and v heads (what triton_attention.write_kv_cache does). Returns qk.
 
     qk: [num_tokens, num_q_heads + num_kv_heads, head_dim], typically a strided view of the
     fused qkv projection output (row stride the qkv width, head stride head_dim, last stride
-    1); positions: [num_tokens] int; caches: [max_pos, head_dim // 2]. Every dtype must promote
+    1); positions: [num_tokens] int; caches: [max_pos, rotary_dim // 2]. Every dtype must promote
     to qk's (the results are stored in place). num_q_heads is needed with the weights or
     kv_write (KVWrite: v [num_tokens, num_kv_heads, head_dim], k/v caches [num_blocks,
     block_size, num_kv_heads, head_dim] of qk's dtype, slot_mapping [num_tokens], < 0 skips).
     dependent_launch: as rms_norm."""
+    rotary_dim = qk.shape[-1] if rotary_dim is None else rotary_dim
     _check_qk_norm_rotary(qk, positions, cos_cache, sin_cache, q_weight, k_weight,
-                          num_q_heads, kv_write)  # fmt: skip
+                          num_q_heads, kv_write, rotary_dim)  # fmt: skip
     num_tokens, num_heads, head_dim = qk.shape
-    half = head_dim // 2
+    half, unrotated = rotary_dim // 2, head_dim - rotary_dim
     has_norm = q_weight is not None
     if num_tokens == 0 or num_heads == 0:
         return qk
@@ -453,7 +477,9 @@ def qk_norm_rotary_(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, NUM_Q_HEADS=num_q_heads if num_q_heads is not None else 0,
-        HALF=half, HEADS_P=heads_p, HALF_P=half_p, DTYPE=_TL_DTYPES[qk.dtype],
+        HALF=half, PASS=unrotated, HEADS_P=heads_p, HALF_P=half_p,
+        PASS_P=triton.next_power_of_2(max(1, unrotated)),
+        HEAD_P=triton.next_power_of_2(head_dim), DTYPE=_TL_DTYPES[qk.dtype],
         HAS_NORM=has_norm, WRITE_KV=kv_write is not None,
         KV_HEADS_P=triton.next_power_of_2(max(1, num_heads - (num_q_heads or 0))),
         BLOCK_SIZE=block_size, PDL=dependent_launch, launch_pdl=dependent_launch,
@@ -471,14 +497,16 @@ def _check_qk_norm_rotary(
     k_weight: torch.Tensor | None,
     num_q_heads: int | None,
     kv_write: KVWrite | None,
+    rotary_dim: int,
 ) -> None:
     _check_rotary_input(qk, "qk")
     num_tokens, num_heads, head_dim = qk.shape
     _check(num_heads <= 1 or qk.stride(1) == head_dim, "qk's heads must be packed "
            "(head stride head_dim)")  # fmt: skip
     _check(num_tokens <= 1 or qk.stride(0) >= num_heads * head_dim, "qk's token rows overlap")
-    half = head_dim // 2
-    _check_cos_sin(cos_cache, sin_cache, half, qk.device)
+    _check(0 < rotary_dim <= head_dim and rotary_dim % 2 == 0,
+           "rotary_dim must be even, in 2..head_dim")  # fmt: skip
+    _check_cos_sin(cos_cache, sin_cache, rotary_dim // 2, qk.device)
     _check(torch.promote_types(qk.dtype, cos_cache.dtype) == qk.dtype,
            "in place needs the cos/sin cache dtype to promote to qk's")  # fmt: skip
     _check(positions.shape == (num_tokens,), "positions must be [num_tokens]")
@@ -633,7 +661,8 @@ def _check_rotary_input(x: torch.Tensor, name: str) -> None:
 
 
 def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, half: int, device: torch.device) -> None:
-    _check(cos.dim() == 2 and cos.shape[1] == half, "cos/sin last dim must be head_dim // 2")
+    _check(cos.dim() == 2 and cos.shape[1] == half, "cos/sin last dim must be head_dim // 2 "
+           "(rotary_dim // 2 with partial rotary)")  # fmt: skip
     _check(sin.shape == cos.shape and sin.dtype == cos.dtype, "cos and sin must match")
     _check(cos.dtype in _FLOAT_DTYPES, f"cos/sin dtype {cos.dtype} unsupported")
     _check(cos.device == device and sin.device == device, "cos/sin are on another device")

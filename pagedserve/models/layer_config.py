@@ -25,6 +25,8 @@ operands' shapes and strides.
     each linear layer its linear method; None: float weights.
   * kv_cache_dtype: the paged KV cache's element type (float8_e4m3fn: fp8 with per-tensor
     scales); None: the model's dtype.
+  * max_model_len: the engine's longest context (EngineConfig.max_model_len), which LongRoPE's
+    choice of factors follows (models.layers.RotaryEmbedding); None: the model's own limit.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class LayerConfig:
     stage: PipelineStage = field(default_factory=PipelineStage)
     quantization: QuantizationConfig | None = None
     kv_cache_dtype: torch.dtype | None = None
+    max_model_len: int | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -99,15 +99,16 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(
-    head_dim: int, rope_theta: float, rope_scaling: dict | None
+    rotary_dim: int, rope_theta: float, rope_scaling: dict | None, context_len: int
 ) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention factor): inv_freq[i] = theta^(-2i / head_dim), adjusted by
-    `rope_type` (default, linear, llama3, yarn); the factor scales cos and sin (YaRN's, else 1)."""
-    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    """(inv_freq, attention factor): inv_freq[i] = theta^(-2i / rotary_dim), adjusted by
+    `rope_type` (default, linear, llama3, yarn, longrope); the factor scales cos and sin
+    (YaRN's and LongRoPE's, else 1). context_len: the engine's longest context (LongRoPE picks
+    its factors by it)."""
+    powers = rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
+    inv_freq = 1.0 / powers
     scaling = rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise NotImplementedError("partial rotary embeddings are not supported")
     if rope_type == "default":
         return inv_freq, 1.0
     if rope_type == "linear":
@@ -116,7 +117,41 @@ def rope_inverse_frequencies(
         return _llama3_inverse_frequencies(inv_freq, scaling), 1.0
     if rope_type == "yarn":
         return _yarn_inverse_frequencies(inv_freq, rope_theta, scaling)
+    if rope_type == "longrope":
+        return _longrope_inverse_frequencies(powers, scaling, context_len)
     raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+
+
+def _longrope_inverse_frequencies(
+    powers: torch.Tensor, scaling: dict, context_len: int
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini), as transformers' _compute_longrope_parameters:
+    inv_freq[i] = 1 / (factors[i] * powers[i]) (powers[i] = theta^(2i / rotary_dim)) with the
+    `long_factor` or `short_factor` list; cos and sin scaled by
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) (1 for a factor up to 1), or
+    the config's attention_factor. `scaling` holds original_max_position_embeddings and factor
+    (`llama.rope_settings` fills them in as transformers does).
+
+    The factors are chosen once, as vLLM does (Phi3LongRoPEScaledRotaryEmbedding): the long ones
+    when the engine's context (max_model_len) exceeds original_max_position_embeddings, else the
+    short ones, so that cached keys stay valid as a sequence grows. transformers instead picks
+    per forward by the sequence's length (short up to original_max_position_embeddings tokens,
+    long past them, recomputing the cache when a generation crosses over): the two agree on
+    every sequence longer than that, and on all when max_model_len is at most that."""
+    original = scaling["original_max_position_embeddings"]
+    use_long = context_len > original
+    factors = torch.tensor(scaling["long_factor" if use_long else "short_factor"])
+    if factors.shape != powers.shape:
+        raise ValueError(
+            f"LongRoPE needs {len(powers)} factors (half the rotary dims), got {len(factors)}"
+        )
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        factor = scaling["factor"]
+        attention_factor = (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return 1.0 / (factors.float() * powers), float(attention_factor)
 
 
 def _yarn_inverse_frequencies(
@@ -174,8 +209,9 @@ def _llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE over the full head_dim; cos/sin cached per position (float32 math,
-    stored in the default dtype at construction time, i.e. the model dtype). The per-step
+    """Rotate-half RoPE over the first `rotary_dim` dims of each head (all of them, or a
+    fraction: partial rotary, the rest passed through); cos/sin cached per position (float32
+    math, stored in the default dtype at construction time, i.e. the model dtype). The per-step
     tables (looked up at the step's positions) are kept for as long as the same positions
     tensor object comes back (and, outside inference mode, is unmodified) within one forward:
     every layer shares this module, so one lookup serves them all. The model calls `new_step`
@@ -186,7 +222,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(
         self,
-        head_dim: int,
+        rotary_dim: int,
         max_position: int,
         rope_theta: float,
         rope_scaling: dict | None,
@@ -195,7 +231,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.fused_ops: FusedOps = config.fused_ops
         self.dependent_launch = config.dependent_launch
-        inv_freq, factor = rope_inverse_frequencies(head_dim, rope_theta, rope_scaling)
+        self.rotary_dim = rotary_dim
+        context_len = config.max_model_len or max_position
+        inv_freq, factor = rope_inverse_frequencies(
+            rotary_dim, rope_theta, rope_scaling, context_len
+        )
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
         dtype = torch.get_default_dtype()
         self.register_buffer("cos_cache", (freqs.cos() * factor).to(dtype), persistent=False)
@@ -207,7 +247,7 @@ class RotaryEmbedding(nn.Module):
         self._step = None
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, head_dim] (cat(cos, cos), cat(-sin, sin)) at `positions` [T]."""
+        """[T, 1, rotary_dim] (cat(cos, cos), cat(-sin, sin)) at `positions` [T]."""
         step = self._step
         version = 0 if positions.is_inference() else positions._version
         if step is None or step[0] is not positions or step[1] != version:
@@ -216,22 +256,30 @@ class RotaryEmbedding(nn.Module):
         return step[2], step[3]
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] (any view) -> a new rotated tensor."""
+        """x [T, heads, head_dim] (any view) -> a new tensor, its first rotary_dim dims of
+        each head rotated, the others copied."""
         cos, sin = self.tables(positions)
-        return apply_rotary_full(x, cos, sin)
+        if x.shape[-1] == self.rotary_dim:
+            return apply_rotary_full(x, cos, sin)
+        rotated = apply_rotary_full(x[..., : self.rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
 
     def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """rotate, in place on x (one C++ pass on the CPU path); returns x."""
+        rotary = x[..., : self.rotary_dim]  # a view: the dims rotary changes
         if (
             self.fused_ops == "cpu"
-            and cpu_kernel_takes(x)
+            and cpu_kernel_takes(rotary)
             and self.cos_cache.dtype == torch.float32
             and positions.dtype == torch.int64
             and positions.is_contiguous()
         ):
-            torch.ops.pagedserve_cpu.rotary_inplace(x, positions, self.cos_cache, self.sin_cache)
+            torch.ops.pagedserve_cpu.rotary_inplace(
+                rotary, positions, self.cos_cache, self.sin_cache
+            )
             return x
-        return x.copy_(self.rotate(positions, x))
+        rotary.copy_(self.rotate(positions, rotary))
+        return x
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -249,9 +297,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """qk [T, q_heads + kv_heads, head_dim] (q heads first; a view of this step's own qkv
         buffer, which may be overwritten) -> (q, k, kv_written): with qk_norms = (q_norm,
-        k_norm) each head normed first (Qwen3), then rotated. The Triton path is one launch in
-        place on qk, which also writes the paged KV cache when given kv_write (kv_written
-        says it did); the other paths rotate in place (no norms) or build new q and k."""
+        k_norm) each head normed first (Qwen3), then rotated (its first rotary_dim dims). The
+        Triton path is one launch in place on qk, which also writes the paged KV cache when
+        given kv_write (kv_written says it did); the other paths rotate in place (no norms) or
+        build new q and k."""
         if self.fused_ops == "triton" and (qk_norms is None or qk_norms[0].eps == qk_norms[1].eps):
             weights: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
             eps = 1e-6
@@ -259,7 +308,8 @@ class RotaryEmbedding(nn.Module):
                 weights, eps = (qk_norms[0].weight, qk_norms[1].weight), qk_norms[0].eps
             triton_ops_module().qk_norm_rotary_(
                 qk, positions, self.cos_cache, self.sin_cache, *weights, eps,
-                num_q_heads=num_q_heads, kv_write=kv_write, dependent_launch=self.dependent_launch,
+                num_q_heads=num_q_heads, kv_write=kv_write, rotary_dim=self.rotary_dim,
+                dependent_launch=self.dependent_launch,
             )  # fmt: skip
             return qk[:, :num_q_heads], qk[:, num_q_heads:], kv_write is not None
         if qk_norms is None:

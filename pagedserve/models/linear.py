@@ -16,6 +16,7 @@ x W^T + b (`apply`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from types import ModuleType
@@ -30,6 +31,7 @@ from pagedserve.models.layer_config import LayerConfig
 if TYPE_CHECKING:
     from pagedserve.models.lora import LoRALayer
 from pagedserve.models.weights import (
+    ALL_PARTS,
     VECTOR,
     OutputShard,
     default_weight_loader,
@@ -186,10 +188,30 @@ class LinearBase(nn.Module):
     def input_range(self) -> tuple[int, int] | None:
         return None
 
+    def checkpoint_part_starts(self) -> dict[str | int, int]:
+        """A fused layer's parts (shard id -> the first of its output channels in a checkpoint
+        tensor that holds every part, in order: ALL_PARTS); empty for a layer of one part."""
+        return {}
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        load_shard(param, loaded, self.output_shard(shard_id), self.input_range())
+        if shard_id == ALL_PARTS:
+            self._load_every_part(param, loaded)
+        else:
+            load_shard(param, loaded, self.output_shard(shard_id), self.input_range())
+
+    def _load_every_part(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """A checkpoint tensor of every fused part (ALL_PARTS), each part sliced from its rows
+        as from its own tensor (its tensor-parallel shard included)."""
+        starts = self.checkpoint_part_starts()
+        if not starts:
+            raise ValueError(f"{type(self).__name__} is not a fused layer: it has no parts")
+        for part, start in starts.items():
+            shard = self.output_shard(part)
+            assert shard is not None
+            moved = dataclasses.replace(shard, source_start=start + shard.source_start)
+            load_shard(param, loaded, moved, self.input_range())
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
@@ -233,6 +255,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = sizes[shard_id]
         return OutputShard(sum(sizes[:shard_id]), self.tp.rank * size, size, shard_id)
 
+    def checkpoint_part_starts(self) -> dict[str | int, int]:
+        return {part: sum(self.output_sizes[:part]) for part in range(len(self.output_sizes))}
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul, sharded by heads. When tp.size exceeds the number
@@ -249,6 +274,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         tp_size = config.tp.size
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = divide(num_heads, tp_size)
         if tp_size >= num_kv_heads:
             self.num_kv_heads, self.kv_replicas = 1, divide(tp_size, num_kv_heads)
@@ -275,6 +301,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         head_start = (self.tp.rank // self.kv_replicas) * self.num_kv_heads
         start = self.q_size + (self.kv_size if shard_id == "v" else 0)
         return OutputShard(start, head_start * self.head_dim, self.kv_size, 1 + (shard_id == "v"))
+
+    def checkpoint_part_starts(self) -> dict[str | int, int]:
+        q_rows = self.total_num_heads * self.head_dim
+        kv_rows = self.total_num_kv_heads * self.head_dim
+        return {"q": 0, "k": q_rows, "v": q_rows + kv_rows}
 
 
 class RowParallelLinear(LinearBase):

@@ -38,15 +38,31 @@ def model_head_dim(config: ModelConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rotary_dim(config: ModelConfig) -> int:
+    """The dims of each head that rotary turns: head_dim times `partial_rotary_factor` (the
+    RoPE parameters' or the config's, as transformers reads it; 1 unless told)."""
+    factor = rope_scaling_of(config.to_dict()).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None) or 1.0
+    return int(model_head_dim(config) * factor)
+
+
 def rope_settings(config: ModelConfig) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict) from transformers 5 `rope_parameters` or the older fields;
-    YaRN's original_max_position_embeddings and factor filled in as transformers does."""
+    """(rope_theta, scaling dict) from transformers 5 `rope_parameters` or the older fields
+    (the partial rotary factor left to `rotary_dim`); YaRN's and LongRoPE's ("su" in older
+    Phi-3 configs) original_max_position_embeddings and factor filled in as transformers does."""
     params = rope_scaling_of(config.to_dict())
+    params.pop("partial_rotary_factor", None)
     theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
     if params == {"rope_type": "default"}:  # what transformers 5 fills in for no scaling
         params = {}
-    if params.get("rope_type", params.get("type")) == "yarn":
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type == "su":
+        params["rope_type"] = rope_type = "longrope"
+    if rope_type in ("yarn", "longrope"):
         original = params.get("original_max_position_embeddings")
+        if rope_type == "longrope":  # Phi-3 keeps it beside the RoPE fields, and that wins
+            original = getattr(config, "original_max_position_embeddings", None) or original
         params["original_max_position_embeddings"] = original or config.max_position_embeddings
         if params.get("factor") is None:
             params["factor"] = (
@@ -183,7 +199,7 @@ class LlamaModel(nn.Module):
         theta, scaling = rope_settings(config)
         # one rotary embedding shared by every layer, whose per-step tables each forward resets
         self.rotary_emb = RotaryEmbedding(
-            model_head_dim(config), context_limit(config.to_dict()), theta, scaling, layer_config
+            rotary_dim(config), context_limit(config.to_dict()), theta, scaling, layer_config
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(

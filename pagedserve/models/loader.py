@@ -3,8 +3,9 @@
 Weights come from `model.safetensors`, a sharded `model.safetensors.index.json`, or any
 `*.safetensors` in the directory; or, with `load_format='dummy'`, from a seeded normal
 distribution (benchmarks). HF names map onto the fused parameters through each model's
-`packed_modules_mapping` (q/k/v -> qkv_proj, gate/up -> gate_up_proj); each parameter's
-`weight_loader` slices its tensor-parallel shard. How the layers run (kernels, attention backend,
+`packed_modules_mapping` (q/k/v -> qkv_proj, gate/up -> gate_up_proj, or a checkpoint's own
+fused tensor -> every part: models.weights.ALL_PARTS); each parameter's `weight_loader` slices
+its tensor-parallel shard. How the layers run (kernels, attention backend,
 tensor parallelism, quantization, the KV cache's dtype) is decided here, once, in the model's
 LayerConfig (`build_layer_config`). After loading, every module that has one runs its
 `process_weights_after_loading` (quantized layers convert the checkpoint's form of their
@@ -105,7 +106,8 @@ def build_layer_config(
     kernels.cuda_quant.available); programmatic
     dependent launches for those kernels on sm_90+ (config.dependent_launch); this rank's
     tensor-parallel group (tp; None: the process's default group) and pipeline stage (None: the
-    whole model); the quantization (models.quantization.config) and the KV cache's dtype."""
+    whole model); the quantization (models.quantization.config), the KV cache's dtype and the
+    engine's context length (config.max_model_len: resolved, or None for the model's)."""
     dtype = resolve_dtype(config.dtype, hf_config, device)
     quantization = resolve_quantization(config.quantization, config.load_format, hf_config)
     check_supported(quantization, device, dtype)
@@ -135,6 +137,7 @@ def build_layer_config(
         stage=stage if stage is not None else PipelineStage(),
         quantization=quantization,
         kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
+        max_model_len=config.max_model_len,
     )  # fmt: skip
 
 

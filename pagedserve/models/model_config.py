@@ -28,7 +28,8 @@ _COMMON: dict[str, Any] = {
     "sliding_window": None,
     "use_sliding_window": False,
 }
-# transformers' defaults per model_type (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+# transformers' defaults per model_type (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+# Phi3Config, ...)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048},
     "mistral": {
@@ -39,6 +40,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "phi3": {
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+    },
     "mixtral": {
         "max_position_embeddings": 4096 * 32,
         "num_key_value_heads": 8,

@@ -6,7 +6,9 @@ A layer loads a checkpoint tensor into a parameter through `load_shard(param, lo
 input)`: `output` says where the tensor's output channels go in this rank's parameter (a fused
 layer's part: q, k or v of qkv_proj, gate or up of gate_up_proj) and where they start in the
 checkpoint tensor; `input` says which input channels this rank keeps (row-parallel layers).
-`ParamLayout` tells which dim indexes those channels and how many channels one index covers
+A checkpoint that stores a fused layer's parts in one tensor (shard id `ALL_PARTS`) is loaded
+part by part the same way, each part's `source_start` moved to where its rows begin in that
+tensor. `ParamLayout` tells which dim indexes those channels and how many channels one index covers
 (8 for 4-bit codes packed along it, the group size for per-group scales). `narrow_shard` does
 the slicing alone (the mixture-of-experts layer fills one expert's slice of a stacked parameter
 with it).
@@ -43,6 +45,12 @@ class OutputShard:
     source_start: int
     size: int
     index: int = 0
+
+
+# the shard id of a checkpoint tensor that holds every part of a fused layer already, stacked
+# along the output channels in the layer's order (Phi-3's qkv_proj and gate_up_proj): the
+# layer loads each part from its rows as it would from the part's own tensor
+ALL_PARTS = "all_parts"
 
 
 def divide(numerator: int, denominator: int) -> int:
