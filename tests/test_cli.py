@@ -50,7 +50,7 @@ def test_serve_stops_cleanly_on_ctrl_c_and_sigterm(tmp_path, sig: signal.Signals
                 if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                     break
             except httpx.TransportError:
-                time.sleep(0.5)
+                time.sleep(0.1)
         reply = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": "JULIET:", "max_tokens": 8},

@@ -63,6 +63,9 @@ CHUNKED = {"max_num_batched_tokens": BUDGET, "max_num_seqs": 8}
 MAX_MODEL_LEN = 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be?"}]
+# for an engine whose test sends token ids and checks vectors only (no delta's text): no
+# tokenizer, whose load is most of an engine's start-up here
+TOKEN_IDS = {"skip_tokenizer_init": True}
 
 
 def assert_close(got: list[float], expected: list[float]) -> None:
@@ -163,7 +166,7 @@ def test_embeddings_equal_transformers_pooled_hidden_states(
     expected = [hf_embedding(model, prompt, pooling_type) for prompt in prompts]
     with LLM(
         str(models[arch]), **CHUNKED, num_kv_blocks=128,
-        pooler_config={"pooling_type": pooling_type}, supervision=NO_STANDBY,
+        pooler_config={"pooling_type": pooling_type}, supervision=NO_STANDBY, **TOKEN_IDS,
     ) as llm:  # fmt: skip
         first = llm.embed(prompts)
         before = llm.get_stats()
@@ -189,7 +192,7 @@ def test_embeddings_across_tensor_and_pipeline_parallel_workers(models, layout: 
     model = load_hf_model(models["llama"])
     with LLM(
         str(models["llama"]), **CHUNKED, num_kv_blocks=64,
-        pooler_config={"pooling_type": "MEAN"}, supervision=NO_STANDBY, **layout,
+        pooler_config={"pooling_type": "MEAN"}, supervision=NO_STANDBY, **layout, **TOKEN_IDS,
     ) as llm:  # fmt: skip
         outputs = llm.embed(prompts)
         assert not llm.supervisor.restarts
@@ -205,7 +208,7 @@ def test_an_embedding_runs_with_its_lora_adapter(models, tmp_path: Path) -> None
     lora = LoRARequest("a", 1, str(adapter))
     with LLM(
         str(models["llama"]), **CHUNKED, num_kv_blocks=64, enable_lora=True,
-        supervision=NO_STANDBY,
+        supervision=NO_STANDBY, **TOKEN_IDS,
     ) as llm:  # fmt: skip
         adapted, plain = llm.embed([prompt, prompt], lora_request=[lora, None])
     merged, base = merge_lora(models["llama"], adapter), load_hf_model(models["llama"])
@@ -407,7 +410,7 @@ def test_a_pooling_step_never_takes_the_static_paths(
 def supervised(models):
     config = EngineConfig(
         model=str(models["llama"]), num_kv_blocks=256, max_num_batched_tokens=16, max_num_seqs=8,
-        pooler_config={"pooling_type": "MEAN"},
+        pooler_config={"pooling_type": "MEAN"}, **TOKEN_IDS,
     )  # fmt: skip
     supervisor = Supervisor(config)
     supervisor.start()

@@ -1,6 +1,8 @@
 """The whole engine through the public `LLM` API: real actor processes, real sockets.
 
-transformers is the oracle: greedy tokens must be identical and logprobs close.
+transformers is the oracle: greedy tokens must be identical and logprobs close. Engines whose
+test sends token ids and checks only tokens, logprobs and counts start without the tokenizer
+(skip_tokenizer_init: token ids in and out), whose load is most of an engine's start-up here.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def test_greedy_parity_with_transformers(arch_model: tuple[str, Path]) -> None:
     arch, path = arch_model
     prompts = random_prompts(400, PROMPT_LENGTHS, seed=1)
     with LLM(
-        str(path), max_num_batched_tokens=64, num_kv_blocks=128, supervision=NO_STANDBY
-    ) as llm:
+        str(path), max_num_batched_tokens=64, num_kv_blocks=128, supervision=NO_STANDBY,
+        skip_tokenizer_init=True,
+    ) as llm:  # fmt: skip
         outputs = llm.generate(prompts, GREEDY)
         stats = llm.get_stats()
     assert_matches_transformers(path, prompts, outputs)
@@ -99,15 +102,15 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(llama_engine: LLM) -> None:
 
 def test_preemption_under_kv_pressure_keeps_outputs(llama_path: Path) -> None:
     prompts = random_prompts(400, PROMPT_LENGTHS, seed=3)
-    # the reference run also turns async scheduling off (one step in flight at a time)
-    with LLM(
-        str(llama_path), num_kv_blocks=256, max_inflight_steps=1, supervision=NO_STANDBY
-    ) as roomy:
-        expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, GREEDY)]
+    # the reference: transformers' greedy tokens, one sequence at a time (no preemption, no
+    # asynchronous scheduling); an engine with room for all matches them (parity test above)
+    model = load_hf_model(llama_path)
+    expected = [hf_greedy(model, prompt, NEW_TOKENS)[0] for prompt in prompts]
     # 14 blocks of 16 tokens cannot hold the 8 requests (~330 tokens of prompt + 256 of output)
     with LLM(
-        str(llama_path), num_kv_blocks=14, enable_prefix_caching=False, supervision=NO_STANDBY
-    ) as tight:
+        str(llama_path), num_kv_blocks=14, enable_prefix_caching=False, supervision=NO_STANDBY,
+        skip_tokenizer_init=True,
+    ) as tight:  # fmt: skip
         outputs = tight.generate(prompts, GREEDY)
         stats = tight.get_stats()
     assert stats.num_preemptions > 0
@@ -260,8 +263,9 @@ def test_priority_scheduling_admits_waiting_requests_by_priority(llama_path: Pat
     taken by a long request, three waiting requests start in priority order (lower first),
     not in arrival order; LLM.generate takes a priority per prompt."""
     with LLM(
-        str(llama_path), max_num_seqs=1, scheduling_policy="priority", supervision=NO_STANDBY
-    ) as llm:
+        str(llama_path), max_num_seqs=1, scheduling_policy="priority", supervision=NO_STANDBY,
+        skip_tokenizer_init=True,
+    ) as llm:  # fmt: skip
         long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
         short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         client = llm.client
@@ -362,7 +366,8 @@ def test_shutdown_leaves_no_processes_or_sockets(llama_path: Path) -> None:
 
 def test_tensor_parallel_two_workers_match_one(llama_path: Path) -> None:
     prompts = random_prompts(400, PROMPT_LENGTHS[:4], seed=6)
-    budget = dict(cpu_kv_cache_gib=0.01)  # the KV block count then shows the sharding
+    # the KV block count then shows the sharding
+    budget = dict(cpu_kv_cache_gib=0.01, skip_tokenizer_init=True)
     with LLM(str(llama_path), supervision=NO_STANDBY, **budget) as single:
         expected = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY)]
         single_blocks = single.supervisor.num_kv_blocks
@@ -400,12 +405,15 @@ def test_hf_overrides_stretch_the_context_with_yarn(tmp_path: Path) -> None:
     config = json.loads((reference / "config.json").read_text())
     (reference / "config.json").write_text(json.dumps({**config, "rope_scaling": yarn}))
     prompts = random_prompts(400, [3, 50, 90], seed=4)
-    with LLM(str(path), hf_overrides={"rope_scaling": yarn}, supervision=NO_STANDBY) as llm:
+    with LLM(
+        str(path), hf_overrides={"rope_scaling": yarn}, supervision=NO_STANDBY,
+        skip_tokenizer_init=True,
+    ) as llm:  # fmt: skip
         assert llm.supervisor.sized_config.max_model_len == 160
         outputs = llm.generate(prompts, GREEDY)
     assert_matches_transformers(reference, prompts, outputs)
-    with LLM(str(path), num_kv_blocks=64, supervision=NO_STANDBY) as plain:
-        unscaled = plain.generate(prompts[1:2], GREEDY)[0].outputs[0].token_ids
+    # the model without the override (whose greedy tokens the engine's equal: parity test)
+    unscaled, _ = hf_greedy(load_hf_model(path), prompts[1], NEW_TOKENS)
     assert unscaled != outputs[1].outputs[0].token_ids  # the override changed the model
 
 
@@ -423,7 +431,7 @@ def test_a_sliding_window_caps_the_context_where_full_attention_is_the_models(
     config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=48)
     (path / "config.json").write_text(json.dumps(config))
     prompts = random_prompts(400, [3, 16], seed=5)  # with NEW_TOKENS out: within the window
-    with LLM(str(path), supervision=NO_STANDBY) as llm:
+    with LLM(str(path), supervision=NO_STANDBY, skip_tokenizer_init=True) as llm:
         assert llm.supervisor.sized_config.max_model_len == 48
         outputs = llm.generate(prompts, GREEDY)
         with pytest.raises(EngineRequestError, match="maximum context length is 48"):

@@ -80,7 +80,7 @@ def test_each_request_runs_with_its_own_adapter(models, max_loras: int, layout: 
     }
     with LLM(
         str(models["base"]), enable_lora=True, max_loras=max_loras, max_lora_rank=8,
-        num_kv_blocks=64, supervision=NO_STANDBY, **layout,
+        num_kv_blocks=64, supervision=NO_STANDBY, skip_tokenizer_init=True, **layout,
     ) as llm:  # fmt: skip
         plain = llm.generate(prompts, GREEDY)
         mixed = llm.generate(
@@ -132,7 +132,9 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(models, tmp_path:
         assert not llm.supervisor.restarts
     check(served[0], expected(merge_lora(models["base"], models["a"]), prompt))
     assert chatted != unadapted  # LLM.chat takes the adapter too
-    with LLM(str(models["base"]), num_kv_blocks=32, supervision=NO_STANDBY) as plain:
+    with LLM(
+        str(models["base"]), num_kv_blocks=32, supervision=NO_STANDBY, skip_tokenizer_init=True
+    ) as plain:
         with pytest.raises(EngineRequestError, match="--enable-lora"):
             plain.generate(prompt, GREEDY, lora_request=LoRARequest("a", 1, str(models["a"])))
 

@@ -466,7 +466,7 @@ def test_api_key_and_restart_of_dead_stateless_actors(model_path: Path) -> None:
                 break
             except openai.APIConnectionError:
                 assert time.monotonic() < deadline, "the server did not come back"
-                time.sleep(0.5)
+                time.sleep(0.1)
         assert len(reply.choices) == 1
         assert supervisor.restarts == {"api-server": 1, "tokenizer": 1}
         assert supervisor.dead_reason is None

@@ -27,6 +27,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # 14 blocks of 16 tokens cannot hold the 8 requests at once (~290 prompt tokens + 128 output):
 # requests are preempted; the 64-token budget prefills the long prompts in chunks
 TIGHT = dict(num_kv_blocks=14, enable_prefix_caching=False, max_num_batched_tokens=64)
+# the tests send token ids and check tokens: no tokenizer (whose load is most of a start-up)
+TOKEN_IDS = dict(skip_tokenizer_init=True)
 
 
 def expected_tokens(path: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -52,7 +54,7 @@ def test_pipeline_stages_give_the_tokens_of_one_rank(
     expected = expected_tokens(path, prompts)
     with LLM(
         str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, supervision=NO_STANDBY,
-        **TIGHT,
+        **TIGHT, **TOKEN_IDS,
     ) as llm:  # fmt: skip
         workers = sorted(label for label in llm.supervisor.processes if label.startswith("worker"))
         assert len(workers) == tp * pp
@@ -69,7 +71,7 @@ def test_an_uneven_split_with_a_middle_stage(tmp_path: Path) -> None:
     prompts = random_prompts(400, PROMPT_LENGTHS[:5], seed=12)
     with LLM(
         str(path), pipeline_parallel_size=3, supervision=NO_STANDBY, num_kv_blocks=64,
-        max_num_batched_tokens=16,  # the 17-token prompt in chunks
+        max_num_batched_tokens=16, **TOKEN_IDS,  # the 17-token prompt in chunks
     ) as llm:  # fmt: skip
         outputs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected_tokens(path, prompts)
@@ -93,7 +95,7 @@ def test_a_dead_rank_restarts_the_whole_group_which_finishes_the_work(tmp_path: 
     prompts = random_prompts(400, [40] * 3, seed=13)
     new_tokens = 48
     long = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm = LLM(str(path), pipeline_parallel_size=2, num_kv_blocks=256)
+    llm = LLM(str(path), pipeline_parallel_size=2, num_kv_blocks=256, **TOKEN_IDS)
     first_group = {label: p.pid for label, p in llm.supervisor.processes.items()}
     killed_after: list[int] = []
 

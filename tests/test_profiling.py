@@ -104,7 +104,9 @@ def test_engine_profile_timelines_join_into_each_requests_first_token_path(
 
     out = tmp_path / "timeline"
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    with LLM(profile=ProfileConfig(output_dir=str(out), num_steps=0)) as llm:
+    with LLM(
+        profile=ProfileConfig(output_dir=str(out), num_steps=0), supervision=NO_STANDBY
+    ) as llm:
         for prompt in ("ROMEO:", "JULIET: O", "Enter a"):
             llm.generate(prompt, params, use_tqdm=False)
     requests = first_token_marks(str(out))

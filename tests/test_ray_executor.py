@@ -55,6 +55,7 @@ def test_workers_on_two_nodes_give_the_tokens_of_one_rank(
     with LLM(
         str(llama), tensor_parallel_size=tp, pipeline_parallel_size=pp, num_kv_blocks=64,
         max_num_batched_tokens=32, distributed_executor_backend="ray",
+        skip_tokenizer_init=True,  # token ids in and out: no tokenizer to load
     ) as llm:  # fmt: skip
         executor = llm.supervisor.executor
         nodes = placement_group_table(executor.placement)["bundles_to_node_id"].values()

@@ -34,7 +34,9 @@ SHAKESPEARE = [
 ]
 
 
-def test_seeded_sampling_with_penalties_is_the_same_with_and_without_preemption() -> None:
+def test_seeded_sampling_with_penalties_is_the_same_with_and_without_preemption(
+    engine: Supervisor,
+) -> None:
     """The scheduler owns what sampling must carry across a preemption (the output so far,
     the RNG key); a resumed request continues exactly where it stopped."""
     params = [
@@ -50,9 +52,11 @@ def test_seeded_sampling_with_penalties_is_the_same_with_and_without_preemption(
         )  # fmt: skip
         for i in range(len(SHAKESPEARE))
     ]
-    with LLM(num_kv_blocks=256, supervision=NO_STANDBY) as roomy:
-        expected = [o.outputs[0].token_ids for o in roomy.generate(SHAKESPEARE, params)]
-        assert roomy.get_stats().num_preemptions == 0
+    # the reference: the module's roomy engine (512 blocks), all 8 requests at once
+    with Client(engine.addresses.engine_address) as client:
+        before = client.stats().num_preemptions
+        expected = generate_together(client, SHAKESPEARE, params)
+        assert client.stats().num_preemptions == before  # none preempted there
     # 12 blocks of 16 tokens cannot hold 8 requests of ~10 + 48 tokens: preemption
     with LLM(num_kv_blocks=12, enable_prefix_caching=False, supervision=NO_STANDBY) as tight:
         assert tight.config.max_inflight_steps > 1  # asynchronous scheduling is on
@@ -80,6 +84,21 @@ def greedy(max_tokens: int = 24) -> SamplingParams:
 def solo_tokens(address: str, prompt: str | list[int], params: SamplingParams) -> list[int]:
     with Client(address) as client:
         return [t for d in client.generate(prompt, params) for t in d.token_ids]
+
+
+def generate_together(client: Client, prompts: list[str], params: list[SamplingParams]):
+    """Each prompt's output tokens, the requests submitted at once."""
+    seqs = [client.submit(prompt, p) for prompt, p in zip(prompts, params)]
+    tokens: dict[int, list[int]] = {seq: [] for seq in seqs}
+    running = set(seqs)
+    while running:
+        event = client.receive(30_000)
+        assert event is not None, "no output"
+        if event.seq in running:
+            tokens[event.seq] += event.token_ids
+            if event.finish_reason is not None:
+                running.remove(event.seq)
+    return [tokens[seq] for seq in seqs]
 
 
 async def collect(client: AsyncClient, prompt, params: SamplingParams, label: str | None = None):

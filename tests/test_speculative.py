@@ -148,27 +148,38 @@ SHAKESPEARE = [
 ]
 
 
+PENALISED = [
+    SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, stop=["\n\n"],
+                   logit_bias={5: 3.0, 6: -2.0}, bad_words=["am", "my lord"]),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=40, n=2,
+                   presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3,
+                   bad_words=["I am", "my"]),
+    SamplingParams(temperature=0.7, top_k=40, seed=6, max_tokens=40, logprobs=0,
+                   logit_bias={10: -4.0}, allowed_token_ids=list(range(2, 1500, 2))),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plain_penalised() -> list:
+    """The plain embedded engine's outputs of SHAKESPEARE under PENALISED (seeded: the same
+    for every speculative run that compares with them)."""
+    with LLM(num_kv_blocks=256, supervision=NO_STANDBY) as plain:
+        return plain.generate(SHAKESPEARE, PENALISED)
+
+
 @pytest.mark.parametrize(
     "spec", [NGRAM, {"model": "pagedserve/tiny-shakespeare", "num_speculative_tokens": 3}],
     ids=["ngram", "draft"],
 )  # fmt: skip
-def test_sampling_penalties_logprobs_stops_and_n_match_the_plain_engine(spec: dict) -> None:
+def test_sampling_penalties_logprobs_stops_and_n_match_the_plain_engine(
+    spec: dict, plain_penalised: list
+) -> None:
     """Seeded sampling with penalties, logit biases, allowed tokens, bad words, logprobs, stop
     strings and n > 1 on the embedded model: the same tokens, text, logprobs and finishes with
     and without speculation."""
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, stop=["\n\n"],
-                       logit_bias={5: 3.0, 6: -2.0}, bad_words=["am", "my lord"]),
-        SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=40, n=2,
-                       presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3,
-                       bad_words=["I am", "my"]),
-        SamplingParams(temperature=0.7, top_k=40, seed=6, max_tokens=40, logprobs=0,
-                       logit_bias={10: -4.0}, allowed_token_ids=list(range(2, 1500, 2))),
-    ]  # fmt: skip
-    with LLM(num_kv_blocks=256, supervision=NO_STANDBY) as plain:
-        expected = plain.generate(SHAKESPEARE, params)
+    expected = plain_penalised
     with LLM(num_kv_blocks=256, speculative_config=spec, supervision=NO_STANDBY) as speculative:
-        outputs = speculative.generate(SHAKESPEARE, params)
+        outputs = speculative.generate(SHAKESPEARE, PENALISED)
         stats = speculative.get_stats()
     assert stats.spec_num_drafts > 0
     if "model" in spec:  # the embedded model drafting for itself: drafts are often accepted
