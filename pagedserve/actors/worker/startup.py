@@ -25,7 +25,7 @@ import msgspec
 import torch
 
 from pagedserve.actors.messages import NewRequestData, PoolingParams, SamplingParams, StepPlan
-from pagedserve.actors.worker.cpu_tuning import advise_huge_pages
+from pagedserve.actors.worker.cpu_tuning import advise_huge_pages, lazily_zeroed
 from pagedserve.actors.worker.cuda_graphs import DecodeStep
 from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.actors.worker.speculative import DraftModelProposer
@@ -66,10 +66,12 @@ def num_kv_blocks(runner: ModelRunner) -> int:
 
 def init_kv_cache(runner: ModelRunner, blocks: int) -> None:
     start = time.perf_counter()
-    kv_cache = torch.empty(runner.kv_cache_shape(blocks), dtype=runner.dtype, device=runner.device)
+    shape = runner.kv_cache_shape(blocks)
     if runner.device.type == "cpu":
-        advise_huge_pages(kv_cache)  # before the first touch
-    runner.kv_cache = kv_cache.zero_()
+        runner.kv_cache = lazily_zeroed(shape, runner.dtype)
+        advise_huge_pages(runner.kv_cache)  # before the first touch
+    else:
+        runner.kv_cache = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
     runner.bind_kv_cache(runner.kv_cache)
     draft = runner.proposer
     if isinstance(draft, DraftModelProposer):  # the draft model's own cache, same blocks
