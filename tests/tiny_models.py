@@ -3,6 +3,7 @@ the way a user would: from a model directory."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -29,6 +30,8 @@ CONFIGS = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    # Phi-3 with Phi-4-mini's partial rotary (its own pad id: Phi3Config's is past this vocab)
+    "phi3": functools.partial(transformers.Phi3Config, partial_rotary_factor=0.75, pad_token_id=0),
 }
 
 

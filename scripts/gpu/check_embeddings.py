@@ -3,8 +3,9 @@ then what an embedding costs. One markdown report:
 
     python scripts/gpu/check_embeddings.py --out FILE [--only check timing]
 
-check   a tiny fp32 Llama on the GPU, LAST and MEAN pooling, prompts of 1-90 tokens with a token
-        budget of 32 (the long ones in chunks), mixed with generate requests: the largest
+check   a tiny Llama on the GPU in float32 (dtype "auto" would be bf16), LAST and MEAN
+        pooling, prompts of 1-90 tokens with a token budget of 32 (the long ones in chunks),
+        mixed with generate requests: the largest
         absolute difference of each embedding from transformers' (CPU, fp32) and the smallest
         cosine similarity.
 timing  Qwen3-0.6B (dummy weights, bf16): 1,024 prompts of 128 tokens embedded, prompts per
@@ -46,7 +47,7 @@ def check(root: Path) -> list[str]:
     lines = ["| pooling | prompts | max abs difference | min cosine |", "|---|---:|---:|---:|"]
     for pooling_type in ("LAST", "MEAN"):
         with LLM(
-            str(base), device="cuda", max_num_batched_tokens=32, max_num_seqs=8,
+            str(base), device="cuda", dtype="float32", max_num_batched_tokens=32, max_num_seqs=8,
             pooler_config={"pooling_type": pooling_type, "normalize": True},
         ) as llm:  # fmt: skip
             llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)

@@ -10,10 +10,10 @@ kernels  fused_experts (kernels.triton_moe) on Qwen3-30B-A3B's expert shapes (12
          bandwidth of the expert weights it reads; then the same experts in fp8 and in int4
          (groups of 128, as Qwen3-30B-A3B-GPTQ-Int4's) against their dequantized weights.
 check    tiny fp32 Qwen3-MoE, Mixtral and Qwen2-MoE models (tests/test_moe.py's) through `LLM`
-         on the GPU, greedy, against transformers on the CPU: equal tokens, or where they
-         differ, and the largest logprob gap of the engine's tokens (teacher-forced); with the
-         engine's defaults (TF32 attention, whose noise can flip a near-tied routing) and with
-         exact fp32 attention.
+         on the GPU in float32 (dtype "auto" would run them in bf16), greedy, against
+         transformers on the CPU: equal tokens, or where they differ, and the largest logprob
+         gap of the engine's tokens (teacher-forced); with the Triton attention and CUDA graphs,
+         and with the torch reference attention, eager.
 timing   Qwen3-30B-A3B's shape with dummy bf16 weights, and quantized at load to fp8 and to
          int4 (quantization "gptq" on dummy weights: groups of 128): batch-1 time per output
          token (128-token prompt, 128 tokens out) and 256 prompts of 128 tokens, 128 out:
@@ -199,7 +199,7 @@ def check(root: Path) -> list[str]:
     prompts = random_prompts(400, [40, 7, 23, 1, 64], seed=5)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
     settings = {
-        "": {},  # the engine's GPU defaults: Triton attention (TF32 dots), CUDA graphs
+        "": {},  # the engine's GPU path: Triton attention, CUDA graphs
         ", torch_ref attention (exact fp32), eager": {
             "attention_backend": "torch_ref", "enforce_eager": True,
         },
@@ -208,7 +208,7 @@ def check(root: Path) -> list[str]:
         model = save_moe_model(arch, root / arch)
         for label, extra in settings.items():
             with LLM(str(root / arch), skip_tokenizer_init=True, num_kv_blocks=256,
-                     device="cuda", **extra) as llm:  # fmt: skip
+                     device="cuda", dtype="float32", **extra) as llm:  # fmt: skip
                 outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
             verdicts = [verdict(model, p, o.outputs[0]) for p, o in zip(prompts, outputs)]
             lines.append(f"| {arch}{label} | {' '.join(verdicts)} |")

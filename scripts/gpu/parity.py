@@ -1,10 +1,10 @@
-"""Full-engine parity on the GPU: greedy tokens of tiny random Llama / Qwen2 / Qwen3 models
+"""Full-engine parity on the GPU: greedy tokens of tiny random Llama / Qwen2 / Qwen3 / Phi-3 models
 through the whole multi-process engine on CUDA, with each attention backend (and CUDA graphs
 on), against transformers. float32 on both sides (TF32 off) so that tokens must be identical.
 Each engine generates twice: with logprobs (the sampler reads the decode step's logits) and
 plain greedy (the decode step's own argmax, inside its CUDA graph, is the token).
 
-    python scripts/gpu/parity.py [--backends triton cuda] [--archs llama qwen2 qwen3]
+    python scripts/gpu/parity.py [--backends triton cuda] [--archs llama qwen2 qwen3 phi3]
         [--jobs N] [--out FILE]
 
 --jobs N checks up to N (arch, backend) rows at once, each in its own process.
