@@ -18,7 +18,11 @@ import msgspec
 
 from pagedserve.cpus import usable_cpus
 from pagedserve.layout import check_layout
-from pagedserve.models.model_config import active_sliding_window, context_limit
+from pagedserve.models.model_config import (
+    active_sliding_window,
+    context_limit,
+    with_score_head_method,
+)
 from pagedserve.models.pooling_layout import model_pooling
 
 logger = logging.getLogger(__name__)
@@ -553,9 +557,10 @@ def resolve_model_path(name: str) -> str:
 
 
 def read_hf_config(model_path: str, overrides: dict[str, Any] | None = None) -> dict:
-    """config.json as a dict, with `overrides` (EngineConfig.hf_overrides) over its fields."""
+    """config.json as a dict, with `overrides` (EngineConfig.hf_overrides) over its fields
+    (and what they imply of a score head made from the LM head: `with_score_head_method`)."""
     with open(os.path.join(model_path, "config.json")) as f:
-        return json.load(f) | (overrides or {})
+        return with_score_head_method(json.load(f) | (overrides or {}))
 
 
 _codec_encoder = msgspec.msgpack.Encoder()

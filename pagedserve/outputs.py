@@ -104,8 +104,9 @@ class ScoringOutput:
 
 @dataclass
 class ScoringRequestOutput:
-    """One pair's score (LLM.score), vLLM's shape: its id joins the two embeddings' ids, its
-    prompt_token_ids are both texts' tokens, one after the other."""
+    """One pair's score (LLM.score), vLLM's shape: an embedding model's joins the two
+    embeddings' ids, its prompt_token_ids both texts' tokens, one after the other; a
+    cross-encoder's has its pair's one request id and sequence."""
 
     request_id: str
     outputs: ScoringOutput

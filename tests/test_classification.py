@@ -1,8 +1,10 @@
 """Sequence-classification models (`*ForSequenceClassification`), as a vLLM user meets them:
 `LLM.classify` and the server's /classify give each prompt its labels' probabilities (vLLM's:
 a softmax of the score head's logits over the prompt's last token; a sigmoid for one label),
-which equal transformers' own. Such a model serves nothing else: generation, embeddings and
-scores are refused (a ValueError offline, a 400 online), as is classification by a causal LM.
+which equal transformers' own. Such a model serves nothing else: generation and embeddings
+are refused (a ValueError offline, a 400 online), as is classification by a causal LM, and so
+are scores of a classifier of more than one label (a cross-encoder's scores:
+tests/test_cross_encoder.py).
 
 The engines share one model directory each (module fixtures) and take token ids
 (skip_tokenizer_init: no tokenizer to load; a text is encoded as an embedding's is)."""
@@ -102,13 +104,14 @@ def test_classify_equals_transformers_for_a_batch_of_prompts_of_every_length(
 
 
 def test_a_classifier_serves_nothing_but_classification(llama_classifier: LLM) -> None:
-    """Generation, embeddings and scores (a cross-encoder's: not supported) are ValueErrors
-    that name what the model serves; the engine goes on classifying."""
+    """Generation and embeddings are ValueErrors that name what the model serves, and scores
+    (a cross-encoder's) of three labels one that asks for one; the engine goes on
+    classifying."""
     with pytest.raises(ValueError, match="serves classification, not generation"):
         llama_classifier.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="serves classification, not embeddings"):
         llama_classifier.embed([[1, 2, 3]])
-    with pytest.raises(ValueError, match="sequence-classification model .a cross-encoder."):
+    with pytest.raises(ValueError, match="a cross-encoder. need one label.*this model has 3"):
         llama_classifier.score([1, 2], [[3, 4]])
     assert llama_classifier.classify([[1, 2, 3]])[0].outputs.num_classes == len(LABELS)
     assert not llama_classifier.supervisor.restarts
@@ -207,8 +210,8 @@ def test_what_a_classifier_does_not_serve_is_a_400_and_an_unknown_model_a_404(se
     assert embedding.status_code == 400
     assert "serves classification, not embeddings" in embedding.json()["error"]["message"]
     score = httpx.post(server + "/score", json={"text_1": "a", "text_2": ["b"]})
-    assert score.status_code == 400 and "cross-encoder" in score.json()["error"]["message"]
+    assert score.status_code == 400 and "need one label" in score.json()["error"]["message"]
     rerank = httpx.post(server + "/rerank", json={"query": "a", "documents": ["b"]})
-    assert rerank.status_code == 400 and "cross-encoder" in rerank.json()["error"]["message"]
+    assert rerank.status_code == 400 and "need one label" in rerank.json()["error"]["message"]
     unknown = httpx.post(server + "/classify", json={"model": "nope", "input": [1]})
     assert unknown.status_code == 404

@@ -104,6 +104,7 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     priority: int = 0  # with scheduling_policy "priority": lower is admitted first
     lora: LoRARequest | None = None  # the adapter it runs with (enable_lora)
     pooling: PoolingParams | None = None  # an embedding: the prompt pooled, no output tokens
+    prompt_pair: str | None = None  # a cross-encoder's second text: prompt's pair, one sequence
 
 
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):

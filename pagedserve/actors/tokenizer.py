@@ -30,7 +30,7 @@ from pagedserve.actors.messages import (
 )
 from pagedserve.config import read_hf_config
 from pagedserve.models.lora_format import AdapterChecks
-from pagedserve.models.model_config import check_task, load_model_config
+from pagedserve.models.model_config import check_task, load_model_config, uses_sep_token
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ class PromptEncoder:
         """Characters of text to encode (0 for token ids)."""
         if request.messages is not None:
             return sum(len(m.content) + len(m.role) for m in request.messages)
-        return len(request.prompt or "") if request.prompt_token_ids is None else 0
+        if request.prompt_token_ids is not None:
+            return 0
+        return len(request.prompt or "") + len(request.prompt_pair or "")
 
     def inline(self, request: GenerateRequest) -> bool:
         """Whether to encode it in the loop: a small prompt, and no grammar to validate."""
@@ -89,10 +91,16 @@ class PromptEncoder:
         if self.tokenizer is None and request.prompt_token_ids is None:
             raise ValueError("this engine has no tokenizer (skip_tokenizer_init): send token ids")
         options = request.options
+        self.check_pair(request)
         if request.messages is not None:
             ids = apply_chat_template(self.tokenizer, request.messages, options)
         elif request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
+        elif request.prompt_pair is not None:
+            ids = encode_pair(
+                self.tokenizer, (request.prompt or "", request.prompt_pair),
+                options.add_special_tokens is not False, uses_sep_token(self.model_config),
+            )  # fmt: skip
         elif request.prompt is not None:
             ids = encode_text(
                 self.tokenizer, request.prompt, options.add_special_tokens is not False
@@ -107,6 +115,17 @@ class PromptEncoder:
         self.resolve_bad_words(request)
         self.check_sampling_token_ids(request)
         return ids
+
+    @staticmethod
+    def check_pair(request: GenerateRequest) -> None:
+        """A text pair (a cross-encoder's score: `prompt_pair`) pairs two texts, and a
+        sequence classifier classifies it."""
+        if request.prompt_pair is None:
+            return
+        if request.prompt is None or request.prompt_token_ids is not None or request.messages:
+            raise ValueError("prompt_pair pairs with a text prompt, not token ids or messages")
+        if request.pooling is None or request.pooling.task != "classify":
+            raise ValueError("a text pair is scored by a sequence classifier: task classify")
 
     def resolve_bad_words(self, request: GenerateRequest) -> None:
         """The bad words' token sequences, as vLLM forms them: each word (leading spaces
@@ -190,6 +209,22 @@ def encode_text(tokenizer: object, text: str, add_special_tokens: bool = True) -
     if backend is not None:
         return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)  # type: ignore[attr-defined]
+
+
+def encode_pair(
+    tokenizer: object, pair: tuple[str, str], add_special_tokens: bool, with_separator: bool
+) -> list[int]:
+    """A cross-encoder's text pair as one sequence, as vLLM makes it: the tokenizer's encoding
+    of a text pair (each text's tokens, between the special tokens its template puts around
+    and between them) for a classifier trained on pairs, else (an LLM as reranker) the two
+    texts joined into one and encoded (`uses_sep_token`). An empty second text is no pair, as
+    transformers takes it."""
+    if not with_separator or not pair[1]:
+        return encode_text(tokenizer, pair[0] + pair[1], add_special_tokens)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None:  # as encode_text: the batch encode releases the GIL
+        return backend.encode_batch([pair], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer.encode(*pair, add_special_tokens=add_special_tokens)  # type: ignore[attr-defined]
 
 
 def longest_token_chars(tokenizer: object | None) -> int:

@@ -38,7 +38,8 @@ from pagedserve.actors.messages import (
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int] | list[ChatMessage]
+# a text, token ids, chat messages, or a cross-encoder's text pair (GenerateRequest.prompt_pair)
+Prompt = str | list[int] | list[ChatMessage] | tuple[str, str]
 Event = RequestDelta | RequestError | SchedulerStats
 
 CONNECT_TIMEOUT_S = 10.0  # the engine must answer a new client's Hello within this
@@ -78,6 +79,8 @@ def make_request(
     )  # fmt: skip
     if isinstance(prompt, str):
         request.prompt = prompt
+    elif isinstance(prompt, tuple):
+        request.prompt, request.prompt_pair = prompt
     elif prompt and isinstance(prompt[0], ChatMessage):
         request.messages = prompt  # type: ignore[assignment]
     else:

@@ -1,7 +1,7 @@
 """Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`, embeddings:
-`LLM(model).embed(prompts, PoolingParams(...))`, scores of text pairs from them:
-`LLM(model).score(query, documents)`, and a sequence classifier's classifications:
-`LLM(model).classify(prompts)`.
+`LLM(model).embed(prompts, PoolingParams(...))`, scores of text pairs (from embeddings, or a
+sequence classifier's of each pair): `LLM(model).score(query, documents)`, and a sequence
+classifier's classifications: `LLM(model).classify(prompts)`.
 
 It starts the same actor processes as the server (tokenizer, scheduler, workers), submits every
 prompt at once through the ZeroMQ client and gathers the streamed deltas into vLLM-shaped
@@ -43,7 +43,7 @@ from pagedserve.api.client import Client
 from pagedserve.api.client_core import EngineRequestError, Prompt, fan_out
 from pagedserve.api.preflight import prepare_config
 from pagedserve.api.sampling_defaults import sampling_defaults
-from pagedserve.api.scoring import TextPrompt, check_bi_encoder, pair_scores, plan_scores
+from pagedserve.api.scoring import TextPrompt, plan_scores
 from pagedserve.config import DEFAULT_MODEL, EngineConfig, read_hf_config
 from pagedserve.outputs import (
     ClassificationOutput,
@@ -246,28 +246,29 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score for an embedding model: the cosine similarity of the embeddings of
-        data_1 (one text or token-id list) and of each of data_2 (1 -> N), or of data_1[i] and
-        data_2[i] (N -> N), in data_2's order; each distinct text is embedded once.
-        `truncate_prompt_tokens` as embed's; `lora_request`: one adapter for every text. A
-        sequence-classification model (a cross-encoder) is a ValueError."""
-        check_bi_encoder(self._model_config)
-        plan = plan_scores(_text_prompts(data_1), _text_prompts(data_2), ("data_1", "data_2"))
-        embedded = self.embed(
-            plan.texts,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            use_tqdm=use_tqdm,
-            lora_request=lora_request,
-        )
-        scores = pair_scores([e.outputs.embedding for e in embedded], plan.pairs)
+        """vLLM's LLM.score: the score of data_1 (one text or token-id list) and each of
+        data_2 (1 -> N), or of data_1[i] and data_2[i] (N -> N), in data_2's order. An
+        embedding model's is the cosine similarity of the two embeddings (each distinct text
+        embedded once); a sequence classifier's (a cross-encoder of one label) the sigmoid of
+        the head's logit of the pair as one sequence (two texts as the tokenizer encodes a text
+        pair, two token-id lists joined). `truncate_prompt_tokens` as embed's (of the pair's
+        sequence for a cross-encoder); `lora_request`: one adapter for every text."""
+        plan = plan_scores(
+            _text_prompts(data_1), _text_prompts(data_2), ("data_1", "data_2"),
+            self._model_config,
+        )  # fmt: skip
+        items: list[tuple[str | None, Prompt]] = [(None, prompt) for prompt in plan.prompts]
+        pooling = [plan.pooling()] * len(items)
+        pooled = self._pool(items, pooling, truncate_prompt_tokens, use_tqdm, lora_request, "score")
+        scores = plan.scores([result.vector for result in pooled])
         return [
             ScoringRequestOutput(
-                f"{embedded[a].request_id}_{embedded[b].request_id}",
+                "_".join(pooled[index].request_id for index in pair),
                 ScoringOutput(score),
-                embedded[a].prompt_token_ids + embedded[b].prompt_token_ids,
+                [token for index in pair for token in pooled[index].prompt_token_ids],
                 finished=True,
             )
-            for (a, b), score in zip(plan.pairs, scores)
+            for pair, score in zip(plan.pairs, scores)
         ]
 
     def beam_search(

@@ -3,12 +3,12 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
 ending in `data: [DONE]`, or not), POST /v1/embeddings, POST /classify and /v1/classify (vLLM's:
 a sequence classifier's probabilities), POST /score and /v1/score, POST /rerank,
-/v1/rerank and /v2/rerank (vLLM's: cosine similarities of embeddings), GET /v1/models and
-/v1/models/{id}, POST /v1/load_lora_adapter and /v1/unload_lora_adapter, POST /tokenize and
-/detokenize (vLLM's shapes), GET /health and GET or POST /ping (200 only while the engine
-answers), /metrics and /version. It reaches the engine only through the async ZeroMQ client,
-like any other client. Every request is checked against `ServerConfig`'s limits before anything
-is decoded or queued.
+/v1/rerank and /v2/rerank (vLLM's: cosine similarities of embeddings, or a cross-encoder's
+scores), GET /v1/models and /v1/models/{id}, POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter, POST /tokenize and /detokenize (vLLM's shapes), GET /health and GET
+or POST /ping (200 only while the engine answers), /metrics and /version. It reaches the
+engine only through the async ZeroMQ client, like any other client. Every request is checked
+against `ServerConfig`'s limits before anything is decoded or queued.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from pagedserve.actors.heap_trim import trim_heap_forever
 from pagedserve.actors.messages import (
     ChatMessage,
     LoRARequest,
-    PoolingParams,
     PromptOptions,
     SamplingParams,
 )
@@ -85,7 +84,6 @@ from pagedserve.api.render import (
 from pagedserve.api.responses import GenerationResponse
 from pagedserve.api.responses_api import create_response
 from pagedserve.api.sampling_defaults import sampling_defaults
-from pagedserve.api.scoring import check_bi_encoder
 from pagedserve.config import EngineConfig, ServerConfig, read_hf_config
 
 logger = logging.getLogger(__name__)
@@ -307,12 +305,12 @@ class OpenAIServer:
         return self.pooled(ClassificationRender(self, body, self.classifier), jobs, arrival)
 
     async def score(self, request: Request) -> Response:
-        """vLLM's /score: the cosine similarity of text_1's embedding and each of text_2's."""
+        """vLLM's /score: the score of text_1 and each of text_2 (the cosine similarity of
+        their embeddings, or a cross-encoder's of the pair)."""
         return await self.scored(request, ScoreRequest, ScoreRender)
 
     async def rerank(self, request: Request) -> Response:
-        """vLLM's /rerank: the documents by the cosine similarity of their embedding and the
-        query's, best first."""
+        """vLLM's /rerank: the documents by their score against the query, best first."""
         return await self.scored(request, RerankRequest, RerankRender)
 
     async def scored(
@@ -321,17 +319,17 @@ class OpenAIServer:
         kind: type[ScoreRequest | RerankRequest],
         render_class: type[ScoreRender | RerankRender],
     ) -> Response:
-        """An embedding of each distinct text of the body, answered with its pairs' scores."""
+        """The body's prompts pooled (an embedding model's distinct texts, a cross-encoder's
+        pairs: api/scoring.py), answered with its pairs' scores."""
         arrival = time.perf_counter()
         body = await read_json(request, kind, self.limits)
         lora = self.check_model(body.model)
         try:
-            check_bi_encoder(self.model_config)
-            plan, sampling = body.plan(self.limits), body.to_sampling()
+            plan, sampling = body.plan(self.limits, self.model_config), body.to_sampling()
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
-        texts: list[Prompt] = list(plan.texts)
-        jobs = plan_jobs(texts, sampling, PromptOptions(), body.priority, lora, PoolingParams())
+        prompts: list[Prompt] = list(plan.prompts)
+        jobs = plan_jobs(prompts, sampling, PromptOptions(), body.priority, lora, plan.pooling())
         return self.pooled(render_class(self, body, plan), jobs, arrival)  # type: ignore[arg-type]
 
     def pooled(self, render: PooledRender, jobs: list[Job], arrival: float) -> GenerationResponse:
@@ -450,6 +448,8 @@ def logged_prompts(jobs: list[Job], max_len: int) -> str:
 
 
 def _logged_prompt(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, tuple):  # a cross-encoder's text pair
+        return "\n".join(prompt)
     if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], ChatMessage):
         return prompt  # type: ignore[return-value]
     return "\n".join(f"{m.role}: {m.content}" for m in prompt)  # type: ignore[union-attr]

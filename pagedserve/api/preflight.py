@@ -13,9 +13,9 @@ import msgspec
 
 from pagedserve.actors.chat import resolve_chat_template
 from pagedserve.api.sampling_defaults import sampling_defaults
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, read_hf_config
 from pagedserve.models.lora_format import check_adapter
-from pagedserve.models.model_config import load_model_config
+from pagedserve.models.model_config import classifier_token_ids, load_model_config
 
 # A directory holding any of these has a tokenizer transformers can load
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json")
@@ -26,6 +26,7 @@ def prepare_config(config: EngineConfig) -> EngineConfig:
     """`config` checked, with its chat template read from a file when given one; ValueError
     with the fix when it cannot work."""
     check_tokenizer_files(config)
+    check_score_head_tokens(config)
     check_lora_modules(config)
     check_tls_files(config)
     sampling_defaults(config)  # an unusable --generation-config fails now
@@ -48,6 +49,14 @@ def check_tokenizer_files(config: EngineConfig) -> None:
             "tokenizer=DIR (--tokenizer DIR), or run with skip_tokenizer_init=True "
             "(--skip-tokenizer-init) to send and receive token ids only"
         )
+
+
+def check_score_head_tokens(config: EngineConfig) -> None:
+    """A score head made from the LM head (hf_overrides' classifier_from_token) needs its
+    tokens in the tokenizer's vocabulary: the workers look them up when they load."""
+    hf_config = read_hf_config(config.model_path, config.hf_overrides)
+    if hf_config.get("method") is not None:
+        classifier_token_ids(config.tokenizer_path, hf_config["classifier_from_token"])
 
 
 def check_lora_modules(config: EngineConfig) -> None:

@@ -427,8 +427,9 @@ class ScoreRequest(_PoolingFields, kw_only=True):
     text_1: str | list[str]
     text_2: str | list[str]
 
-    def plan(self, limits: ServerConfig) -> ScorePlan:
-        return plan_text_pairs(self.text_1, self.text_2, ("text_1", "text_2"), limits)
+    def plan(self, limits: ServerConfig, hf_config: dict[str, Any]) -> ScorePlan:
+        texts = (self.text_1, self.text_2)
+        return plan_text_pairs(texts, ("text_1", "text_2"), limits, hf_config)
 
 
 class RerankRequest(_PoolingFields, kw_only=True):
@@ -439,19 +440,23 @@ class RerankRequest(_PoolingFields, kw_only=True):
     documents: list[str]
     top_n: Int64 = 0
 
-    def plan(self, limits: ServerConfig) -> ScorePlan:
+    def plan(self, limits: ServerConfig, hf_config: dict[str, Any]) -> ScorePlan:
         if self.top_n < 0:
             raise ValueError(f"top_n must be at least 0 (0: every document), got {self.top_n}")
-        return plan_text_pairs(self.query, self.documents, ("query", "documents"), limits)
+        texts = (self.query, self.documents)
+        return plan_text_pairs(texts, ("query", "documents"), limits, hf_config)
 
 
 def plan_text_pairs(
-    first: str | list[str], second: str | list[str], names: tuple[str, str], limits: ServerConfig
+    texts: tuple[str | list[str], str | list[str]],
+    names: tuple[str, str],
+    limits: ServerConfig,
+    hf_config: dict[str, Any],
 ) -> ScorePlan:
-    """The texts to embed and the pairs to score, within the limits on an embeddings body's
-    inputs: each text's length, and as many texts in all as prompts in one body."""
-    texts_1 = [first] if isinstance(first, str) else first
-    texts_2 = [second] if isinstance(second, str) else second
+    """What to pool and the pairs to score (api/scoring.py: by the model of `hf_config`),
+    within the limits on an embeddings body's inputs: each text's length, and as many texts
+    in all as prompts in one body."""
+    texts_1, texts_2 = ([text] if isinstance(text, str) else text for text in texts)
     if len(texts_1) + len(texts_2) > limits.max_prompts_per_request:
         raise ValueError(
             f"at most {limits.max_prompts_per_request} texts per request "
@@ -459,7 +464,7 @@ def plan_text_pairs(
         )
     if any(len(text) > limits.max_prompt_chars for text in texts_1 + texts_2):
         raise ValueError(f"a text is at most {limits.max_prompt_chars} characters")
-    return plan_scores(texts_1, texts_2, names)  # type: ignore[arg-type]
+    return plan_scores(texts_1, texts_2, names, hf_config)  # type: ignore[arg-type]
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

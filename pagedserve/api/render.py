@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
-import numpy as np
 
 from pagedserve.actors.messages import RequestDelta, TokenLogprobs
 from pagedserve.api.classification import Classifier
@@ -25,7 +24,7 @@ from pagedserve.api.protocol import (
     ScoreRequest,
 )
 from pagedserve.api.reasoning_parsers import ReasoningStream, split_reasoning
-from pagedserve.api.scoring import ScorePlan, pair_scores
+from pagedserve.api.scoring import ScorePlan
 from pagedserve.api.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls
 from pagedserve.api.tools import new_call_id
 from pagedserve.outputs import embedding_floats, logprob_dict
@@ -427,11 +426,6 @@ def prompt_tokens(choices: list[Choice]) -> int:
     return sum(len(choice.prompt_token_ids) for choice in choices)
 
 
-def vectors(choices: list[Choice]) -> list[np.ndarray]:
-    """The choices' embeddings, from the engine's wire form (little-endian float32 bytes)."""
-    return [np.frombuffer(choice.embedding or b"", dtype="<f4") for choice in choices]
-
-
 class EmbeddingRender(PooledRender):
     """The /v1/embeddings answer: each input's vector, as floats or (encoding_format base64,
     which OpenAI's client asks for by default) its little-endian float32 bytes in base64, and
@@ -483,8 +477,9 @@ class ClassificationRender(PooledRender):
 
 
 class ScoreRender(PooledRender):
-    """vLLM's /score answer: each pair's score (the cosine similarity of its embeddings), in
-    text_2's order; the tokens of the texts embedded (each distinct text once) as usage."""
+    """vLLM's /score answer: each pair's score (api/scoring.py), in text_2's order; the tokens
+    pooled (an embedding model's distinct texts, each once; a cross-encoder's pairs) as
+    usage."""
 
     id_prefix = "score"
 
@@ -493,7 +488,7 @@ class ScoreRender(PooledRender):
         self.plan = plan
 
     def full(self, choices: list[Choice]) -> dict:
-        scores = pair_scores(vectors(choices), self.plan.pairs)
+        scores = self.plan.scores([choice.embedding or b"" for choice in choices])
         data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
         return self.listing(data, choices)
 
@@ -509,7 +504,7 @@ class RerankRender(PooledRender):
         self.documents, self.top_n, self.plan = body.documents, body.top_n, plan
 
     def full(self, choices: list[Choice]) -> dict:
-        scores = pair_scores(vectors(choices), self.plan.pairs)
+        scores = self.plan.scores([choice.embedding or b"" for choice in choices])
         ranked = sorted(range(len(scores)), key=lambda index: -scores[index])
         results = [
             {

@@ -44,6 +44,7 @@ from pagedserve.models.quantization.config import (
     resolve_quantization,
 )
 from pagedserve.models.registry import get_model_class
+from pagedserve.models.score_head import with_score_head
 from pagedserve.models.stages import checkpoint_names
 from pagedserve.models.weights import default_weight_loader
 
@@ -162,14 +163,28 @@ def load_model(
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed)
         else:
-            tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-            tied = tie and model.generates_tokens  # a classifier has no LM head to tie
-            rename = checkpoint_names(layer_config.stage, tied)
-            load_weights(model, iterate_safetensors(config.model_path, rename))
+            load_weights(model, checkpoint_weights(config, hf_config, layer_config, model))
         for module in model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
     return model
+
+
+def checkpoint_weights(
+    config: EngineConfig, hf_config: ModelConfig, layer_config: LayerConfig, model: nn.Module
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's checkpoint tensors, by the names its parameters have: a classifier has no
+    LM head to tie, unless its score head is made from the LM head (`score_head`)."""
+    tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+    from_lm_head = getattr(hf_config, "method", None) is not None
+    rename = checkpoint_names(layer_config.stage, tie and (model.generates_tokens or from_lm_head))
+    weights = iterate_safetensors(config.model_path, rename)
+    if not from_lm_head:
+        return weights
+    stage = layer_config.stage
+    return with_score_head(
+        weights, hf_config, config.tokenizer_path, stage.is_first and stage.is_last
+    )
 
 
 def safetensors_files(model_path: str) -> list[str]:

@@ -15,6 +15,9 @@ import json
 import os
 from typing import Any
 
+from tokenizers import Tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"  # a fast tokenizer, whole: its vocabulary among the rest
 _COMMON: dict[str, Any] = {
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
@@ -103,9 +106,10 @@ def num_experts(config: ModelConfig) -> int:
 
 
 def load_model_config(model_path: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
-    """config.json with `overrides` (EngineConfig.hf_overrides) over its fields."""
+    """config.json with `overrides` (EngineConfig.hf_overrides) over its fields (and what
+    they imply of a score head made from the LM head: `with_score_head_method`)."""
     with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-        return ModelConfig(json.load(f) | (overrides or {}))
+        return ModelConfig(with_score_head_method(json.load(f) | (overrides or {})))
 
 
 def rope_scaling_of(values: dict[str, Any]) -> dict[str, Any]:
@@ -180,3 +184,80 @@ def class_labels(values: dict[str, Any]) -> list[str]:
     if id2label:
         return [str(id2label[key]) for key in sorted(id2label, key=int)]
     return [f"LABEL_{index}" for index in range(int(values.get("num_labels") or 2))]
+
+
+# vLLM's ways to make a causal LM's score head from its LM head's rows of some tokens
+# (hf_overrides' `method`, with `classifier_from_token`): the row of tokens[1] minus that of
+# tokens[0] as one label (sigmoid(score) = softmax([logit_0, logit_1])[1]), or each token's row
+# as a label of its own
+SCORE_HEAD_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def score_head_method(values: dict[str, Any]) -> str | None:
+    """How a sequence classifier's score head is made from its LM head (vLLM's `method`;
+    `is_original_qwen3_reranker` means from_2_way_softmax for Qwen3ForSequenceClassification),
+    None for a checkpoint's own head; a ValueError for overrides vLLM refuses."""
+    method = values.get("method")
+    tokens = values.get("classifier_from_token")
+    qwen3 = "Qwen3ForSequenceClassification" in (values.get("architectures") or [])
+    if method is None and qwen3 and values.get("is_original_qwen3_reranker"):
+        method = "from_2_way_softmax"
+    if method is None and tokens is None:
+        return None
+    if method not in SCORE_HEAD_METHODS:
+        raise ValueError(
+            f"classifier_from_token needs a method, one of {', '.join(SCORE_HEAD_METHODS)} "
+            f"(or is_original_qwen3_reranker for Qwen3ForSequenceClassification), got {method!r}"
+        )
+    if not is_sequence_classifier(values):
+        raise ValueError(f"method {method!r} needs a *ForSequenceClassification architecture")
+    if not tokens or not all(isinstance(token, str) for token in tokens):
+        raise ValueError(f"method {method!r} needs classifier_from_token, a list of tokens")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError("from_2_way_softmax needs two tokens in classifier_from_token")
+    return method
+
+
+def with_score_head_method(values: dict[str, Any]) -> dict[str, Any]:
+    """The config as vLLM updates it for a score head made from the LM head: one label for
+    from_2_way_softmax, one a token otherwise (named LABEL_i), and no separator between a
+    pair's texts unless the config says so (`use_sep_token`)."""
+    method = score_head_method(values)
+    if method is None:
+        return values
+    num_labels = 1 if method == "from_2_way_softmax" else len(values["classifier_from_token"])
+    return values | {
+        "method": method,
+        "num_labels": num_labels,
+        "id2label": {str(index): f"LABEL_{index}" for index in range(num_labels)},
+        "use_sep_token": values.get("use_sep_token", False),
+    }
+
+
+def uses_sep_token(values: dict[str, Any]) -> bool:
+    """Whether a cross-encoder's pair is encoded as the tokenizer encodes a text pair (with
+    its separator: vLLM's default for a sequence classifier), rather than as the two texts
+    joined (an LLM as reranker); vLLM's deprecated `use_pad_token` wins where set."""
+    use_pad_token = values.get("use_pad_token")
+    if use_pad_token is not None:
+        return bool(use_pad_token)
+    return bool(values.get("use_sep_token", True))
+
+
+def classifier_token_ids(tokenizer_path: str, tokens: list[str]) -> list[int]:
+    """The vocabulary ids of `tokens` (vLLM's `convert_tokens_to_ids` of `classifier_from_token`),
+    read from the tokenizer's tokenizer.json by the Rust tokenizers library: the worker, which
+    makes the score head at load, never loads a transformers tokenizer. A ValueError names a
+    token the vocabulary lacks."""
+    path = os.path.join(tokenizer_path, TOKENIZER_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"classifier_from_token looks its tokens up in the tokenizer's {TOKENIZER_FILE}, "
+            f"which {tokenizer_path} lacks"
+        )
+    vocabulary = Tokenizer.from_file(path)
+    ids = [vocabulary.token_to_id(token) for token in tokens]
+    missing = [token for token, token_id in zip(tokens, ids) if token_id is None]
+    if missing:
+        raise ValueError(f"classifier_from_token: {missing} not in the tokenizer's vocabulary")
+    return ids  # type: ignore[return-value]
