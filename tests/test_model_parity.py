@@ -4,7 +4,9 @@ logprobs within LOGPROB_ATOL of transformers' log-softmax of its own logits."""
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,6 +185,24 @@ def random_prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(COMMON["vocab_size"]) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
+def assert_greedy_matches(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    greedy: Callable[[list[int], int], tuple[list[int], list[float]]],
+) -> None:
+    """The runner's greedy tokens of each prompt (MiniScheduler, MAX_NEW_TOKENS) are those of
+    `greedy(prompt, max_tokens)` (transformers'), its logprobs within LOGPROB_ATOL."""
+    params = SamplingParams(temperature=0.0, logprobs=0, max_tokens=MAX_NEW_TOKENS)
+    requests = MiniScheduler(prompts, params).run(runner)
+    for prompt, request in zip(prompts, requests):
+        expected_tokens, expected_logprobs = greedy(prompt, MAX_NEW_TOKENS)
+        assert request.outputs == expected_tokens, request.handle
+        torch.testing.assert_close(
+            torch.tensor(request.logprobs), torch.tensor(expected_logprobs),
+            atol=LOGPROB_ATOL, rtol=0,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("cpu_path", ["kernels", "torch", "torch_ref"])
 @pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
 def test_greedy_parity_with_transformers(arch: str, cpu_path: str, tmp_path: Path) -> None:
@@ -196,15 +216,7 @@ def test_greedy_parity_with_transformers(arch: str, cpu_path: str, tmp_path: Pat
     hf_model = save_hf_model(arch, tmp_path)
     runner = make_runner(tmp_path, **overrides)
     prompts = random_prompts(seed=len(arch))
-    params = SamplingParams(temperature=0.0, logprobs=0, max_tokens=MAX_NEW_TOKENS)
-    requests = MiniScheduler(prompts, params).run(runner)
-    for prompt, request in zip(prompts, requests):
-        expected_tokens, expected_logprobs = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
-        assert request.outputs == expected_tokens, request.handle
-        torch.testing.assert_close(
-            torch.tensor(request.logprobs), torch.tensor(expected_logprobs),
-            atol=LOGPROB_ATOL, rtol=0,
-        )  # fmt: skip
+    assert_greedy_matches(runner, prompts, functools.partial(hf_greedy, hf_model))
     assert len(runner.input_batch) == 0  # every finished request left the persistent batch
 
 

@@ -6,6 +6,7 @@ the start-up checks."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -28,9 +29,9 @@ from tests.engine_settings import NO_STANDBY
 from tests.test_model_parity import (
     COMMON,
     LOGPROB_ATOL,
-    MAX_NEW_TOKENS,
     MiniScheduler,
     _tensor_parallel_worker,
+    assert_greedy_matches,
     make_runner,
     random_prompts,
 )
@@ -75,16 +76,7 @@ def save_moe_model(arch: str, path: Path) -> transformers.PreTrainedModel:
 def test_greedy_parity_with_transformers(arch: str, tmp_path: Path) -> None:
     hf_model = save_moe_model(arch, tmp_path)
     runner = make_runner(tmp_path)
-    prompts = random_prompts(seed=3)
-    params = WireSamplingParams(temperature=0.0, logprobs=0, max_tokens=MAX_NEW_TOKENS)
-    requests = MiniScheduler(prompts, params).run(runner)
-    for prompt, request in zip(prompts, requests):
-        expected_tokens, expected_logprobs = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
-        assert request.outputs == expected_tokens, request.handle
-        torch.testing.assert_close(
-            torch.tensor(request.logprobs), torch.tensor(expected_logprobs),
-            atol=LOGPROB_ATOL, rtol=0,
-        )  # fmt: skip
+    assert_greedy_matches(runner, random_prompts(seed=3), functools.partial(hf_greedy, hf_model))
 
 
 def test_the_checkpoint_fills_every_expert(tmp_path: Path) -> None:

@@ -27,9 +27,9 @@ from tests.engine_settings import NO_STANDBY
 from tests.test_model_parity import (
     COMMON,
     LOGPROB_ATOL,
-    MAX_NEW_TOKENS,
     MiniScheduler,
     _tensor_parallel_worker,
+    assert_greedy_matches,
     make_runner,
     random_prompts,
 )
@@ -104,15 +104,7 @@ def phi4_mini(tmp_path_factory: pytest.TempPathFactory) -> TinyPhi3:
 
 def assert_greedy_parity(model: TinyPhi3, prompts: list[list[int]], **overrides: object) -> None:
     """The runner's greedy tokens are transformers', its logprobs within LOGPROB_ATOL."""
-    params = SamplingParams(temperature=0.0, logprobs=0, max_tokens=MAX_NEW_TOKENS)
-    requests = MiniScheduler(prompts, params).run(make_runner(model.path, **overrides))
-    for prompt, request in zip(prompts, requests):
-        expected_tokens, expected_logprobs = model.greedy(prompt, MAX_NEW_TOKENS)
-        assert request.outputs == expected_tokens, request.handle
-        torch.testing.assert_close(
-            torch.tensor(request.logprobs), torch.tensor(expected_logprobs),
-            atol=LOGPROB_ATOL, rtol=0,
-        )  # fmt: skip
+    assert_greedy_matches(make_runner(model.path, **overrides), prompts, model.greedy)
 
 
 def test_phi3_greedy_parity_with_transformers(phi3: TinyPhi3) -> None:
