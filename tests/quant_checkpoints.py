@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -255,3 +257,22 @@ def write_float(source: Path, target: Path, weights: dict[str, torch.Tensor]) ->
     state.update({name: w.to(state[name].dtype) for name, w in weights.items()})
     shutil.copytree(source, target)
     save_file(state, target / "model.safetensors")
+
+
+Writer = Callable[[Path, Path], dict[str, torch.Tensor]]
+
+
+def memoized_writer(
+    source: Path, writers: dict[str, Writer], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], tuple[Path, dict[str, torch.Tensor]]]:
+    """checkpoint(format) -> (its directory, the dequantized weight of each tensor name), each
+    format written from `source` once (a module fixture's body)."""
+    made: dict[str, tuple[Path, dict[str, torch.Tensor]]] = {}
+
+    def checkpoint(name: str) -> tuple[Path, dict[str, torch.Tensor]]:
+        if name not in made:
+            target = tmp_path_factory.mktemp(name) / "model"
+            made[name] = (target, writers[name](source, target))
+        return made[name]
+
+    return checkpoint

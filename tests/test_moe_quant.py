@@ -95,15 +95,7 @@ def checkpoints(
     float_moe: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], tuple[Path, dict[str, torch.Tensor]]]:
     """checkpoint(format) -> (its directory, the dequantized weight of each tensor name)."""
-    made: dict[str, tuple[Path, dict[str, torch.Tensor]]] = {}
-
-    def checkpoint(name: str) -> tuple[Path, dict[str, torch.Tensor]]:
-        if name not in made:
-            target = tmp_path_factory.mktemp(name) / "model"
-            made[name] = (target, WRITERS[name](float_moe, target))
-        return made[name]
-
-    return checkpoint
+    return qc.memoized_writer(float_moe, WRITERS, tmp_path_factory)
 
 
 def int4_experts(experts: FusedMoE) -> tuple[Int4Experts, Int4Experts]:

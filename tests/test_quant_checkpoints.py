@@ -30,8 +30,7 @@ from tests.tiny_models import save_tiny_model
 CPU = torch.device("cpu")
 # the checkpoint names of each fused layer's parts, in the fused weight's order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-Writer = Callable[[Path, Path], dict[str, torch.Tensor]]
-WRITERS: dict[str, Writer] = {
+WRITERS: dict[str, qc.Writer] = {
     "gptq-int4-sym": lambda s, t: qc.write_gptq(s, t, 4, 64, symmetric=True, act_order=False),
     "gptq-int4-asym-act-order": lambda s, t: qc.write_gptq(s, t, 4, 64, False, act_order=True),
     "gptq-int8-sym": lambda s, t: qc.write_gptq(s, t, 8, 128, True, act_order=False),
@@ -56,15 +55,7 @@ def checkpoints(
     float_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], tuple[Path, dict[str, torch.Tensor]]]:
     """checkpoint(format) -> (its directory, the dequantized weight of each tensor name)."""
-    made: dict[str, tuple[Path, dict[str, torch.Tensor]]] = {}
-
-    def checkpoint(name: str) -> tuple[Path, dict[str, torch.Tensor]]:
-        if name not in made:
-            target = tmp_path_factory.mktemp(name) / "model"
-            made[name] = (target, WRITERS[name](float_model, target))
-        return made[name]
-
-    return checkpoint
+    return qc.memoized_writer(float_model, WRITERS, tmp_path_factory)
 
 
 def effective_weight(layer: LinearBase) -> torch.Tensor:

@@ -31,10 +31,15 @@ class Classifier(NamedTuple):
         if self.problem_type == "regression":
             return values.tolist()
         if self.problem_type == "multi_label_classification" or len(values) < 2:
-            return (1.0 / (1.0 + np.exp(-values))).tolist()
+            return sigmoid(values).tolist()
         exps = np.exp(values - values.max())
         return (exps / exps.sum()).tolist()
 
     def label(self, probs: list[float]) -> str:
         """The likeliest label's name."""
         return self.labels[int(np.argmax(probs))]
+
+
+def sigmoid(values: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^-x), elementwise, in float64."""
+    return 1.0 / (1.0 + np.exp(-np.asarray(values, dtype=np.float64)))

@@ -18,6 +18,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from pagedserve.actors.pooling_params import PoolingParams
+from pagedserve.api.classification import sigmoid
 from pagedserve.models.model_config import class_labels, is_sequence_classifier
 
 TextPrompt = str | list[int]  # a text, or its token ids
@@ -44,7 +45,7 @@ class ScorePlan:
         float32 bytes, in prompt order)."""
         vectors = [np.frombuffer(vector, dtype="<f4") for vector in pooled]
         if self.cross_encoder:
-            return [sigmoid(float(vectors[index][0])) for (index,) in self.pairs]
+            return [float(sigmoid(vectors[index][0])) for (index,) in self.pairs]
         return [cosine_similarity(vectors[a], vectors[b]) for a, b in self.pairs]
 
 
@@ -119,10 +120,6 @@ def check_pairing(num_first: int, num_second: int, names: tuple[str, str]) -> No
             f"{names[0]} has {num_first} texts and {names[1]} {num_second}: score one text "
             f"against many (1 -> N) or lists of equal length pair by pair (N -> N)"
         )
-
-
-def sigmoid(logit: float) -> float:
-    return float(1.0 / (1.0 + np.exp(-np.float64(logit))))
 
 
 def cosine_similarity(a: ArrayLike, b: ArrayLike) -> float:

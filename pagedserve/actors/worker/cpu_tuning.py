@@ -67,7 +67,7 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     KV cache costs no time at start (zeroing 1 GiB with huge pages took 0.4-2.2 s on the
     2-core development VM) and its pages fault in as blocks are first used. The tensor keeps
     the mapping alive."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return torch.frombuffer(
         mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)
     ).view(shape)
