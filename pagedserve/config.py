@@ -286,6 +286,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0
     max_model_len: int | None = None
+    # vLLM's: the layers with a sliding window attend over the whole context instead, which
+    # is then capped to the window (the model's own attention within it)
+    disable_sliding_window: bool = False
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -460,10 +463,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             check_draft_model(self.speculative_config, hf)
         limit = context_limit(hf)
         window = active_sliding_window(hf)
-        if window is not None and window < limit:  # vLLM's --disable-sliding-window
+        if self.disable_sliding_window and window is not None and window < limit:
             logger.warning(
-                "sliding-window attention is not implemented: the context is capped to the "
-                "window (%d tokens), within which full attention is the model's", window
+                "disable_sliding_window: the context is capped to the window (%d tokens), "
+                "within which full attention is the model's", window
             )  # fmt: skip
             limit = window
         max_len = min(self.max_model_len or limit, limit)

@@ -11,6 +11,10 @@ any failure.
   rotary qk_norm_rotary_ (pagedserve/kernels/triton_ops.py) with the KV cache write and
         dependent launch, as the engine runs it: Qwen3-0.6B's (q/k norm), Phi-4-mini's
         (partial rotary) and the two together.
+  attention  paged_attention (pagedserve/kernels/triton_attention.py) with a layer's sliding
+        window and logit softcap (Gemma's options): the decode and reduce kernels with each
+        and both, and a step with a prefill chunk with both (64 x 64 prefill tiles), on
+        Llama-3.1-8B's heads.
 
 Each for bf16 and fp32 and each --tokens count.
 
@@ -35,7 +39,8 @@ from triton.compiler import ASTSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedserve.kernels import triton_lora, triton_moe, triton_ops  # noqa: E402
+from pagedserve.kernels import triton_attention, triton_lora, triton_moe, triton_ops  # noqa: E402
+from pagedserve.kernels.attention_metadata import build_attention_metadata  # noqa: E402
 from pagedserve.kernels.moe_ref import Int4Experts  # noqa: E402
 
 LORA_SHAPES = {
@@ -160,7 +165,55 @@ def rotary_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
     return out
 
 
-KERNELS = {"lora": lora_launches, "moe": moe_launches, "rotary": rotary_launches}
+# (name, paged_attention's keyword options)
+ATTENTION_OPTIONS = [
+    ("window", {"window": 4096}),
+    ("softcap", {"softcap": 50.0}),
+    ("window+softcap", {"window": 4096, "softcap": 50.0}),
+]
+# prefill tiles of 64 rows x 64 keys: the engine's 128 x 128 compile in about a minute each
+# here (they compiled: scripts/results/session30.md)
+COMPILE_PREFILL_TILES = triton_attention.PrefillTiles(64, 64, 4, 2)
+
+
+def attention_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
+    """paged_attention's launches over contexts of up to 8k keys on Llama-3.1-8B's heads: a
+    decode step (1 token) with each option set, or a step with a prefill chunk beside decodes
+    with both options; the launches as on a GPU (the tensor-core path for bf16, not the
+    interpreter's upcast)."""
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    cases = [(100, 1), (8000, 1)] + ([(500, tokens)] if tokens > 1 else [])
+    query_lens = torch.tensor([new for _, new in cases])
+    seq_lens = torch.tensor([ctx + new for ctx, new in cases])
+    tables = torch.zeros(len(cases), 512, dtype=torch.int32)
+    slots = torch.zeros(int(query_lens.sum()), dtype=torch.int64)
+    cpu = torch.device("cpu")
+    md = build_attention_metadata(query_lens, seq_lens, tables, slots, block_size, cpu)
+    q = torch.zeros(int(query_lens.sum()), heads, head_dim, dtype=dtype)
+    cache = torch.zeros(64, block_size, kv_heads, head_dim, dtype=dtype)
+    names = ("_prefill_kernel", "_decode_kernel", "_decode_reduce_kernel")
+    out = {}
+    for label, options in ATTENTION_OPTIONS if tokens == 1 else ATTENTION_OPTIONS[-1:]:
+        call = functools.partial(
+            triton_attention.paged_attention, q, cache, cache, md.block_tables, md.seq_lens,
+            md.query_start_loc, md.max_query_len, 0.1, max_seq_len=md.max_seq_len,
+            num_splits=4, prefill_tiles=COMPILE_PREFILL_TILES, longest_first=md.longest_first,
+            **options,
+        )  # fmt: skip
+        launches = recorded(triton_attention, names, call)
+        out[label] = [
+            (fn, args, kwargs | ({"UPCAST": False} if "UPCAST" in kwargs else {}))
+            for fn, args, kwargs in launches
+        ]
+    return out
+
+
+KERNELS = {
+    "attention": attention_launches,
+    "lora": lora_launches,
+    "moe": moe_launches,
+    "rotary": rotary_launches,
+}
 
 
 def compile_launch(fn: triton.runtime.JITFunction, args: tuple, kwargs: dict, arch: int) -> None:
@@ -176,7 +229,8 @@ def compile_launch(fn: triton.runtime.JITFunction, args: tuple, kwargs: dict, ar
             signature[name] = "constexpr"
             constexprs[(i,)] = kwargs[name]
     source = ASTSource(fn, signature=signature, constexprs=constexprs)
-    triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def main() -> int:

@@ -22,6 +22,7 @@ from pagedserve.kernels.cuda_quant_plan import GemvConfig
 from pagedserve.kernels.quant_ref import FP8_DTYPE, IntWeight
 from pagedserve.models import loader
 from pagedserve.models.layer_config import LayerConfig, TensorParallel
+from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.quantization.config import Fp8Scheme, IntScheme
 from pagedserve.models.quantization.fp8 import Fp8LinearMethod
 from pagedserve.models.quantization.int_weight import IntWeightLinearMethod
@@ -391,9 +392,9 @@ def test_the_loader_enables_the_cuda_gemv_only_for_quantized_cuda_models(
     """build_layer_config: CUDA, quantized, the option on and the kernel available."""
     monkeypatch.setattr(cuda_quant, "available", lambda: True)
     monkeypatch.setattr(loader, "_triton_importable", lambda: True)
-    monkeypatch.setattr(loader, "resolve_attention_backend", lambda *args: None)
+    monkeypatch.setattr(loader, "resolve_attention_backend", lambda *args, **kwargs: None)
     monkeypatch.setattr(loader, "check_supported", lambda *args: None)
-    hf_config = types.SimpleNamespace(dtype="bfloat16", quantization_config=None)
+    hf_config = ModelConfig({"dtype": "bfloat16", "quantization_config": None})
     cuda = torch.device("cuda")
 
     def built(quantization: str | None, device: torch.device = cuda, **kw: object) -> bool:

@@ -38,3 +38,9 @@ def test_the_rotary_kernel_compiles_for_sm_90() -> None:
     # the q/k norm + rotary + KV write launch: full, partial, and partial with the norms x bf16
     # / fp32 x a small and a large step
     assert compiled("rotary").count("\nok ") + 1 == 3 * 2 * 2
+
+
+def test_the_attention_kernels_with_a_window_and_a_softcap_compile_for_sm_90() -> None:
+    # bf16 / fp32 x ((window, softcap, both) x a decode step's decode and reduce kernels, and
+    # both in a step with a prefill chunk: prefill, decode, reduce)
+    assert compiled("attention").count("\nok ") + 1 == 2 * (3 * 2 + 3)

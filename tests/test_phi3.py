@@ -21,7 +21,12 @@ from pagedserve.models.layer_config import LayerConfig, TensorParallel
 from pagedserve.models.layers import RotaryEmbedding
 from pagedserve.models.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedserve.models.llama import rope_settings, rotary_dim
-from pagedserve.models.model_config import ModelConfig, context_limit, load_model_config
+from pagedserve.models.model_config import (
+    ModelConfig,
+    context_limit,
+    load_model_config,
+    sliding_windows,
+)
 from pagedserve.models.weights import ALL_PARTS
 from tests.engine_settings import NO_STANDBY
 from tests.test_model_parity import (
@@ -166,11 +171,17 @@ def test_model_config_reads_phi3_as_transformers_does(tmp_path: Path) -> None:
     assert scaling["original_max_position_embeddings"] == 4096 and scaling["factor"] == 32.0
 
 
-def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
+def test_sliding_window_is_every_layers(tmp_path: Path) -> None:
     """Phi-3-mini-4k sets sliding_window 2047 (no use_sliding_window field): as for Mistral,
-    the context is capped to the window, within which attention is full."""
+    every layer attends within it over the model's whole context; disable_sliding_window caps
+    the context to the window instead."""
     transformers.Phi3Config(**COMMON, sliding_window=47).save_pretrained(tmp_path)
-    assert EngineConfig(model=str(tmp_path)).resolve().max_model_len == 47
+    limit = COMMON["max_position_embeddings"]
+    assert EngineConfig(model=str(tmp_path)).resolve().max_model_len == limit
+    capped = EngineConfig(model=str(tmp_path), disable_sliding_window=True)
+    assert capped.resolve().max_model_len == 47
+    config = load_model_config(str(tmp_path))
+    assert sliding_windows(config.to_dict()) == [47] * config.num_hidden_layers
 
 
 def test_fused_checkpoint_tensors_shard_as_separate_ones() -> None:

@@ -32,7 +32,24 @@ CONFIGS = {
     "qwen3": transformers.Qwen3Config,
     # Phi-3 with Phi-4-mini's partial rotary (its own pad id: Phi3Config's is past this vocab)
     "phi3": functools.partial(transformers.Phi3Config, partial_rotary_factor=0.75, pad_token_id=0),
+    # Gemma 2 / 3 with windows of 8 tokens (Gemma 2: every other layer; Gemma 3: all but every
+    # second), softcaps and a query scale small enough to change the logits at this size
+    "gemma2": functools.partial(
+        transformers.Gemma2Config,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+    ),
+    "gemma3": functools.partial(
+        transformers.Gemma3TextConfig,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=16,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),  # fmt: skip
 }
+HEAD_DIM_GIVEN = ("qwen3", "gemma2", "gemma3")  # configs whose head_dim is not hidden / heads
 
 
 def build_tokenizer(vocab_size: int = 400) -> transformers.PreTrainedTokenizerFast:
@@ -65,7 +82,7 @@ def save_tiny_model(
     near-ties); 4 query heads of hidden_size / 4 dims, 2 kv heads. With `num_labels`:
     transformers' *ForSequenceClassification of that many labels instead of the causal LM."""
     tokenizer = build_tokenizer()
-    extra = {"head_dim": hidden_size // 4} if arch == "qwen3" else {}
+    extra = {"head_dim": hidden_size // 4} if arch in HEAD_DIM_GIVEN else {}
     config = CONFIGS[arch](
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -97,8 +114,14 @@ def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[l
 
 
 def load_hf_model(path: Path | str) -> transformers.PreTrainedModel:
-    """transformers' float32 model from `path`, with EOS off (greedy runs to max tokens)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    """transformers' float32 model from `path`, with EOS off (greedy runs to max tokens); with
+    eager attention where the model caps its attention logits (Gemma 2: transformers' SDPA
+    attention, the default of some versions, leaves the softcap out)."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    eager = (
+        {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **eager)
     model.generation_config.eos_token_id = None
     return model
 

@@ -81,6 +81,8 @@ ENGINE_SWITCHES = {  # vLLM's on/off flags; unset leaves the engine's default
     "enforce_eager": "no CUDA graphs",
     "enable_lora": "serve LoRA adapters (a request names one: LoRARequest, --lora-modules)",
     "trust_remote_code": "accepted for vLLM compatibility; pagedserve runs only its own code",
+    "disable_sliding_window": "sliding-window layers attend over the whole context, which is "
+    "capped to the window",
 }
 
 
@@ -113,11 +115,6 @@ def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
         help="prompts are always chunked into --max-num-batched-tokens steps (as vLLM V1): "
         "accepted; --no-enable-chunked-prefill is an error",
-    )  # fmt: skip
-    group.add_argument(
-        "--disable-sliding-window", action="store_true",
-        help="accepted: a model's sliding window always caps its context (sliding-window "
-        "attention is not implemented)",
     )  # fmt: skip
     group.add_argument(
         "--async-scheduling", action="store_true",

@@ -52,6 +52,8 @@ class AttentionBackend:
     fuses_kv_write: bool = False
     # its steps read no host tensors and sync nothing: CUDA graphs can capture them
     graph_safe: bool = False
+    # its attend takes a layer's sliding `window` and logit `softcap` (keyword arguments)
+    windowed: bool = True
 
     def kv_cache_layer_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -104,18 +106,27 @@ def cuda_backend(dependent_launch: bool = False) -> AttentionBackend:
         cuda_attention.write_kv_cache,
         fuses_kv_write=True,
         graph_safe=True,
+        windowed=False,
     )
 
 
 def resolve_attention_backend(
-    name: str, use_cpu_kernels: bool = False, dependent_launch: bool = False
+    name: str,
+    use_cpu_kernels: bool = False,
+    dependent_launch: bool = False,
+    windowed: bool = False,
 ) -> AttentionBackend:
     """The backend `name` ('auto': 'cuda' on a CUDA machine, else 'torch'); 'cuda' that cannot
     load falls back to 'triton' on a CUDA machine, and any backend that cannot load to 'torch'
     (with a warning). use_cpu_kernels: the 'torch' backend's C++ kernels are loaded and on;
-    dependent_launch: the 'cuda' decode kernels launch as programmatic dependents (PDL)."""
+    dependent_launch: the 'cuda' decode kernels launch as programmatic dependents (PDL);
+    windowed: the model has layers with a sliding window or a logit softcap, which the 'cuda'
+    decode kernel does not take: 'triton' instead."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "torch"
+    if name == "cuda" and windowed:
+        logger.info("sliding-window / softcap attention: the triton backend instead of cuda")
+        name = "triton"
     if name == "torch_ref":
         return torch_ref_backend()
     if name in ("triton", "cuda"):

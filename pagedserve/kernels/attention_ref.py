@@ -13,6 +13,11 @@ query i of request b, head h, reads kv head h // G over keys j = 0 .. ctx_b + i 
     s_j = scale * <q[b, i, h], K[b, j, h // G]>
     out[b, i, h] = sum_j softmax_j(s) * V[b, j, h // G]
 
+Two per-layer options (Gemma, Mistral v0.1): a sliding `window` W > 0 keeps only the keys
+j > ctx_b + i - W (the W latest positions, the query's own included), and a logit `softcap`
+c > 0 replaces s_j by c tanh(s_j / c) before the softmax. Either takes the explicit path
+below (scores, mask, softmax in float32) instead of SDPA.
+
 Vectorised form. Decode requests (q_len == 1, the hot path) form one group; prefill chunks
 (q_len > 1) are bucketed by context length so that padding stays within PADDING_WASTE_LIMIT
 of the real work. Each group is padded to [B, Q] queries and [B, C] keys, C = max_num_blocks *
@@ -32,6 +37,7 @@ v_scale into the output.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +58,7 @@ class AttentionGroup:
     block_ids: torch.Tensor  # [B * num_blocks] int64: each request's blocks, padded
     num_blocks: int
     key_mask: torch.Tensor  # [B, Q, C] bool: query (b, i) may attend key j
+    key_limit: torch.Tensor  # [B, Q] int64: the last key position query (b, i) attends
     output_rows: torch.Tensor | None  # [n] flat positions in B*Q that are real (None: all)
     output_tokens: torch.Tensor  # [n] token rows receiving them
     is_whole_batch: bool  # output_tokens == arange(num_tokens): no scatter needed
@@ -135,6 +142,7 @@ def _build_group(metadata: AttentionMetadata, rows: torch.Tensor) -> AttentionGr
         block_ids=block_ids.to(device),
         num_blocks=num_blocks,
         key_mask=key_mask.to(device),
+        key_limit=key_limit.to(device),
         output_rows=None if output_rows is None else output_rows.to(device),
         output_tokens=output_tokens.to(device),
         is_whole_batch=whole,
@@ -179,16 +187,24 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> the same shape (see the module doc)."""
+    """q: [num_tokens, num_heads, head_dim] -> the same shape (see the module doc); window,
+    softcap: the layer's sliding window and logit softcap (0: none)."""
     groups = torch_groups(metadata)
     scale *= k_scale
+    if window or softcap:
+        attend = functools.partial(_attend_group_explicit, window=window, softcap=softcap)
+    else:
+        attend = _attend_group
     if len(groups) == 1 and groups[0].is_whole_batch:
-        out = _attend_group(q, k_cache, v_cache, groups[0], scale)
+        out = attend(q, k_cache, v_cache, groups[0], scale)
     else:
         out = torch.empty_like(q)
         for group in groups:
-            group_out = _attend_group(q, k_cache, v_cache, group, scale)
+            group_out = attend(q, k_cache, v_cache, group, scale)
             if group.output_rows is not None:
                 group_out = group_out.index_select(0, group.output_rows)
             out.index_copy_(0, group.output_tokens, group_out)
@@ -227,6 +243,40 @@ def _attend_group(
             queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
     return out.transpose(1, 2).reshape(batch * max_query_len, num_heads, head_dim)
+
+
+def _attend_group_explicit(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """_attend_group with a sliding window and / or a logit softcap: scores, mask and softmax
+    written out, in float32."""
+    batch, max_query_len = group.query_index.shape
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_ctx = group.num_blocks * block_size
+    group_size = num_heads // num_kv_heads
+    queries = q.index_select(0, group.query_index.reshape(-1)).float()
+    queries = queries.view(batch, max_query_len, num_heads, head_dim).transpose(1, 2)
+    keys = _gather_context(k_cache, group.block_ids, batch, max_ctx, "keys", q.dtype)
+    values = _gather_context(v_cache, group.block_ids, batch, max_ctx, "values", q.dtype)
+    keys = keys.float().repeat_interleave(group_size, dim=1)  # [B, H, C, D]
+    values = values.float().repeat_interleave(group_size, dim=1)
+    scores = queries @ keys.transpose(-1, -2) * scale  # [B, H, Q, C]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    allowed = group.key_mask
+    if window:
+        positions = torch.arange(max_ctx, device=allowed.device)
+        allowed = allowed & (positions[None, None, :] > (group.key_limit - window)[..., None])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ values  # [B, H, Q, D]
+    return out.to(q.dtype).transpose(1, 2).reshape(batch * max_query_len, num_heads, head_dim)
 
 
 def _gather_context(

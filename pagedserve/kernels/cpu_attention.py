@@ -16,6 +16,9 @@ Decode (q_len == 1), the hot path, runs one of two ways:
 Prefill chunks (q_len > 1) go one request at a time through SDPA over their own gathered
 blocks: is_causal when the chunk starts the prompt, else a causal mask offset by the context.
 
+A layer with a sliding window or a logit softcap (attention_ref's module doc) takes a plain
+per-request path instead (`_attend_explicit`: scores, mask and softmax written out).
+
 Whether the C++ kernels run is decided once, at load (`use_kernel`, from the LayerConfig);
 a shape the kernel is not built for, and an fp8 cache (kernels.kv_quant: read as q's dtype,
 k_scale folded into the softmax scale, v_scale into the output), take the pure-torch path.
@@ -235,14 +238,20 @@ def paged_attention_head_major(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     use_kernel: bool = False,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] (any strides) -> [num_tokens, num_heads, head_dim];
-    head-major caches. use_kernel: the C++ decode kernel (loaded) takes the decode rows of the
-    shapes it is built for (float32 caches)."""
+    head-major caches. window, softcap: the layer's sliding window and logit softcap (0:
+    none). use_kernel: the C++ decode kernel (loaded) takes the decode rows of the shapes it is
+    built for (float32 caches)."""
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    use_kernel = use_kernel and not is_fp8(k_cache) and cpu_decode_kernel_applies(q, num_kv_heads)
     scale *= k_scale
+    if window or softcap:
+        out = _attend_explicit(q, k_cache, v_cache, metadata, scale, window, softcap)
+        return out if v_scale == 1.0 else out.mul_(v_scale)
+    use_kernel = use_kernel and not is_fp8(k_cache) and cpu_decode_kernel_applies(q, num_kv_heads)
     plan = head_major_plan(metadata, num_kv_heads, num_blocks, q.dtype, not use_kernel)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.decode is not None and use_kernel:
@@ -333,6 +342,52 @@ def _prefill_chunk(
         enable_gqa=True,
     )
     out[chunk.start : chunk.end].copy_(result[0].transpose(0, 1))
+
+
+def _attend_explicit(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Every request on its own, scores in float32: query i of a request (position p = ctx + i)
+    attends keys j <= p, and j > p - window when window > 0; softcap c > 0 maps each score s to
+    c tanh(s / c)."""
+    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    k_rows = k_cache.view(num_kv_heads * num_blocks, block_size, head_dim)
+    v_rows = v_cache.view(num_kv_heads * num_blocks, block_size, head_dim)
+    head_offsets = torch.arange(num_kv_heads, dtype=torch.int64) * num_blocks
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(
+        zip(metadata.query_lens_cpu.tolist(), metadata.seq_lens_cpu.tolist())
+    ):
+        width = cdiv(seq_len, block_size)
+        table = metadata.block_tables_cpu[i, :width].to(torch.int64)
+        block_ids = (head_offsets[:, None] + table[None]).reshape(-1).to(q.device)
+        shape = (num_kv_heads, width * block_size, head_dim)
+        keys = k_rows.index_select(0, block_ids).view(shape)[:, :seq_len].float()
+        values = v_rows.index_select(0, block_ids).view(shape)[:, :seq_len].float()
+        queries = q[start : start + q_len].float().transpose(0, 1)  # [H, L, D]
+        keys = keys.repeat_interleave(group, dim=0)
+        values = values.repeat_interleave(group, dim=0)
+        scores = queries @ keys.transpose(1, 2) * scale  # [H, L, S]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        positions = seq_len - q_len + torch.arange(q_len, device=q.device)[:, None]
+        keys_at = torch.arange(seq_len, device=q.device)[None, :]
+        allowed = keys_at <= positions
+        if window:
+            allowed &= keys_at > positions - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        result = torch.softmax(scores, dim=-1) @ values  # [H, L, D]
+        out[start : start + q_len].copy_(result.transpose(0, 1))
+        start += q_len
+    return out
 
 
 def cpu_decode_kernel_applies(q: torch.Tensor, num_kv_heads: int) -> bool:

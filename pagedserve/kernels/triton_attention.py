@@ -6,6 +6,12 @@ block_tables[b, t // block_size] * block_size + t % block_size; query i of reque
 new tokens, seq_len_b tokens in context including them) attends keys 0 .. seq_len_b - q_len_b + i
 of kv head h // G, G = num_heads / num_kv_heads.
 
+Two per-layer options, the reference's: a sliding `window` W > 0 keeps only the keys
+j > p - W of the query at position p = seq_len_b - q_len_b + i (its W latest positions, its
+own included), and a logit `softcap` c > 0 replaces each score s = scale * <q, k> by
+c tanh(s / c) before the mask and the softmax. Each is a compile-time switch of the kernels
+(WINDOWED, SOFTCAP; off, the kernels are those without the options).
+
 Kernels (all fp32 accumulation, an online softmax in base 2 with the scale folded in):
 
 - `_write_kv_cache_kernel`: one program per token, copies its k and v rows into their slot.
@@ -23,6 +29,18 @@ Kernels (all fp32 accumulation, an online softmax in base 2 with the scale folde
   each (request, kv head) is cut into num_splits partitions handled by separate programs,
   each writing a partial output and its log-sum-exp; the reduce kernel merges them. With one
   split the decode kernel writes the output directly.
+
+Scores, in base 2: s2 = (scale log2 e) <q, k>, or SOFTCAP s2 = (c log2 e) tanh((scale / c) <q, k>)
+= c tanh(s / c) log2 e, with tanh(x) = 2 sigmoid(2x) - 1 (the interpreter runs no libdevice
+tanh; the sigmoid runs and compiles everywhere). WINDOWED: the key loops start at the tile
+holding the lowest key a program's queries see, so the tiles wholly before the window are
+never read: decode from key seq_len - W, its splits cutting only the tiles from there (the
+split count sized by the most tiles a window spans; an empty split has l = 0, lse = -inf and
+weighs 0 in the reduce); prefill from key ctx + first - W + 1 (the tile's first query's),
+masked up to the first tile every row's window covers (key kv_len - W on), then unmasked
+tiles and the masked diagonal as without a window. Masked tiles mask each row's keys
+below p - W + 1 and load no K/V row below the tile's lowest visible key; as a row may then
+see no key in a tile, the running max is taken as 0 while it is -inf.
 
 Tiles of TILE_N keys may span several cache blocks (any block size works): the decode kernel
 gathers each key's block id from the block table; the prefill kernel reads one entry per page
@@ -173,6 +191,19 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _scores(
+    q, k, qk_scale, softcap, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr
+):
+    """The scores of q @ k in the online softmax's base 2: qk_scale * q @ k (qk_scale =
+    scale * log2 e) or, SOFTCAP, softcap * tanh(qk_scale * q @ k) with qk_scale = scale / c
+    and softcap = c * log2 e (c tanh(s / c) in base 2), tanh(x) = 2 sigmoid(2x) - 1."""
+    s = _dot(q, k, PRECISION, UPCAST) * qk_scale
+    if SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)
+    return s
+
+
+@triton.jit
 def _attend_tile(
     q,
     acc,
@@ -182,8 +213,8 @@ def _attend_tile(
     v_base,
     table_row,
     start_n,
+    kv_lo,
     kv_len,
-    query_pos,
     offs_d,
     dim_mask,
     stride_kb,
@@ -191,30 +222,32 @@ def _attend_tile(
     stride_vb,
     stride_vt,
     qk_scale,
+    softcap,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One online-softmax step over keys start_n .. start_n + TILE_N (those < kv_len).
+    """One online-softmax step over keys start_n .. start_n + TILE_N (those < kv_len and,
+    WINDOWED, >= kv_lo; the others are not read).
 
-    s = qk_scale * q @ K^T (qk_scale = scale * log2 e), masked to -inf for keys >= kv_len or,
-    if CAUSAL, keys > query_pos[row]; then with m' = max(m, rowmax s), p = 2^(s - m'):
-    l' = l * 2^(m - m') + rowsum p, acc' = acc * 2^(m - m') + p @ V.
+    s = `_scores` (base 2), masked to -inf for the keys not attended; then with
+    m' = max(m, rowmax s), p = 2^(s - m'): l' = l * 2^(m - m') + rowsum p,
+    acc' = acc * 2^(m - m') + p @ V.
     """
     offs_n = start_n + tl.arange(0, TILE_N)
     kv_mask = offs_n < kv_len
+    if WINDOWED:
+        kv_mask = kv_mask & (offs_n >= kv_lo)
     block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
     in_block = offs_n % BLOCK_SIZE
     k_ptrs = k_base + block[None, :] * stride_kb + in_block[None, :] * stride_kt + offs_d[:, None]
     k = tl.load(k_ptrs, mask=dim_mask[:, None] & kv_mask[None, :], other=0.0)  # [D, TILE_N]
     k = k.to(q.dtype)  # an fp8 cache's values, exactly
-    s = _dot(q, k, PRECISION, UPCAST) * qk_scale
-    if CAUSAL:
-        s = tl.where(offs_n[None, :] <= query_pos[:, None], s, float("-inf"))
-    else:
-        s = tl.where(kv_mask[None, :], s, float("-inf"))
+    s = _scores(q, k, qk_scale, softcap, SOFTCAP, PRECISION, UPCAST)
+    s = tl.where(kv_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
     p = tl.exp2(s - m_safe[:, None])
@@ -299,44 +332,60 @@ def _prefill_tile(
     v_base,
     table_row,
     start_n,
+    kv_lo,
     kv_len,
     query_pos,
+    window,
     offs_d,
     stride_kb,
     stride_kt,
     stride_vb,
     stride_vt,
     qk_scale,
+    softcap,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One FlashAttention-2 step over keys start_n .. start_n + TILE_N, in base 2:
-    s = qk_scale * q @ K^T (qk_scale = scale * log2 e), m' = max(m, rowmax s), p = 2^(s - m'),
-    l' = l * 2^(m - m') + rowsum p, acc' = acc * 2^(m - m') + p @ V.
+    s = `_scores`, m' = max(m, rowmax s), p = 2^(s - m'), l' = l * 2^(m - m') + rowsum p,
+    acc' = acc * 2^(m - m') + p @ V.
 
     Unmasked (not MASKED): every key of the tile is visible to every row, no mask at all.
-    MASKED (the diagonal tiles): s = -inf for keys > query_pos[row] (query_pos < kv_len, so
-    keys past the context are masked too); K/V rows past kv_len are not read. Every row sees
-    key 0 in the first tile, so m stays finite from then on."""
+    MASKED (the diagonal tiles, and WINDOWED the tiles where rows' windows begin): s = -inf
+    for keys > query_pos[row] (query_pos < kv_len, so keys past the context are masked too)
+    and, WINDOWED, keys <= query_pos[row] - window; K/V rows past kv_len (and, WINDOWED,
+    below kv_lo) are not read. Without a window every row sees key 0 in the first tile, so m
+    stays finite from then on; with one a row may see no key yet, and m' = -inf is taken as
+    0 (p = 0, alpha = 0)."""
     offs_n = start_n + tl.arange(0, TILE_N)
     key_ok = offs_n < kv_len
+    if WINDOWED:
+        key_ok = key_ok & (offs_n >= kv_lo)
     k_rows, v_rows = _kv_rows(
         table_row, start_n, kv_len, stride_kb, stride_kt, stride_vb, stride_vt,
         BLOCK_SIZE, TILE_N, MASKED,
     )  # fmt: skip
     k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]
     k = _load_rows(k_ptrs, key_ok, offs_d, HEAD_DIM, HEAD_DIM_P, MASKED).to(q.dtype)
-    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
+    s = _scores(q, tl.trans(k), qk_scale, softcap, SOFTCAP, PRECISION, UPCAST)
     if MASKED:
-        s = tl.where(offs_n[None, :] <= query_pos[:, None], s, float("-inf"))
+        visible = offs_n[None, :] <= query_pos[:, None]
+        if WINDOWED:
+            visible = visible & (offs_n[None, :] > query_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    m_ref = m_new
+    if MASKED and WINDOWED:  # a row may have seen no key yet
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
     v = _load_rows(v_ptrs, key_ok, offs_d, HEAD_DIM, HEAD_DIM_P, MASKED).to(q.dtype)
@@ -361,7 +410,7 @@ def _find_slot(starts_ptr, x, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["window", "num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -373,7 +422,9 @@ def _prefill_kernel(
     starts_ptr,
     out_ptr,
     qk_scale,
+    softcap,
     v_scale,
+    window,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -395,6 +446,8 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,
     ORDERED: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -405,9 +458,12 @@ def _prefill_kernel(
     cdiv(q_len, BLOCK_Q) - 1 - (x - starts[i] // BLOCK_Q - i), the last (most keys) first.
 
     Row r is query qi = first + r // GROUP at position ctx + qi (ctx = seq_len - q_len), head
-    kv_head * GROUP + r % GROUP; it attends keys 0 .. ctx + qi. Key tiles below the tile's
-    first query position need no mask; the diagonal tiles (up to ctx + the last query) are
-    masked. SKIP_DECODES: requests with one query are left to `_decode_kernel`."""
+    kv_head * GROUP + r % GROUP; it attends keys 0 .. ctx + qi (WINDOWED: from
+    ctx + qi - window + 1). Key tiles below the tile's first query position need no mask; the
+    diagonal tiles (up to ctx + the last query) are masked. WINDOWED: the loop starts at the
+    tile of key ctx + first - window + 1 and masks the tiles before key kv_len - window (the
+    last query's window start). SKIP_DECODES: requests with one query are left to
+    `_decode_kernel`."""
     x = tl.program_id(0)
     kv_head = tl.program_id(1)
     i = _find_slot(starts_ptr, x, num_seqs, BLOCK_Q)
@@ -445,17 +501,29 @@ def _prefill_kernel(
     kv_len = ctx + last + 1
     query_pos = tl.minimum(ctx + query, kv_len - 1)  # padding rows: as the last query
     full_end = (ctx + first + 1) // TILE_N * TILE_N  # keys < full_end: visible to every row
-    for start_n in range(0, full_end, TILE_N):
+    full_start = 0
+    kv_lo = 0
+    if WINDOWED:  # keys >= kv_lo: seen by some row; keys >= kv_len - window: by every row
+        kv_lo = tl.maximum(ctx + first - window + 1, 0)
+        full_start = tl.cdiv(tl.maximum(kv_len - window, 0), TILE_N) * TILE_N
+        full_start = tl.minimum(full_start, full_end)
+        for start_n in range(kv_lo // TILE_N * TILE_N, full_start, TILE_N):
+            acc, m_i, l_i = _prefill_tile(
+                q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_lo, kv_len, query_pos,
+                window, offs_d, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
+                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, True, SOFTCAP, PRECISION, UPCAST,
+            )  # fmt: skip
+    for start_n in range(full_start, full_end, TILE_N):
         acc, m_i, l_i = _prefill_tile(
-            q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_len, query_pos, offs_d,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, PRECISION, UPCAST,
+            q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_lo, kv_len, query_pos,
+            window, offs_d, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, False, WINDOWED, SOFTCAP, PRECISION, UPCAST,
         )  # fmt: skip
     for start_n in range(full_end, kv_len, TILE_N):
         acc, m_i, l_i = _prefill_tile(
-            q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_len, query_pos, offs_d,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, PRECISION, UPCAST,
+            q, acc, m_i, l_i, k_base, v_base, table_row, start_n, kv_lo, kv_len, query_pos,
+            window, offs_d, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, WINDOWED, SOFTCAP, PRECISION, UPCAST,
         )  # fmt: skip
 
     out = acc * (v_scale / l_i)[:, None]
@@ -476,7 +544,7 @@ def _decode_token(query_start_loc_ptr, seq, MIXED: tl.constexpr):
     return token
 
 
-@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["window", "tiles_per_split", "num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -488,7 +556,9 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
+    softcap,
     v_scale,
+    window,
     tiles_per_split,
     num_splits,
     num_heads,
@@ -511,12 +581,16 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     DIRECT: tl.constexpr,
     MIXED: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One decode query (token b of request b; MIXED: token query_start_loc[b], and only
     requests with one query) x the GROUP heads of one kv head over split
     `split` of the context: keys [split * tiles_per_split * TILE_N, ...) below seq_len.
+    WINDOWED: keys kv_lo = max(seq_len - window, 0) .. seq_len - 1 only, the splits cutting
+    the tiles from kv_lo's: keys [(kv_lo // TILE_N + split * tiles_per_split) * TILE_N, ...).
 
     DIRECT (num_splits == 1): writes out = acc / l. Otherwise writes the partial output acc / l to
     part_out[b, head, split, :] and lse = m + log2(l) (base 2, scaled scores) to
@@ -529,6 +603,10 @@ def _decode_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     tile_start = split * tiles_per_split
+    kv_lo = 0
+    if WINDOWED:
+        kv_lo = tl.maximum(seq_len - window, 0)
+        tile_start += kv_lo // TILE_N
     tile_end = tl.minimum(tile_start + tiles_per_split, tl.cdiv(seq_len, TILE_N))
 
     rows = tl.arange(0, BLOCK_H)
@@ -549,9 +627,9 @@ def _decode_kernel(
     table_row = block_tables_ptr + seq64 * stride_bt
     for tile in range(tile_start, tile_end):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_base, v_base, table_row, tile * TILE_N, seq_len, rows,
-            offs_d, dim_mask, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-            BLOCK_SIZE, TILE_N, False, PRECISION, UPCAST,
+            q, acc, m_i, l_i, k_base, v_base, table_row, tile * TILE_N, kv_lo, seq_len,
+            offs_d, dim_mask, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
+            BLOCK_SIZE, TILE_N, WINDOWED, SOFTCAP, PRECISION, UPCAST,
         )  # fmt: skip
 
     out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
@@ -675,6 +753,8 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
+    softcap: float = 0.0,
     prefill_tiles: PrefillTiles | None = None,
     longest_first: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -688,11 +768,13 @@ def paged_attention(
     kernels (token query_start_loc[b]) those with one. max_seq_len (host int, optional)
     bounds the context to size the splits, else max_blocks * block_size does; num_splits
     forces the split count (tests, tuning); k_scale / v_scale: an fp8 cache's scales;
+    window, softcap: the layer's sliding window and logit softcap (0: none; the module doc);
     prefill_tiles: the prefill kernel's launch configuration (default: `prefill_tiles(...)`);
     longest_first: the step's launch order (attention_metadata.longest_first_order, [2 * batch
     + 1] int32), else requests in batch order (each request's last query block first)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check(max_query_len >= 1, "max_query_len must be >= 1")
+    _check(window >= 0 and softcap >= 0.0, "window and softcap must be >= 0")
     if out is None:
         out = torch.empty_like(q)
     _check(out.shape == q.shape and out.dtype == q.dtype, "out must match q's shape and dtype")
@@ -700,14 +782,14 @@ def paged_attention(
     if q.shape[0] == 0:
         return out
     mixed = max_query_len > 1
-    scales = (scale * k_scale, v_scale)
+    layer = _LayerArgs.of(scale * k_scale, v_scale, window, softcap)
     if not mixed:
         _check(q.shape[0] == seq_lens.shape[0], "decode (max_query_len 1): one token a request")
     else:
         tiles = prefill_tiles or _default_prefill_tiles(q, k_cache, max_query_len)
         _launch_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        longest_first, out, scales, tiles)  # fmt: skip
-    _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scales,
+                        longest_first, out, layer, tiles)  # fmt: skip
+    _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, layer,
                    max_seq_len, num_splits, mixed)  # fmt: skip
     return out
 
@@ -720,6 +802,9 @@ def paged_attention_backend(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The backends' common signature (attention_backends.AttentionFn)."""
     return paged_attention(
@@ -734,8 +819,29 @@ def paged_attention_backend(
         max_seq_len=metadata.max_seq_len,
         k_scale=k_scale,
         v_scale=v_scale,
+        window=window,
+        softcap=softcap,
         longest_first=metadata.longest_first,
     )
+
+
+@dataclass(frozen=True)
+class _LayerArgs:
+    """A layer's arguments to the attention kernels: qk_scale and softcap as `_scores` takes
+    them (SOFTCAP: softcap > 0), v_scale (multiplies the output), window (WINDOWED: > 0)."""
+
+    qk_scale: float
+    softcap: float
+    v_scale: float
+    window: int
+
+    @classmethod
+    def of(cls, scale: float, v_scale: float, window: int, softcap: float) -> _LayerArgs:
+        """scale: the softmax scale (times k_scale); softcap: c (0: none). The scores go to
+        base 2: scale * log2 e, or with c, scale / c inside the tanh and c * log2 e outside."""
+        if softcap:
+            return cls(scale / softcap, softcap * LOG2E, v_scale, window)
+        return cls(scale * LOG2E, 0.0, v_scale, window)
 
 
 def _launch_prefill(
@@ -747,10 +853,9 @@ def _launch_prefill(
     query_start_loc: torch.Tensor,
     longest_first: torch.Tensor | None,
     out: torch.Tensor,
-    scales: tuple[float, float],
+    layer: _LayerArgs,
     tiles: PrefillTiles,
 ) -> None:
-    """scales: (softmax scale * k_scale, v_scale)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -767,15 +872,16 @@ def _launch_prefill(
     grid = (num_tokens // block_q + batch, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, order, starts, out,
-        scales[0] * LOG2E, scales[1], batch,
+        layer.qk_scale, layer.softcap, layer.v_scale, layer.window, batch,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         HEAD_DIM_P=_head_dim_padded(head_dim), BLOCK_SIZE=block_size, TILE_N=tiles.block_n,
-        ORDERED=longest_first is not None, SKIP_DECODES=True, PRECISION=_precision(q.dtype),
-        UPCAST=_upcast(q), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        ORDERED=longest_first is not None, SKIP_DECODES=True, WINDOWED=layer.window > 0,
+        SOFTCAP=layer.softcap > 0.0, PRECISION=_precision(q.dtype), UPCAST=_upcast(q),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
@@ -787,13 +893,14 @@ def _launch_decode(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     out: torch.Tensor,
-    scales: tuple[float, float],
+    layer: _LayerArgs,
     max_seq_len: int | None,
     num_splits: int | None,
     mixed: bool,
 ) -> None:
-    """Flash-decoding for the one-query requests (all of them unless `mixed`); scales:
-    (softmax scale * k_scale, v_scale)."""
+    """Flash-decoding for the one-query requests (all of them unless `mixed`). The splits
+    share the tiles a request's keys span, with a window those of its window (at most
+    cdiv(window - 1, TILE_N) + 1)."""
     _, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -801,6 +908,8 @@ def _launch_decode(
     tile_n, num_warps, num_stages = DECODE_TUNING
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     num_tiles = max(1, triton.cdiv(max_ctx, tile_n))
+    if layer.window:
+        num_tiles = min(num_tiles, triton.cdiv(layer.window - 1, tile_n) + 1)
     if num_splits is None:
         num_splits = _decode_num_splits(batch * num_kv_heads, num_tiles, q.device)
     _check(num_splits >= 1, "num_splits must be >= 1")
@@ -816,14 +925,16 @@ def _launch_decode(
         part_out = part_lse = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        scales[0] * LOG2E, scales[1], tiles_per_split, num_splits, num_heads,
+        layer.qk_scale, layer.softcap, layer.v_scale, layer.window, tiles_per_split,
+        num_splits, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, TILE_N=tile_n, DIRECT=num_splits == 1,
-        MIXED=mixed, PRECISION=_precision(q.dtype), UPCAST=_upcast(q), num_warps=num_warps,
+        MIXED=mixed, WINDOWED=layer.window > 0, SOFTCAP=layer.softcap > 0.0,
+        PRECISION=_precision(q.dtype), UPCAST=_upcast(q), num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -25,6 +25,8 @@ operands' shapes and strides.
     each linear layer its linear method; None: float weights.
   * kv_cache_dtype: the paged KV cache's element type (float8_e4m3fn: fp8 with per-tensor
     scales); None: the model's dtype.
+  * sliding_window: the layers with a sliding window attend within it (False: over the whole
+    context, EngineConfig.disable_sliding_window).
   * max_model_len: the engine's longest context (EngineConfig.max_model_len), which LongRoPE's
     choice of factors follows (models.layers.RotaryEmbedding); None: the model's own limit.
 """
@@ -97,6 +99,7 @@ class LayerConfig:
     stage: PipelineStage = field(default_factory=PipelineStage)
     quantization: QuantizationConfig | None = None
     kv_cache_dtype: torch.dtype | None = None
+    sliding_window: bool = True
     max_model_len: int | None = None
 
     @property

@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, overload
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -336,6 +337,14 @@ class SiluAndMul(nn.Module):
         return silu_and_mul(x)
 
 
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, tanh approximation) * up over [T, 2 d] -> [T, d] (Gemma's GeGLU), in torch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class Attention(nn.Module):
     """Writes this step's k/v into the layer's paged cache, then paged attention over it, by
     the config's attention backend. The model runner assigns `k_cache` / `v_cache` (one
@@ -344,12 +353,25 @@ class Attention(nn.Module):
     may fill (1.0 otherwise), read once after loading into `kv_scales`."""
 
     def __init__(
-        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, config: LayerConfig
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        config: LayerConfig,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.backend = config.attention
+        # a sliding window and a logit softcap (kernels.attention_ref's doc), when the layer has
+        if (window or softcap) and not self.backend.windowed:
+            raise ValueError(
+                f"the {self.backend.name!r} attention backend has no sliding window or softcap"
+            )
+        self.options = {"window": window, "softcap": softcap} if window or softcap else {}
         fp8_cache = config.cache_dtype == torch.float8_e4m3fn
         # the q/k rotary launch writes the cache (Triton ops, a backend with Triton's write, a
         # cache of the model's dtype)
@@ -400,5 +422,5 @@ class Attention(nn.Module):
         if output_rows is not None:
             q, metadata = q.index_select(0, output_rows.indices), output_rows.metadata
         out = self.backend.attend(q, self.k_cache, self.v_cache, metadata, self.scale,
-                                  *self.kv_scales)  # fmt: skip
+                                  *self.kv_scales, **self.options)  # fmt: skip
         return out.reshape(-1, self.num_heads * self.head_dim)

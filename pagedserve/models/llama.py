@@ -30,6 +30,7 @@ from pagedserve.models.model_config import (
     class_labels,
     context_limit,
     rope_scaling_of,
+    sliding_windows,
 )
 from pagedserve.models.stages import MissingLayer, StageActivations, lm_head_is_tied
 
@@ -71,12 +72,25 @@ def rope_settings(config: ModelConfig) -> tuple[float, dict | None]:
     return float(theta), params or None
 
 
+def layer_windows(config: ModelConfig, layer_config: LayerConfig) -> list[int]:
+    """Each decoder layer's sliding window (0: full attention; all 0 where the engine disables
+    sliding windows)."""
+    windows = sliding_windows(config.to_dict())
+    if not layer_config.sliding_window or len(windows) != config.num_hidden_layers:
+        return [0] * config.num_hidden_layers
+    return windows
+
+
 class LlamaAttention(nn.Module):
     """qkv projection, rotary on q and k (after a per-head RMSNorm when `qk_norms` is set),
-    paged attention, o_proj."""
+    paged attention (within a sliding `window` when > 0), o_proj."""
 
     def __init__(
-        self, config: ModelConfig, layer_config: LayerConfig, rotary_emb: RotaryEmbedding
+        self,
+        config: ModelConfig,
+        layer_config: LayerConfig,
+        rotary_emb: RotaryEmbedding,
+        window: int = 0,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim = model_head_dim(config)
@@ -91,7 +105,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(
-            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_config
+            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_config, window
         )
         # (q_norm, k_norm) applied per head before rotary, or None; a subclass registers the
         # modules themselves (their parameters) and points this at them (see Qwen3Attention)
@@ -155,9 +169,10 @@ class LlamaDecoderLayer(nn.Module):
         attention_cls: type[LlamaAttention],
         rotary_emb: RotaryEmbedding,
         mlp: nn.Module,
+        window: int = 0,
     ) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config, layer_config, rotary_emb)
+        self.self_attn = attention_cls(config, layer_config, rotary_emb, window)
         self.mlp = mlp
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, layer_config)
@@ -201,6 +216,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             rotary_dim(config), context_limit(config.to_dict()), theta, scaling, layer_config
         )
+        windows = layer_windows(config, layer_config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
                 config,
@@ -208,6 +224,7 @@ class LlamaModel(nn.Module):
                 attention_cls,
                 self.rotary_emb,
                 build_mlp(config, layer_config, index),
+                windows[index],
             )  # fmt: skip
             if stage.owns_layer(index)
             else MissingLayer()

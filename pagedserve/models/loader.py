@@ -36,7 +36,11 @@ from pagedserve.models.layer_config import (
     TensorParallel,
     tensor_parallel_of_process,
 )
-from pagedserve.models.model_config import ModelConfig, load_model_config
+from pagedserve.models.model_config import (
+    ModelConfig,
+    load_model_config,
+    uses_windowed_attention,
+)
 from pagedserve.models.moe import expert_target
 from pagedserve.models.quantization.config import (
     check_supported,
@@ -125,7 +129,8 @@ def build_layer_config(
         device=device,
         dtype=dtype,
         attention=resolve_attention_backend(
-            config.attention_backend, cpu_kernels, dependent_launch
+            config.attention_backend, cpu_kernels, dependent_launch,
+            windowed=uses_windowed_attention(hf_config.to_dict(), config.disable_sliding_window),
         ),
         fused_ops=fused_ops,
         dependent_launch=dependent_launch,
@@ -138,6 +143,7 @@ def build_layer_config(
         stage=stage if stage is not None else PipelineStage(),
         quantization=quantization,
         kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
+        sliding_window=not config.disable_sliding_window,
         max_model_len=config.max_model_len,
     )  # fmt: skip
 

@@ -48,6 +48,28 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "original_max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
     },
+    "gemma2": {
+        "max_position_embeddings": 8192,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+    },
+    "gemma3_text": {
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "tie_word_embeddings": True,
+    },
     "mixtral": {
         "max_position_embeddings": 4096 * 32,
         "num_key_value_heads": 8,
@@ -79,13 +101,21 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# fields whose explicit null in config.json means "none" rather than "the default": Mistral
+# v0.2 on has no window ("sliding_window": null under MistralConfig's 4096), a Gemma 2 config
+# may turn a softcap off
+NULLABLE = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
+
+
 class ModelConfig:
     """Attribute access to config.json plus defaults; `to_dict()` gives them back."""
 
     def __init__(self, values: dict[str, Any]) -> None:
         model_type = values.get("model_type")
         defaults = _COMMON | DEFAULTS.get(str(model_type), {})
-        merged = defaults | {k: v for k, v in values.items() if v is not None or k not in defaults}
+        merged = defaults | {
+            k: v for k, v in values.items() if v is not None or k not in defaults or k in NULLABLE
+        }
         if merged.get("num_key_value_heads") is None and "num_attention_heads" in merged:
             merged["num_key_value_heads"] = merged["num_attention_heads"]
         self.__dict__.update(merged)
@@ -137,17 +167,45 @@ def context_limit(values: dict[str, Any]) -> int:
     return limit
 
 
+def sliding_windows(values: dict[str, Any]) -> list[int]:
+    """Each layer's sliding window (0: full attention), as transformers assigns them: from
+    `layer_types` where the config lists them, else by model type: Gemma 2 every other layer
+    from the first, Gemma 3 all but every `sliding_window_pattern`-th, Qwen2/Qwen3 (where
+    `use_sliding_window` is set) the layers from `max_window_layers` on, Mistral every layer."""
+    num_layers = int(values.get("num_hidden_layers") or 0)
+    window = int(values.get("sliding_window") or 0)
+    layer_types = values.get("layer_types")
+    if not window:
+        return [0] * num_layers
+    if layer_types is not None:
+        return [window if kind == "sliding_attention" else 0 for kind in layer_types]
+    model_type = values.get("model_type")
+    if model_type == "gemma2":
+        return [window if i % 2 == 0 else 0 for i in range(num_layers)]
+    if model_type in ("gemma3", "gemma3_text"):
+        pattern = int(values.get("sliding_window_pattern") or 6)
+        return [window if (i + 1) % pattern else 0 for i in range(num_layers)]
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if not values.get("use_sliding_window"):
+            return [0] * num_layers
+        first = int(values.get("max_window_layers", 28))  # transformers' default
+        return [window if i >= first else 0 for i in range(num_layers)]
+    return [window] * num_layers
+
+
+def uses_windowed_attention(values: dict[str, Any], disable_sliding_window: bool) -> bool:
+    """Whether some layer attends within a sliding window (unless disabled) or caps its
+    attention logits (Gemma 2's `attn_logit_softcapping`)."""
+    windows = not disable_sliding_window and any(sliding_windows(values))
+    return windows or bool(values.get("attn_logit_softcapping"))
+
+
 def active_sliding_window(values: dict[str, Any]) -> int | None:
     """The sliding window some of the model's layers attend within (None: every layer attends
     over the whole context): Mistral's `sliding_window`, Qwen2/Qwen3's where
-    `use_sliding_window` is set, or a `layer_types` that names sliding attention."""
-    window = values.get("sliding_window")
-    if not window:
-        return None
-    layer_types = values.get("layer_types")
-    if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
-    return int(window) if values.get("use_sliding_window", True) else None
+    `use_sliding_window` is set, or layers that `layer_types` (or Gemma's pattern) makes
+    sliding."""
+    return max(sliding_windows(values), default=0) or None
 
 
 def is_sequence_classifier(values: dict[str, Any]) -> bool:

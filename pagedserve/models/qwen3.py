@@ -15,9 +15,13 @@ from pagedserve.models.model_config import ModelConfig
 
 class Qwen3Attention(LlamaAttention):
     def __init__(
-        self, config: ModelConfig, layer_config: LayerConfig, rotary_emb: RotaryEmbedding
+        self,
+        config: ModelConfig,
+        layer_config: LayerConfig,
+        rotary_emb: RotaryEmbedding,
+        window: int = 0,
     ) -> None:
-        super().__init__(config, layer_config, rotary_emb)
+        super().__init__(config, layer_config, rotary_emb, window)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, layer_config)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, layer_config)
         self.qk_norms = (self.q_norm, self.k_norm)

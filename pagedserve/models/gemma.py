@@ -1,0 +1,224 @@
+"""Gemma 2 and Gemma 3 (text): the Llama decoder with Gemma's differences.
+
+* RMSNorm scales by (1 + w): the loader stores 1 + w (`GemmaRMSNorm`), so every RMSNorm
+  path (Triton, C++, torch) runs unchanged;
+* four norms a layer: input, post-attention (on the attention's output, before the residual
+  add), pre-feed-forward and post-feed-forward;
+* the embedding times sqrt(hidden_size) (rounded to the model's dtype, as transformers);
+* attention scaled by query_pre_attn_scalar^-1/2, a sliding window on the layers the config
+  makes sliding (models.model_config.sliding_windows), Gemma 2's attention logit softcap
+  (kernels.attention_ref's doc); Gemma 3 adds a (1 + w) RMSNorm per head on q and k and gives
+  its sliding layers their own RoPE base (`rope_local_base_freq`, or transformers 5's
+  per-layer-type `rope_parameters`);
+* the GeGLU feed-forward (gelu, tanh approximation), and Gemma 2's final logit softcap
+  c tanh(logits / c).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.attention_metadata import AttentionMetadata, OutputRows
+from pagedserve.models.layer_config import LayerConfig
+from pagedserve.models.layers import Attention, GeluTanhAndMul, RMSNorm, RotaryEmbedding
+from pagedserve.models.linear import MergedColumnParallelLinear, RowParallelLinear, VocabEmbedding
+from pagedserve.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    layer_windows,
+    model_head_dim,
+    rope_settings,
+    rotary_dim,
+)
+from pagedserve.models.model_config import ModelConfig, context_limit
+from pagedserve.models.stages import MissingLayer, StageActivations
+from pagedserve.models.weights import default_weight_loader
+
+
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm whose checkpoint weight w scales as (1 + w): the parameter holds 1 + w."""
+
+    def __init__(self, hidden_size: int, eps: float, config: LayerConfig) -> None:
+        super().__init__(hidden_size, eps, config)
+        self.weight.weight_loader = load_one_plus  # type: ignore[attr-defined]
+
+
+def load_one_plus(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """param = 1 + the checkpoint's weight (computed in float32)."""
+    default_weight_loader(param, loaded.float() + 1.0)
+
+
+def gemma_rope(config: ModelConfig, sliding: bool) -> tuple[float, dict | None]:
+    """(rope_theta, scaling) of a layer: Gemma 3's per-layer-type `rope_parameters`, or its
+    older fields (`rope_local_base_freq` for sliding layers; `rope_theta` and `rope_scaling`
+    for the others); Gemma 2's are Llama's."""
+    if config.model_type == "gemma2":
+        return rope_settings(config)
+    kind = "sliding_attention" if sliding else "full_attention"
+    params = dict((getattr(config, "rope_parameters", None) or {}).get(kind) or {})
+    if not params:
+        if sliding:
+            params = {"rope_theta": getattr(config, "rope_local_base_freq", None) or 10000.0}
+        else:
+            scaling = getattr(config, "rope_scaling", None) or {}
+            params = {"rope_theta": getattr(config, "rope_theta", None) or 1e6, **scaling}
+    theta = float(params.pop("rope_theta", 10000.0))
+    if params.get("rope_type", params.get("type", "default")) == "default":
+        return theta, None
+    return theta, params
+
+
+class GemmaAttention(LlamaAttention):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_config: LayerConfig,
+        rotary_emb: RotaryEmbedding,
+        window: int = 0,
+    ) -> None:
+        super().__init__(config, layer_config, rotary_emb, window)
+        scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, scale, self.num_kv_heads, layer_config, window, softcap
+        )
+        if config.model_type != "gemma2":  # Gemma 3: q / k norms
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, layer_config)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, layer_config)
+            self.qk_norms = (self.q_norm, self.k_norm)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
+        super().__init__()
+        activation = getattr(config, "hidden_activation", None) or config.hidden_act
+        if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise NotImplementedError(f"hidden_activation {activation!r} is not supported")
+        size, hidden = config.intermediate_size, config.hidden_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [size, size], layer_config)
+        self.down_proj = RowParallelLinear(size, hidden, layer_config)
+        self.act_fn = GeluTanhAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_config: LayerConfig,
+        rotary_emb: RotaryEmbedding,
+        window: int,
+    ) -> None:
+        super().__init__()
+        self.self_attn = GemmaAttention(config, layer_config, rotary_emb, window)
+        self.mlp = GemmaMLP(config, layer_config)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps, layer_config)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, layer_config)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, layer_config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, layer_config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        output_rows: OutputRows | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) as the Llama layer's: the sum of the two is the layer's input."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata, output_rows)
+        if output_rows is not None:
+            residual = residual.index_select(0, output_rows.indices)
+        hidden = self.post_attention_layernorm(hidden)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
+        super().__init__()
+        self.stage = stage = layer_config.stage
+        self.embed_tokens: VocabEmbedding | None = None
+        if stage.is_first:
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, layer_config)
+        # sqrt(hidden_size) rounded to the model's dtype, as transformers multiplies by it
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=layer_config.dtype).item()
+        windows = layer_windows(config, layer_config)
+        limit = context_limit(config.to_dict())
+        # one rotary embedding per RoPE setting (Gemma 3: the sliding layers' and the others')
+        self.rotary_embs = nn.ModuleDict(
+            {
+                str(sliding): RotaryEmbedding(
+                    rotary_dim(config), limit, *gemma_rope(config, sliding), layer_config
+                )
+                for sliding in sorted({bool(w) for w in windows})
+            }
+        )
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(
+                config, layer_config, self.rotary_embs[str(bool(windows[i]))], windows[i]
+            )
+            if stage.owns_layer(i)
+            else MissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        self.own_layers = [i for i in range(len(self.layers)) if stage.owns_layer(i)]
+        self.norm: GemmaRMSNorm | None = None
+        if stage.is_last:
+            self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, layer_config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        received: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations:
+        """As LlamaModel.forward."""
+        for rotary_emb in self.rotary_embs.values():
+            rotary_emb.new_step()
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids) * self.embed_scale, None
+        else:
+            assert received is not None, "a stage after the first needs the previous one's"
+            hidden, residual = received.hidden, received.residual
+        last = len(self.layers) - 1
+        for index in self.own_layers:
+            rows = metadata.output_rows if index == last else None
+            hidden, residual = self.layers[index](positions, hidden, residual, metadata, rows)
+        if self.norm is None:
+            return StageActivations(hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma2ForCausalLM and Gemma3ForCausalLM (the text model; its LM head is tied)."""
+
+    def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
+        nn.Module.__init__(self)
+        if getattr(config, "use_bidirectional_attention", None):
+            raise NotImplementedError("Gemma with bidirectional attention is not supported")
+        if model_head_dim(config) != config.head_dim:
+            raise ValueError("Gemma's config must give head_dim")
+        self.config, self.layer_config = config, layer_config
+        self.model = GemmaModel(config, layer_config)
+        self.tie_word_embeddings = False
+        self.lm_head = None
+        self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
+        if layer_config.stage.is_last:
+            self.build_head(config, layer_config)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
