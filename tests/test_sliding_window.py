@@ -102,6 +102,23 @@ def test_greedy_tokens_and_logprobs_match_transformers_past_the_window(
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_gemma_2_over_two_workers_keeps_transformers_tokens(
+    windowed_models: dict[str, WindowedModel], layout: dict[str, int]
+) -> None:
+    """Two tensor-parallel ranks (one kv head each) or two pipeline stages (a layer each: the
+    first stage embeds, the last norms and caps the logits)."""
+    windowed_model = windowed_models["gemma2"]
+    prompts = random_prompts(400, PROMPT_LENGTHS[1:3], seed=1)
+    with LLM(
+        str(windowed_model.path), num_kv_blocks=64, supervision=NO_STANDBY,
+        skip_tokenizer_init=True, **layout,
+    ) as llm:  # fmt: skip
+        outputs = llm.generate(prompts, GREEDY)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == windowed_model.greedy(prompt)[0]
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mistral"])
 def test_the_windows_and_softcaps_change_these_models(
     windowed_models: dict[str, WindowedModel], arch: str
