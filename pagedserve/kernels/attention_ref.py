@@ -64,10 +64,22 @@ class AttentionGroup:
     is_whole_batch: bool  # output_tokens == arange(num_tokens): no scatter needed
     causal_len: int | None = None  # one prompt with no earlier context: is_causal over this
     _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:
         return self.query_index.shape[1] == 1
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """[B, Q, C] bool: key_mask within a sliding window of `window` keys (0: none), built
+        once a step."""
+        if window not in self._window_masks:
+            mask = self.key_mask
+            if window:
+                keys = torch.arange(mask.shape[-1], device=mask.device)
+                mask = mask & (keys[None, None, :] > (self.key_limit - window)[..., None])
+            self._window_masks[window] = mask
+        return self._window_masks[window]
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, Q, C] float mask: 0 where key_mask is set, -inf elsewhere."""
@@ -270,11 +282,7 @@ def _attend_group_explicit(
     scores = queries @ keys.transpose(-1, -2) * scale  # [B, H, Q, C]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    allowed = group.key_mask
-    if window:
-        positions = torch.arange(max_ctx, device=allowed.device)
-        allowed = allowed & (positions[None, None, :] > (group.key_limit - window)[..., None])
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    scores = scores.masked_fill(~group.window_mask(window)[:, None], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ values  # [B, H, Q, D]
     return out.to(q.dtype).transpose(1, 2).reshape(batch * max_query_len, num_heads, head_dim)
 

@@ -344,6 +344,45 @@ def _prefill_chunk(
     out[chunk.start : chunk.end].copy_(result[0].transpose(0, 1))
 
 
+@dataclass
+class ExplicitRequest:
+    """One request of the explicit path: tokens [start, end), its cache rows and the keys each
+    of its queries attends (`_attend_explicit`)."""
+
+    start: int
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor  # [num_kv_heads * num_blocks] rows of the flat cache view
+    allowed: torch.Tensor  # [q_len, seq_len] bool
+
+
+def explicit_plan(
+    metadata: AttentionMetadata, num_kv_heads: int, num_blocks: int, window: int
+) -> list[ExplicitRequest]:
+    """The step's requests for the explicit path with this window, built on first use and
+    shared by every layer of the window: query i of a request (position p = ctx + i) attends
+    keys j <= p, and j > p - window when window > 0."""
+    key = ("explicit", num_kv_heads, num_blocks, window)
+    if key in metadata.plans:
+        return metadata.plans[key]
+    device = metadata.slot_mapping.device
+    head_offsets = torch.arange(num_kv_heads, dtype=torch.int64) * num_blocks
+    plan, start = [], 0
+    lens = zip(metadata.query_lens_cpu.tolist(), metadata.seq_lens_cpu.tolist())
+    for i, (q_len, seq_len) in enumerate(lens):
+        table = metadata.block_tables_cpu[i, : cdiv(seq_len, metadata.block_size)].to(torch.int64)
+        block_ids = (head_offsets[:, None] + table[None]).reshape(-1).to(device)
+        positions = seq_len - q_len + torch.arange(q_len)[:, None]
+        keys = torch.arange(seq_len)[None, :]
+        allowed = keys <= positions
+        if window:
+            allowed &= keys > positions - window
+        plan.append(ExplicitRequest(start, start + q_len, seq_len, block_ids, allowed.to(device)))
+        start += q_len
+    metadata.plans[key] = plan
+    return plan
+
+
 def _attend_explicit(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -353,40 +392,26 @@ def _attend_explicit(
     window: int,
     softcap: float,
 ) -> torch.Tensor:
-    """Every request on its own, scores in float32: query i of a request (position p = ctx + i)
-    attends keys j <= p, and j > p - window when window > 0; softcap c > 0 maps each score s to
-    c tanh(s / c)."""
+    """Every request on its own (explicit_plan), scores in float32; softcap c > 0 maps each
+    score s to c tanh(s / c)."""
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     k_rows = k_cache.view(num_kv_heads * num_blocks, block_size, head_dim)
     v_rows = v_cache.view(num_kv_heads * num_blocks, block_size, head_dim)
-    head_offsets = torch.arange(num_kv_heads, dtype=torch.int64) * num_blocks
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    start = 0
-    for i, (q_len, seq_len) in enumerate(
-        zip(metadata.query_lens_cpu.tolist(), metadata.seq_lens_cpu.tolist())
-    ):
-        width = cdiv(seq_len, block_size)
-        table = metadata.block_tables_cpu[i, :width].to(torch.int64)
-        block_ids = (head_offsets[:, None] + table[None]).reshape(-1).to(q.device)
-        shape = (num_kv_heads, width * block_size, head_dim)
-        keys = k_rows.index_select(0, block_ids).view(shape)[:, :seq_len].float()
-        values = v_rows.index_select(0, block_ids).view(shape)[:, :seq_len].float()
-        queries = q[start : start + q_len].float().transpose(0, 1)  # [H, L, D]
-        keys = keys.repeat_interleave(group, dim=0)
-        values = values.repeat_interleave(group, dim=0)
+    for request in explicit_plan(metadata, num_kv_heads, num_blocks, window):
+        shape = (num_kv_heads, -1, head_dim)
+        keys = k_rows.index_select(0, request.block_ids).view(shape)[:, : request.seq_len]
+        values = v_rows.index_select(0, request.block_ids).view(shape)[:, : request.seq_len]
+        keys = keys.float().repeat_interleave(group, dim=0)
+        values = values.float().repeat_interleave(group, dim=0)
+        queries = q[request.start : request.end].float().transpose(0, 1)  # [H, L, D]
         scores = queries @ keys.transpose(1, 2) * scale  # [H, L, S]
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        positions = seq_len - q_len + torch.arange(q_len, device=q.device)[:, None]
-        keys_at = torch.arange(seq_len, device=q.device)[None, :]
-        allowed = keys_at <= positions
-        if window:
-            allowed &= keys_at > positions - window
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~request.allowed, float("-inf"))
         result = torch.softmax(scores, dim=-1) @ values  # [H, L, D]
-        out[start : start + q_len].copy_(result.transpose(0, 1))
-        start += q_len
+        out[request.start : request.end].copy_(result.transpose(0, 1))
     return out
 
 

@@ -22,17 +22,16 @@ from torch import nn
 from pagedserve.kernels.attention_metadata import AttentionMetadata, OutputRows
 from pagedserve.models.layer_config import LayerConfig
 from pagedserve.models.layers import Attention, GeluTanhAndMul, RMSNorm, RotaryEmbedding
-from pagedserve.models.linear import MergedColumnParallelLinear, RowParallelLinear, VocabEmbedding
+from pagedserve.models.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedserve.models.llama import (
+    BuildMLP,
     LlamaAttention,
     LlamaForCausalLM,
-    layer_windows,
-    model_head_dim,
+    LlamaModel,
     rope_settings,
     rotary_dim,
 )
 from pagedserve.models.model_config import ModelConfig, context_limit
-from pagedserve.models.stages import MissingLayer, StageActivations
 from pagedserve.models.weights import default_weight_loader
 
 
@@ -109,12 +108,14 @@ class GemmaDecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         layer_config: LayerConfig,
+        attention_cls: type[GemmaAttention],
         rotary_emb: RotaryEmbedding,
+        mlp: nn.Module,
         window: int,
     ) -> None:
         super().__init__()
-        self.self_attn = GemmaAttention(config, layer_config, rotary_emb, window)
-        self.mlp = GemmaMLP(config, layer_config)
+        self.self_attn = attention_cls(config, layer_config, rotary_emb, window)
+        self.mlp = mlp
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps, layer_config)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps, layer_config)
@@ -142,80 +143,54 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
-        super().__init__()
-        self.stage = stage = layer_config.stage
-        self.embed_tokens: VocabEmbedding | None = None
-        if stage.is_first:
-            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, layer_config)
-        # sqrt(hidden_size) rounded to the model's dtype, as transformers multiplies by it
-        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=layer_config.dtype).item()
-        windows = layer_windows(config, layer_config)
-        limit = context_limit(config.to_dict())
-        # one rotary embedding per RoPE setting (Gemma 3: the sliding layers' and the others')
-        self.rotary_embs = nn.ModuleDict(
-            {
-                str(sliding): RotaryEmbedding(
-                    rotary_dim(config), limit, *gemma_rope(config, sliding), layer_config
-                )
-                for sliding in sorted({bool(w) for w in windows})
-            }
-        )
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(
-                config, layer_config, self.rotary_embs[str(bool(windows[i]))], windows[i]
-            )
-            if stage.owns_layer(i)
-            else MissingLayer()
-            for i in range(config.num_hidden_layers)
-        )
-        self.own_layers = [i for i in range(len(self.layers)) if stage.owns_layer(i)]
-        self.norm: GemmaRMSNorm | None = None
-        if stage.is_last:
-            self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, layer_config)
+class GemmaModel(LlamaModel):
+    """LlamaModel with Gemma's layers and norms, the embedding times sqrt(hidden_size) (rounded
+    to the model's dtype, as transformers multiplies by it), and Gemma 3's two RoPE settings."""
 
-    def forward(
+    decoder_layer_cls = GemmaDecoderLayer
+    norm_cls = GemmaRMSNorm
+
+    def __init__(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        received: StageActivations | None = None,
-    ) -> torch.Tensor | StageActivations:
-        """As LlamaModel.forward."""
-        for rotary_emb in self.rotary_embs.values():
-            rotary_emb.new_step()
-        if self.embed_tokens is not None:
-            hidden, residual = self.embed_tokens(input_ids) * self.embed_scale, None
-        else:
-            assert received is not None, "a stage after the first needs the previous one's"
-            hidden, residual = received.hidden, received.residual
-        last = len(self.layers) - 1
-        for index in self.own_layers:
-            rows = metadata.output_rows if index == last else None
-            hidden, residual = self.layers[index](positions, hidden, residual, metadata, rows)
-        if self.norm is None:
-            return StageActivations(hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        config: ModelConfig,
+        layer_config: LayerConfig,
+        attention_cls: type[LlamaAttention],
+        build_mlp: BuildMLP,
+    ) -> None:
+        super().__init__(config, layer_config, attention_cls, build_mlp)
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=layer_config.dtype).item()
+
+    def build_rotary_embs(
+        self, config: ModelConfig, layer_config: LayerConfig, windows: list[int]
+    ) -> dict[str, RotaryEmbedding]:
+        """One by whether a layer slides (Gemma 3's settings differ; Gemma 2's do not)."""
+        limit = context_limit(config.to_dict())
+        return {
+            str(sliding): RotaryEmbedding(
+                rotary_dim(config), limit, *gemma_rope(config, sliding), layer_config
+            )
+            for sliding in sorted({bool(w) for w in windows})
+        }
+
+    def layer_rotary_emb(self, window: int) -> RotaryEmbedding:
+        return self.rotary_embs[str(bool(window))]
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma2ForCausalLM and Gemma3ForCausalLM (the text model; its LM head is tied)."""
 
+    model_cls = GemmaModel
+    attention_cls = GemmaAttention
+
     def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
-        nn.Module.__init__(self)
         if getattr(config, "use_bidirectional_attention", None):
             raise NotImplementedError("Gemma with bidirectional attention is not supported")
-        if model_head_dim(config) != config.head_dim:
-            raise ValueError("Gemma's config must give head_dim")
-        self.config, self.layer_config = config, layer_config
-        self.model = GemmaModel(config, layer_config)
-        self.tie_word_embeddings = False
-        self.lm_head = None
+        super().__init__(config, layer_config)
         self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
-        if layer_config.stage.is_last:
-            self.build_head(config, layer_config)
+
+    @staticmethod
+    def build_mlp(config: ModelConfig, layer_config: LayerConfig, index: int) -> nn.Module:
+        return GemmaMLP(config, layer_config)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

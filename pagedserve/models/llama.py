@@ -199,6 +199,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage. A subclass (Gemma) changes the decoder layer
+    and norm classes, the embedding's scale, and the rotary embeddings (`build_rotary_embs`,
+    `layer_rotary_emb`: one per RoPE setting the layers use)."""
+
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[RMSNorm] = RMSNorm
+
     def __init__(
         self,
         config: ModelConfig,
@@ -211,18 +218,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens: VocabEmbedding | None = None
         if stage.is_first:
             self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, layer_config)
-        theta, scaling = rope_settings(config)
-        # one rotary embedding shared by every layer, whose per-step tables each forward resets
-        self.rotary_emb = RotaryEmbedding(
-            rotary_dim(config), context_limit(config.to_dict()), theta, scaling, layer_config
-        )
+        self.embed_scale: float | None = None  # what the embedding is multiplied by (Gemma)
         windows = layer_windows(config, layer_config)
+        # rotary embeddings shared by the layers, whose per-step tables each forward resets
+        self.rotary_embs = nn.ModuleDict(self.build_rotary_embs(config, layer_config, windows))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
+            self.decoder_layer_cls(
                 config,
                 layer_config,
                 attention_cls,
-                self.rotary_emb,
+                self.layer_rotary_emb(windows[index]),
                 build_mlp(config, layer_config, index),
                 windows[index],
             )  # fmt: skip
@@ -233,7 +238,19 @@ class LlamaModel(nn.Module):
         self.own_layers = [i for i in range(len(self.layers)) if stage.owns_layer(i)]
         self.norm: RMSNorm | None = None
         if stage.is_last:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, layer_config)
+            self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps, layer_config)
+
+    def build_rotary_embs(
+        self, config: ModelConfig, layer_config: LayerConfig, windows: list[int]
+    ) -> dict[str, RotaryEmbedding]:
+        """The rotary embeddings by name: Llama's one, shared by every layer."""
+        theta, scaling = rope_settings(config)
+        limit = context_limit(config.to_dict())
+        return {"all": RotaryEmbedding(rotary_dim(config), limit, theta, scaling, layer_config)}
+
+    def layer_rotary_emb(self, window: int) -> RotaryEmbedding:
+        """The rotary embedding of a layer with this sliding window (0: none)."""
+        return self.rotary_embs["all"]
 
     def forward(
         self,
@@ -244,9 +261,12 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | StageActivations:
         """The final hidden states (last stage), else this stage's activations for the next;
         a stage after the first starts from the previous stage's (`received`)."""
-        self.rotary_emb.new_step()  # this forward's first layer looks its tables up again
+        for rotary_emb in self.rotary_embs.values():
+            rotary_emb.new_step()  # this forward's first layer looks its tables up again
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:
+                hidden = hidden * self.embed_scale
         else:
             assert received is not None, "a stage after the first needs the previous one's"
             hidden, residual = received.hidden, received.residual
@@ -261,6 +281,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls: type[LlamaModel] = LlamaModel
     attention_cls: type[LlamaAttention] = LlamaAttention
     # checkpoint projection name of one expert -> (stacked parameter, part): MoE models'
     # (models.moe.expert_target)
@@ -283,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, layer_config: LayerConfig) -> None:
         super().__init__()
         self.config, self.layer_config = config, layer_config
-        self.model = LlamaModel(config, layer_config, self.attention_cls, self.build_mlp)
+        self.model = self.model_cls(config, layer_config, self.attention_cls, self.build_mlp)
         self.tie_word_embeddings = False  # the loader reads it
         self.lm_head: LMHead | None = None
         if layer_config.stage.is_last:
