@@ -170,6 +170,7 @@ ATTENTION_OPTIONS = [
     ("window", {"window": 4096}),
     ("softcap", {"softcap": 50.0}),
     ("window+softcap", {"window": 4096, "softcap": 50.0}),
+    ("window+sinks", {"window": 4096, "sinks": torch.zeros(32)}),  # GPT-OSS's
 ]
 # prefill tiles of 64 rows x 64 keys: the engine's 128 x 128 compile in about a minute each
 # here (they compiled: scripts/results/session30.md)

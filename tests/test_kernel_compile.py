@@ -40,7 +40,8 @@ def test_the_rotary_kernel_compiles_for_sm_90() -> None:
     assert compiled("rotary").count("\nok ") + 1 == 3 * 2 * 2
 
 
-def test_the_attention_kernels_with_a_window_and_a_softcap_compile_for_sm_90() -> None:
-    # bf16 / fp32 x ((window, softcap, both) x a decode step's decode and reduce kernels, and
-    # both in a step with a prefill chunk: prefill, decode, reduce)
-    assert compiled("attention").count("\nok ") + 1 == 2 * (3 * 2 + 3)
+def test_the_attention_kernels_with_a_window_softcap_and_sinks_compile_for_sm_90() -> None:
+    # bf16 / fp32 x ((window, softcap, both, window and sinks) x a decode step's decode and
+    # reduce kernels, and window and sinks in a step with a prefill chunk: prefill, decode,
+    # reduce)
+    assert compiled("attention").count("\nok ") + 1 == 2 * (4 * 2 + 3)

@@ -29,7 +29,8 @@ from pagedserve.kernels.attention_metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 # paged_attention(q, k_cache, v_cache, metadata, scale, k_scale, v_scale) -> out like q; the
-# scales are the fp8 cache's (kernels.kv_quant), 1.0 for a cache of the model's dtype
+# scales are the fp8 cache's (kernels.kv_quant), 1.0 for a cache of the model's dtype; a
+# `windowed` backend's also takes the keywords window, softcap and sinks (AttentionBackend)
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float, float, float],
     torch.Tensor,
@@ -52,7 +53,8 @@ class AttentionBackend:
     fuses_kv_write: bool = False
     # its steps read no host tensors and sync nothing: CUDA graphs can capture them
     graph_safe: bool = False
-    # its attend takes a layer's sliding `window` and logit `softcap` (keyword arguments)
+    # its attend takes a layer's sliding `window`, logit `softcap` and attention `sinks`
+    # (keyword arguments: int, float, float32 [num_heads] tensor or None; attention_ref's doc)
     windowed: bool = True
 
     def kv_cache_layer_shape(
@@ -120,12 +122,15 @@ def resolve_attention_backend(
     load falls back to 'triton' on a CUDA machine, and any backend that cannot load to 'torch'
     (with a warning). use_cpu_kernels: the 'torch' backend's C++ kernels are loaded and on;
     dependent_launch: the 'cuda' decode kernels launch as programmatic dependents (PDL);
-    windowed: the model has layers with a sliding window or a logit softcap, which the 'cuda'
-    decode kernel does not take: 'triton' instead."""
+    windowed: the model has layers with a sliding window, a logit softcap or attention sinks,
+    which the 'cuda' decode kernel does not take: 'triton' instead."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "torch"
     if name == "cuda" and windowed:
-        logger.info("sliding-window / softcap attention: the triton backend instead of cuda")
+        logger.info(
+            "sliding-window / softcap / attention-sink attention: the triton backend instead "
+            "of cuda"
+        )
         name = "triton"
     if name == "torch_ref":
         return torch_ref_backend()

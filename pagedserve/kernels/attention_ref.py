@@ -13,10 +13,16 @@ query i of request b, head h, reads kv head h // G over keys j = 0 .. ctx_b + i 
     s_j = scale * <q[b, i, h], K[b, j, h // G]>
     out[b, i, h] = sum_j softmax_j(s) * V[b, j, h // G]
 
-Two per-layer options (Gemma, Mistral v0.1): a sliding `window` W > 0 keeps only the keys
-j > ctx_b + i - W (the W latest positions, the query's own included), and a logit `softcap`
-c > 0 replaces s_j by c tanh(s_j / c) before the softmax. Either takes the explicit path
-below (scores, mask, softmax in float32) instead of SDPA.
+Three per-layer options: a sliding `window` W > 0 (Gemma, Mistral v0.1) keeps only the keys
+j > ctx_b + i - W (the W latest positions, the query's own included); a logit `softcap` c > 0
+(Gemma 2) replaces s_j by c tanh(s_j / c) before the softmax; attention `sinks` (GPT-OSS), a
+learned logit sink[h] per query head, join the softmax's denominator only:
+
+    out[b, i, h] = sum_j e^(s_j - m) V[b, j, h // G] / (e^(sink[h] - m) + sum_j e^(s_j - m))
+
+with m = max(max_j s_j, sink[h]) over the keys the query attends (a query that attends none
+gets 0). Any of them takes the explicit path below (scores, mask, softmax in float32) instead
+of SDPA.
 
 Vectorised form. Decode requests (q_len == 1, the hot path) form one group; prefill chunks
 (q_len > 1) are bucketed by context length so that padding stays within PADDING_WASTE_LIMIT
@@ -202,13 +208,17 @@ def paged_attention(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> the same shape (see the module doc); window,
-    softcap: the layer's sliding window and logit softcap (0: none)."""
+    softcap: the layer's sliding window and logit softcap (0: none); sinks: its float32 sink
+    logits, [num_heads] (None: none)."""
     groups = torch_groups(metadata)
     scale *= k_scale
-    if window or softcap:
-        attend = functools.partial(_attend_group_explicit, window=window, softcap=softcap)
+    if window or softcap or sinks is not None:
+        attend = functools.partial(
+            _attend_group_explicit, window=window, softcap=softcap, sinks=sinks
+        )
     else:
         attend = _attend_group
     if len(groups) == 1 and groups[0].is_whole_batch:
@@ -265,9 +275,10 @@ def _attend_group_explicit(
     scale: float,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """_attend_group with a sliding window and / or a logit softcap: scores, mask and softmax
-    written out, in float32."""
+    """_attend_group with a sliding window, a logit softcap and / or attention sinks: scores,
+    mask and softmax written out, in float32."""
     batch, max_query_len = group.query_index.shape
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -283,8 +294,21 @@ def _attend_group_explicit(
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~group.window_mask(window)[:, None], float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ values  # [B, H, Q, D]
+    sink_logits = None if sinks is None else sinks.view(1, num_heads, 1, 1)
+    out = softmax_with_sinks(scores, sink_logits) @ values  # [B, H, Q, D]
     return out.to(q.dtype).transpose(1, 2).reshape(batch * max_query_len, num_heads, head_dim)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax of float32 `scores` over the last dim, masked keys at -inf; with `sinks`
+    (float32 logits broadcasting to scores[..., :1]) joined to its denominator only:
+    e^(s_j - m) / (e^(sink - m) + sum_j e^(s_j - m)), m = max(max_j s_j, sink), so that a row
+    with no key gives 0."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)
+    probs = (scores - top).exp_()
+    return probs.div_(probs.sum(dim=-1, keepdim=True).add_((sinks - top).exp_()))
 
 
 def _gather_context(

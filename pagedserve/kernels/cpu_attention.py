@@ -16,8 +16,9 @@ Decode (q_len == 1), the hot path, runs one of two ways:
 Prefill chunks (q_len > 1) go one request at a time through SDPA over their own gathered
 blocks: is_causal when the chunk starts the prompt, else a causal mask offset by the context.
 
-A layer with a sliding window or a logit softcap (attention_ref's module doc) takes a plain
-per-request path instead (`_attend_explicit`: scores, mask and softmax written out).
+A layer with a sliding window, a logit softcap or attention sinks (attention_ref's module doc)
+takes a plain per-request path instead (`_attend_explicit`: scores, mask and softmax written
+out), never the C++ kernel.
 
 Whether the C++ kernels run is decided once, at load (`use_kernel`, from the LayerConfig);
 a shape the kernel is not built for, and an fp8 cache (kernels.kv_quant: read as q's dtype,
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.attention_metadata import AttentionMetadata, cdiv
-from pagedserve.kernels.attention_ref import real_rows
+from pagedserve.kernels.attention_ref import real_rows, softmax_with_sinks
 from pagedserve.kernels.kv_quant import is_fp8, raw, to_cache_values
 from pagedserve.kernels.workspace import Workspace
 
@@ -240,16 +241,18 @@ def paged_attention_head_major(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     use_kernel: bool = False,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] (any strides) -> [num_tokens, num_heads, head_dim];
     head-major caches. window, softcap: the layer's sliding window and logit softcap (0:
-    none). use_kernel: the C++ decode kernel (loaded) takes the decode rows of the shapes it is
-    built for (float32 caches)."""
+    none); sinks: its float32 sink logits, [num_heads] (None: none). use_kernel: the C++ decode
+    kernel (loaded) takes the decode rows of the shapes it is built for (float32 caches) when
+    the layer has none of the three."""
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     scale *= k_scale
-    if window or softcap:
-        out = _attend_explicit(q, k_cache, v_cache, metadata, scale, window, softcap)
+    if window or softcap or sinks is not None:
+        out = _attend_explicit(q, k_cache, v_cache, metadata, scale, window, softcap, sinks)
         return out if v_scale == 1.0 else out.mul_(v_scale)
     use_kernel = use_kernel and not is_fp8(k_cache) and cpu_decode_kernel_applies(q, num_kv_heads)
     plan = head_major_plan(metadata, num_kv_heads, num_blocks, q.dtype, not use_kernel)
@@ -391,14 +394,17 @@ def _attend_explicit(
     scale: float,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Every request on its own (explicit_plan), scores in float32; softcap c > 0 maps each
-    score s to c tanh(s / c)."""
+    score s to c tanh(s / c); sinks [num_heads] join each head's softmax denominator
+    (attention_ref.softmax_with_sinks)."""
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     k_rows = k_cache.view(num_kv_heads * num_blocks, block_size, head_dim)
     v_rows = v_cache.view(num_kv_heads * num_blocks, block_size, head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    sink_logits = None if sinks is None else sinks.view(-1, 1, 1)
     for request in explicit_plan(metadata, num_kv_heads, num_blocks, window):
         shape = (num_kv_heads, -1, head_dim)
         keys = k_rows.index_select(0, request.block_ids).view(shape)[:, : request.seq_len]
@@ -410,7 +416,7 @@ def _attend_explicit(
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~request.allowed, float("-inf"))
-        result = torch.softmax(scores, dim=-1) @ values  # [H, L, D]
+        result = softmax_with_sinks(scores, sink_logits) @ values  # [H, L, D]
         out[request.start : request.end].copy_(result.transpose(0, 1))
     return out
 

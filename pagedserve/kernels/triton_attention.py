@@ -6,11 +6,13 @@ block_tables[b, t // block_size] * block_size + t % block_size; query i of reque
 new tokens, seq_len_b tokens in context including them) attends keys 0 .. seq_len_b - q_len_b + i
 of kv head h // G, G = num_heads / num_kv_heads.
 
-Two per-layer options, the reference's: a sliding `window` W > 0 keeps only the keys
+Three per-layer options, the reference's: a sliding `window` W > 0 keeps only the keys
 j > p - W of the query at position p = seq_len_b - q_len_b + i (its W latest positions, its
-own included), and a logit `softcap` c > 0 replaces each score s = scale * <q, k> by
-c tanh(s / c) before the mask and the softmax. Each is a compile-time switch of the kernels
-(WINDOWED, SOFTCAP; off, the kernels are those without the options).
+own included); a logit `softcap` c > 0 replaces each score s = scale * <q, k> by
+c tanh(s / c) before the mask and the softmax; attention `sinks` (GPT-OSS: a learned logit
+sink[h] per query head h, float32 [num_heads]) join the softmax's denominator only,
+out = sum_j e^(s_j) v_j / (e^(sink[h]) + sum_j e^(s_j)). Each is a compile-time switch of
+the kernels (WINDOWED, SOFTCAP, SINKS; off, the kernels are those without the options).
 
 Kernels (all fp32 accumulation, an online softmax in base 2 with the scale folded in):
 
@@ -41,6 +43,13 @@ masked up to the first tile every row's window covers (key kv_len - W on), then 
 tiles and the masked diagonal as without a window. Masked tiles mask each row's keys
 below p - W + 1 and load no K/V row below the tile's lowest visible key; as a row may then
 see no key in a tile, the running max is taken as 0 while it is -inf.
+
+SINKS: the sink goes to base 2 as the scores do, s2 = sink[h] log2 e, and joins a query's
+online softmax once, after its last key (`_join_sinks`): m' = max(m, s2),
+acc' = acc 2^(m - m'), l' = l 2^(m - m') + 2^(s2 - m'), then out = acc' / l'. The prefill
+kernel and the one-split decode kernel join it before their normalisation; with several
+splits the reduce kernel does (the splits' partial outputs and log-sum-exps are those
+without sinks).
 
 Tiles of TILE_N keys may span several cache blocks (any block size works): the decode kernel
 gathers each key's block id from the block table; the prefill kernel reads one entry per page
@@ -84,6 +93,7 @@ __all__ = [
 ]
 
 LOG2E = 1.4426950408889634
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CACHE_DTYPES = (*_FLOAT_DTYPES, torch.float8_e4m3fn)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -394,6 +404,20 @@ def _prefill_tile(
 
 
 @triton.jit
+def _join_sinks(acc, m_i, l_i, sinks_ptr, head, head_mask):
+    """(acc, l) of an online softmax's final state (base 2) with each row's sink logit
+    sinks[head] joined to the denominator only: s2 = sinks[head] log2 e, m' = max(m, s2),
+    acc' = acc 2^(m - m'), l' = l 2^(m - m') + 2^(s2 - m') (m' = -inf is taken as 0, as in
+    the key loops; a row that saw no key gets acc' = 0 and, with a finite sink, l' = 1, so
+    out = 0). Rows outside head_mask get the sink -inf: (acc, l) unchanged."""
+    sink = tl.load(sinks_ptr + head, mask=head_mask, other=float("-inf")) * _LOG2E
+    m_new = tl.maximum(m_i, sink)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - m_ref)
+
+
+@triton.jit
 def _find_slot(starts_ptr, x, num_seqs, BLOCK_Q: tl.constexpr):
     """The entry i of the launch order owning program x: the largest i with
     starts[i] // BLOCK_Q + i <= x (entry i owns programs [starts[i] // BLOCK_Q + i,
@@ -421,6 +445,7 @@ def _prefill_kernel(
     order_ptr,
     starts_ptr,
     out_ptr,
+    sinks_ptr,
     qk_scale,
     softcap,
     v_scale,
@@ -448,6 +473,7 @@ def _prefill_kernel(
     SKIP_DECODES: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -462,8 +488,9 @@ def _prefill_kernel(
     ctx + qi - window + 1). Key tiles below the tile's first query position need no mask; the
     diagonal tiles (up to ctx + the last query) are masked. WINDOWED: the loop starts at the
     tile of key ctx + first - window + 1 and masks the tiles before key kv_len - window (the
-    last query's window start). SKIP_DECODES: requests with one query are left to
-    `_decode_kernel`."""
+    last query's window start). SINKS: each row's sink, sinks[head], joins its softmax after
+    the last tile (`_join_sinks`), before out = acc / l. SKIP_DECODES: requests with one query
+    are left to `_decode_kernel`."""
     x = tl.program_id(0)
     kv_head = tl.program_id(1)
     i = _find_slot(starts_ptr, x, num_seqs, BLOCK_Q)
@@ -526,6 +553,8 @@ def _prefill_kernel(
             HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, True, WINDOWED, SOFTCAP, PRECISION, UPCAST,
         )  # fmt: skip
 
+    if SINKS:
+        acc, l_i = _join_sinks(acc, m_i, l_i, sinks_ptr, head, row_mask)
     out = acc * (v_scale / l_i)[:, None]
     o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     o_mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -555,6 +584,7 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    sinks_ptr,
     qk_scale,
     softcap,
     v_scale,
@@ -583,6 +613,7 @@ def _decode_kernel(
     MIXED: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -592,9 +623,11 @@ def _decode_kernel(
     WINDOWED: keys kv_lo = max(seq_len - window, 0) .. seq_len - 1 only, the splits cutting
     the tiles from kv_lo's: keys [(kv_lo // TILE_N + split * tiles_per_split) * TILE_N, ...).
 
-    DIRECT (num_splits == 1): writes out = acc / l. Otherwise writes the partial output acc / l to
+    DIRECT (num_splits == 1): writes out = acc / l, SINKS with each head's sink, sinks[head],
+    joined first (`_join_sinks`). Otherwise writes the partial output acc / l to
     part_out[b, head, split, :] and lse = m + log2(l) (base 2, scaled scores) to
-    part_lse[b, head, split] (-inf for an empty split) for `_decode_reduce_kernel`."""
+    part_lse[b, head, split] (-inf for an empty split) for `_decode_reduce_kernel`, which
+    joins the sinks."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -632,6 +665,8 @@ def _decode_kernel(
             BLOCK_SIZE, TILE_N, WINDOWED, SOFTCAP, PRECISION, UPCAST,
         )  # fmt: skip
 
+    if SINKS and DIRECT:
+        acc, l_i = _join_sinks(acc, m_i, l_i, sinks_ptr, head, row_mask)
     out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     mask = row_mask[:, None] & dim_mask[None, :]
     if DIRECT:
@@ -650,6 +685,7 @@ def _decode_reduce_kernel(
     part_lse_ptr,
     query_start_loc_ptr,
     out_ptr,
+    sinks_ptr,
     stride_ot,
     stride_oh,
     num_heads,
@@ -658,11 +694,14 @@ def _decode_reduce_kernel(
     HEAD_DIM_P: tl.constexpr,
     SPLITS_CHUNK: tl.constexpr,
     MIXED: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
-    """out[b, h] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse) over the splits
-    of program (b, h); empty splits have lse = -inf and weigh 0. The splits are read
-    SPLITS_CHUNK at a time (the max first, then the weighted sum), so one compiled kernel
-    serves any split count."""
+    """out[b, h] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - M), M = max lse, over the
+    splits of program (b, h); empty splits have lse = -inf and weigh 0. SINKS: the head's sink
+    (base 2: s2 = sinks[h] log2 e) joins the denominator once, out = sum_s w_s * o_s /
+    (2^(s2 - M) + sum_s w_s), with M = max(max lse, s2). The splits are read SPLITS_CHUNK at a
+    time (the max first, then the weighted sum), so one compiled kernel serves any split
+    count."""
     token = _decode_token(query_start_loc_ptr, tl.program_id(0), MIXED)
     if token < 0:
         return
@@ -676,6 +715,9 @@ def _decode_reduce_kernel(
         splits = start + tl.arange(0, SPLITS_CHUNK)
         lse = tl.load(part_lse_ptr + first + splits, mask=splits < num_splits, other=float("-inf"))
         lse_max = tl.maximum(lse_max, tl.max(lse, axis=0))
+    if SINKS:
+        sink = tl.load(sinks_ptr + head) * _LOG2E
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     total = 0.0
     acc = tl.zeros([HEAD_DIM_P], tl.float32)
@@ -688,6 +730,8 @@ def _decode_reduce_kernel(
         o = tl.load(o_ptrs, mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
         total += tl.sum(weight, axis=0)
         acc += tl.sum(o * weight[:, None], axis=0)
+    if SINKS:
+        total += tl.exp2(sink - lse_max)
     out = acc / tl.where(total == 0.0, 1.0, total)
     o_dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d
     tl.store(o_dst, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
@@ -755,6 +799,7 @@ def paged_attention(
     v_scale: float = 1.0,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     prefill_tiles: PrefillTiles | None = None,
     longest_first: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -769,12 +814,15 @@ def paged_attention(
     bounds the context to size the splits, else max_blocks * block_size does; num_splits
     forces the split count (tests, tuning); k_scale / v_scale: an fp8 cache's scales;
     window, softcap: the layer's sliding window and logit softcap (0: none; the module doc);
+    sinks: the layer's sink logits, [num_heads] float32 contiguous on q's device (None: none);
     prefill_tiles: the prefill kernel's launch configuration (default: `prefill_tiles(...)`);
     longest_first: the step's launch order (attention_metadata.longest_first_order, [2 * batch
     + 1] int32), else requests in batch order (each request's last query block first)."""
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check(max_query_len >= 1, "max_query_len must be >= 1")
     _check(window >= 0 and softcap >= 0.0, "window and softcap must be >= 0")
+    if sinks is not None:
+        _check_sinks(sinks, q)
     if out is None:
         out = torch.empty_like(q)
     _check(out.shape == q.shape and out.dtype == q.dtype, "out must match q's shape and dtype")
@@ -782,7 +830,7 @@ def paged_attention(
     if q.shape[0] == 0:
         return out
     mixed = max_query_len > 1
-    layer = _LayerArgs.of(scale * k_scale, v_scale, window, softcap)
+    layer = _LayerArgs.of(scale * k_scale, v_scale, window, softcap, sinks)
     if not mixed:
         _check(q.shape[0] == seq_lens.shape[0], "decode (max_query_len 1): one token a request")
     else:
@@ -805,6 +853,7 @@ def paged_attention_backend(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The backends' common signature (attention_backends.AttentionFn)."""
     return paged_attention(
@@ -821,6 +870,7 @@ def paged_attention_backend(
         v_scale=v_scale,
         window=window,
         softcap=softcap,
+        sinks=sinks,
         longest_first=metadata.longest_first,
     )
 
@@ -828,20 +878,33 @@ def paged_attention_backend(
 @dataclass(frozen=True)
 class _LayerArgs:
     """A layer's arguments to the attention kernels: qk_scale and softcap as `_scores` takes
-    them (SOFTCAP: softcap > 0), v_scale (multiplies the output), window (WINDOWED: > 0)."""
+    them (SOFTCAP: softcap > 0), v_scale (multiplies the output), window (WINDOWED: > 0),
+    sinks (SINKS: not None; natural-log logits, the kernels take them to base 2)."""
 
     qk_scale: float
     softcap: float
     v_scale: float
     window: int
+    sinks: torch.Tensor | None
 
     @classmethod
-    def of(cls, scale: float, v_scale: float, window: int, softcap: float) -> _LayerArgs:
+    def of(
+        cls,
+        scale: float,
+        v_scale: float,
+        window: int,
+        softcap: float,
+        sinks: torch.Tensor | None,
+    ) -> _LayerArgs:
         """scale: the softmax scale (times k_scale); softcap: c (0: none). The scores go to
         base 2: scale * log2 e, or with c, scale / c inside the tanh and c * log2 e outside."""
         if softcap:
-            return cls(scale / softcap, softcap * LOG2E, v_scale, window)
-        return cls(scale * LOG2E, 0.0, v_scale, window)
+            return cls(scale / softcap, softcap * LOG2E, v_scale, window, sinks)
+        return cls(scale * LOG2E, 0.0, v_scale, window, sinks)
+
+    def sinks_arg(self, unused: torch.Tensor) -> torch.Tensor:
+        """The kernels' sinks_ptr: the sinks, else `unused` (not read: SINKS is off)."""
+        return unused if self.sinks is None else self.sinks
 
 
 def _launch_prefill(
@@ -872,7 +935,7 @@ def _launch_prefill(
     grid = (num_tokens // block_q + batch, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, order, starts, out,
-        layer.qk_scale, layer.softcap, layer.v_scale, layer.window, batch,
+        layer.sinks_arg(q), layer.qk_scale, layer.softcap, layer.v_scale, layer.window, batch,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -880,7 +943,8 @@ def _launch_prefill(
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         HEAD_DIM_P=_head_dim_padded(head_dim), BLOCK_SIZE=block_size, TILE_N=tiles.block_n,
         ORDERED=longest_first is not None, SKIP_DECODES=True, WINDOWED=layer.window > 0,
-        SOFTCAP=layer.softcap > 0.0, PRECISION=_precision(q.dtype), UPCAST=_upcast(q),
+        SOFTCAP=layer.softcap > 0.0, SINKS=layer.sinks is not None,
+        PRECISION=_precision(q.dtype), UPCAST=_upcast(q),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
@@ -925,8 +989,8 @@ def _launch_decode(
         part_out = part_lse = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        layer.qk_scale, layer.softcap, layer.v_scale, layer.window, tiles_per_split,
-        num_splits, num_heads,
+        layer.sinks_arg(q), layer.qk_scale, layer.softcap, layer.v_scale, layer.window,
+        tiles_per_split, num_splits, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -934,14 +998,14 @@ def _launch_decode(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, TILE_N=tile_n, DIRECT=num_splits == 1,
         MIXED=mixed, WINDOWED=layer.window > 0, SOFTCAP=layer.softcap > 0.0,
-        PRECISION=_precision(q.dtype), UPCAST=_upcast(q), num_warps=num_warps,
-        num_stages=num_stages,
+        SINKS=layer.sinks is not None, PRECISION=_precision(q.dtype), UPCAST=_upcast(q),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, query_start_loc, out, out.stride(0), out.stride(1), num_heads,
-            num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-            SPLITS_CHUNK=32, MIXED=mixed,
+            part_out, part_lse, query_start_loc, out, layer.sinks_arg(q), out.stride(0),
+            out.stride(1), num_heads, num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+            SPLITS_CHUNK=32, MIXED=mixed, SINKS=layer.sinks is not None,
             num_warps=4 if head_dim_p >= 128 else 1,
         )  # fmt: skip
 
@@ -998,6 +1062,13 @@ def _is_fp8(cache: torch.Tensor) -> bool:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _check_sinks(sinks: torch.Tensor, q: torch.Tensor) -> None:
+    _check(sinks.shape == (q.shape[1],), f"sinks must be [num_heads] = [{q.shape[1]}]")
+    _check(sinks.dtype == torch.float32, "sinks must be float32")
+    _check(sinks.device == q.device, f"sinks is on {sinks.device}, q on {q.device}")
+    _check(sinks.is_contiguous(), "sinks must be contiguous")
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

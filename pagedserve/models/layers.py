@@ -28,8 +28,15 @@ from pagedserve.kernels.ops import (
     rotary_tables,
     silu_and_mul,
 )
-from pagedserve.models.layer_config import FusedOps, LayerConfig
-from pagedserve.models.weights import ParamLayout, default_weight_loader, new_parameter
+from pagedserve.models.layer_config import FusedOps, LayerConfig, TensorParallel
+from pagedserve.models.weights import (
+    VECTOR,
+    OutputShard,
+    ParamLayout,
+    default_weight_loader,
+    load_shard,
+    new_parameter,
+)
 
 SCALAR = ParamLayout(output_dim=None, input_dim=None)
 
@@ -345,12 +352,25 @@ class GeluTanhAndMul(nn.Module):
         return F.gelu(gate, approximate="tanh") * up
 
 
+def load_head_shard(tp: TensorParallel, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """A per-head checkpoint tensor [total heads] into this tensor-parallel rank's
+    parameter [local heads]: its heads rank * local .. (rank + 1) * local (VECTOR layout)."""
+    local = param.shape[0]
+    if loaded.shape != (local * tp.size,):
+        raise ValueError(
+            f"a per-head tensor of {local * tp.size} heads expected, got {tuple(loaded.shape)}"
+        )
+    load_shard(param, loaded, OutputShard(0, tp.rank * local, local), None)
+
+
 class Attention(nn.Module):
     """Writes this step's k/v into the layer's paged cache, then paged attention over it, by
     the config's attention backend. The model runner assigns `k_cache` / `v_cache` (one
     layer's caches in the backend's layout, of config.cache_dtype). An fp8 cache has a scale
     for k and one for v (kernels.kv_quant): parameters `k_scale` / `v_scale` that a checkpoint
-    may fill (1.0 otherwise), read once after loading into `kv_scales`."""
+    may fill (1.0 otherwise), read once after loading into `kv_scales`. With `sinks` (GPT-OSS)
+    the layer has a learned sink logit per head: the float32 parameter `sinks` [num_heads]
+    (this rank's heads of the checkpoint's), passed to the backend at every step."""
 
     def __init__(
         self,
@@ -361,17 +381,25 @@ class Attention(nn.Module):
         config: LayerConfig,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.backend = config.attention
-        # a sliding window and a logit softcap (kernels.attention_ref's doc), when the layer has
-        if (window or softcap) and not self.backend.windowed:
+        # a sliding window, a logit softcap and attention sinks (kernels.attention_ref's doc),
+        # when the layer has them
+        if (window or softcap or sinks) and not self.backend.windowed:
             raise ValueError(
-                f"the {self.backend.name!r} attention backend has no sliding window or softcap"
+                f"the {self.backend.name!r} attention backend has no sliding window, softcap or "
+                "attention sinks"
             )
         self.options = {"window": window, "softcap": softcap} if window or softcap else {}
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            loader = functools.partial(load_head_shard, config.tp)
+            self.sinks = new_parameter(num_heads, loader=loader, dtype=torch.float32,
+                                       layout=VECTOR)  # fmt: skip
         fp8_cache = config.cache_dtype == torch.float8_e4m3fn
         # the q/k rotary launch writes the cache (Triton ops, a backend with Triton's write, a
         # cache of the model's dtype)
@@ -421,6 +449,9 @@ class Attention(nn.Module):
             )
         if output_rows is not None:
             q, metadata = q.index_select(0, output_rows.indices), output_rows.metadata
+        options = self.options
+        if self.sinks is not None:
+            options = {**options, "sinks": self.sinks.float()}
         out = self.backend.attend(q, self.k_cache, self.v_cache, metadata, self.scale,
-                                  *self.kv_scales, **self.options)  # fmt: skip
+                                  *self.kv_scales, **options)  # fmt: skip
         return out.reshape(-1, self.num_heads * self.head_dim)
