@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "pagedserve/tiny-shakespeare"
 # vLLM's names (models/quantization/config.py says what each means)
-QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors", "int8")
+QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors", "int8", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 TOKENIZER_MODES = ("auto", "slow")  # vLLM's mistral mode is not supported
 ASSETS_DIR = Path(__file__).parent / "assets"

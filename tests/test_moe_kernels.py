@@ -28,7 +28,9 @@ import torch  # noqa: E402
 
 from pagedserve.kernels import moe_ref, quant_ref  # noqa: E402
 from pagedserve.kernels.attention_backends import torch_ref_backend  # noqa: E402
+from pagedserve.models.gpt_oss import GptOssMoE  # noqa: E402
 from pagedserve.models.layer_config import LayerConfig  # noqa: E402
+from pagedserve.models.model_config import ModelConfig  # noqa: E402
 from pagedserve.models.moe import SparseMoeBlock  # noqa: E402
 from pagedserve.models.quantization.config import IntScheme, QuantizationConfig  # noqa: E402
 from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
@@ -112,6 +114,45 @@ def test_fused_experts_match_the_reference(dtype: torch.dtype, t: int, k: int) -
         assert float((got.float() - want).abs().max()) < 0.02 * scale
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "k"), [(3, 2), (60, 4)])
+def test_gpt_oss_experts_match_the_reference(dtype: torch.dtype, t: int, k: int) -> None:
+    """GPT-OSS's experts: biases on both GEMMs and the clamped activation, with dots large
+    enough that the clamp at 1.5 cuts gates and ups."""
+    assert tm is not None
+    gen = torch.Generator().manual_seed(t + k)
+    experts, hidden, inter = 6, 48, 40
+    x = torch.randn(t, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.4).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.2).to(dtype)
+    b13 = torch.randn(experts, 2 * inter, generator=gen).to(dtype)
+    b2 = torch.randn(experts, hidden, generator=gen).to(dtype)
+    weights, ids = routing(t, experts, k, seed=t)
+    clamped = moe_ref.ClampedSwiGLU(alpha=1.702, limit=1.5)
+    got = tm.fused_experts(x, w13, w2, weights, ids, biases=(b13, b2), clamped=clamped)
+    floats = (x.float(), w13.float(), w2.float(), weights, ids)
+    want = moe_ref.fused_experts(*floats, biases=(b13.float(), b2.float()), clamped=clamped)
+    plain = moe_ref.fused_experts(*floats)
+    assert float((want - plain).abs().max()) > 0.5  # the biases and the clamp matter here
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert float((got.float() - want).abs().max()) < 0.02 * float(want.abs().max())
+
+
+def test_clamped_activation_follows_transformers() -> None:
+    """moe_ref.ClampedSwiGLU is transformers' GptOssExperts._apply_gate on de-interleaved
+    gate and up."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    config = gpt_oss.GptOssConfig(num_local_experts=2, hidden_size=8, intermediate_size=16)
+    experts = gpt_oss.GptOssExperts(config)
+    gate_up = torch.randn(5, 32) * 6  # interleaved, as transformers holds them
+    want = experts._apply_gate(gate_up)
+    clamped = moe_ref.ClampedSwiGLU(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    got = moe_ref.gated_activation(torch.cat([gate_up[:, ::2], gate_up[:, 1::2]], -1), clamped)
+    torch.testing.assert_close(got, want)
+
+
 def test_fused_experts_reject_bad_arguments() -> None:
     assert tm is not None
     x = torch.randn(3, 8)
@@ -125,6 +166,8 @@ def test_fused_experts_reject_bad_arguments() -> None:
         tm.fused_experts(x, w13, w2, weights.double(), ids)
     with pytest.raises(ValueError, match="contiguous"):
         tm.fused_experts(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, weights, ids)
+    with pytest.raises(ValueError, match="expert bias"):
+        tm.fused_experts(x, w13, w2, weights, ids, biases=(torch.zeros(4, 6), None))
     empty = tm.fused_experts(x[:0], w13, w2, weights[:0], ids[:0])
     assert empty.shape == (0, 8)
 
@@ -144,6 +187,29 @@ def test_the_block_takes_the_kernels_on_the_triton_path() -> None:
         "experts.w13": torch.randn(6, 40, 24, generator=gen),
         "experts.w2": torch.randn(6, 24, 20, generator=gen),
     }
+    for block in blocks.values():
+        for name, param in block.named_parameters():
+            param.data.copy_(weights[name])
+    x = torch.randn(7, 24, generator=gen)
+    torch.testing.assert_close(blocks["triton"](x), blocks["torch"](x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpt_oss_block_takes_the_kernels_on_the_triton_path() -> None:
+    """GPT-OSS's block (the router's bias, the experts' biases and clamp) with fused_ops
+    "triton" gives the torch path's output."""
+    gen = torch.Generator().manual_seed(2)
+    sizes = {"hidden_size": 24, "intermediate_size": 20, "num_local_experts": 6}
+    hf = ModelConfig(
+        {"model_type": "gpt_oss", "num_experts_per_tok": 2, "swiglu_limit": 1.0, **sizes}
+    )
+    blocks = {}
+    for fused_ops in ("triton", "torch"):
+        config = LayerConfig(
+            torch.device("cpu"), torch.float32, torch_ref_backend(), fused_ops=fused_ops
+        )
+        blocks[fused_ops] = GptOssMoE(hf, config)
+    weights = {name: torch.randn(param.shape, generator=gen)
+               for name, param in blocks["torch"].named_parameters()}  # fmt: skip
     for block in blocks.values():
         for name, param in block.named_parameters():
             param.data.copy_(weights[name])

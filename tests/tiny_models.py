@@ -48,8 +48,27 @@ CONFIGS = {
         query_pre_attn_scalar=16,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
     ),  # fmt: skip
+    # GPT-OSS: 4 experts (top 2), a clamp its dots cross, windows of 8 on every other layer,
+    # YaRN from 64 positions to the 512 the tiny models have
+    "gpt_oss": functools.partial(
+        transformers.GptOssConfig,
+        sliding_window=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),  # fmt: skip
 }
-HEAD_DIM_GIVEN = ("qwen3", "gemma2", "gemma3")  # configs whose head_dim is not hidden / heads
+# configs whose head_dim is not hidden / heads
+HEAD_DIM_GIVEN = ("qwen3", "gemma2", "gemma3", "gpt_oss")
 
 
 def build_tokenizer(vocab_size: int = 400) -> transformers.PreTrainedTokenizerFast:
@@ -115,12 +134,11 @@ def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[l
 
 def load_hf_model(path: Path | str) -> transformers.PreTrainedModel:
     """transformers' float32 model from `path`, with EOS off (greedy runs to max tokens); with
-    eager attention where the model caps its attention logits (Gemma 2: transformers' SDPA
-    attention, the default of some versions, leaves the softcap out)."""
+    eager attention where the model caps its attention logits or has attention sinks (Gemma 2,
+    GPT-OSS: transformers' SDPA attention, the default of some versions, leaves them out)."""
     config = transformers.AutoConfig.from_pretrained(path)
-    eager = (
-        {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
-    )
+    needs_eager = getattr(config, "attn_logit_softcapping", None) or config.model_type == "gpt_oss"
+    eager = {"attn_implementation": "eager"} if needs_eager else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **eager)
     model.generation_config.eos_token_id = None
     return model

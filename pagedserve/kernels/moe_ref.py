@@ -7,6 +7,12 @@ w2[e] ([H, I]):
 
     y[t] = sum_j w_j * W2[e_j] (silu(W1[e_j] x[t]) * W3[e_j] x[t])
 
+GPT-OSS's experts add biases (b13[e] = [b1; b3] to the gate and up rows, b2[e] to the output,
+before the routing weight) and clamp their gate (`ClampedSwiGLU`):
+
+    y[t] = sum_j w_j * (W2[e_j] act(W1[e_j] x[t] + b1[e_j], W3[e_j] x[t] + b3[e_j]) + b2[e_j])
+    act(g, u) = (clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g'),   g' = min(g, L)
+
 Here expert by expert over the tokens routed to it (as transformers computes it), each expert's
 contribution weighted in float32 and summed into a float32 output.
 
@@ -52,6 +58,28 @@ class Int4Experts:
 ExpertWeight = torch.Tensor | Int4Experts
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's gated activation (module doc): the gate capped above at `limit`, the up
+    projection clamped to [-limit, limit] and shifted by one, a sigmoid of gain `alpha`."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def gated_activation(gate_up: torch.Tensor, clamped: ClampedSwiGLU | None) -> torch.Tensor:
+    """[..., 2I] (gate, then up) -> [..., I]: SwiGLU, or the clamped form."""
+    if clamped is None:
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return clamped(gate, up)
+
+
 def _expert_weight(
     weight: ExpertWeight, scale: torch.Tensor | None, expert: int, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -70,17 +98,23 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    clamped: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (tensors, or both Int4Experts),
     topk_weights [T, k] (float32) and topk_ids [T, k] -> y [T, H] in x's dtype. scales: fp8
-    weights' per-output-channel scales, [E, 2I] and [E, H]."""
+    weights' per-output-channel scales, [E, 2I] and [E, H]; biases: b13 [E, 2I] and b2 [E, H]
+    in x's dtype, either None for none; clamped: GPT-OSS's activation instead of SwiGLU."""
     w13_scale, w2_scale = scales if scales is not None else (None, None)
+    b13, b2 = biases
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
         tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
         gate_up = _expert_weight(w13, w13_scale, expert, x.dtype)
         down = _expert_weight(w2, w2_scale, expert, x.dtype)
-        hidden = silu_and_mul(F.linear(x.index_select(0, tokens), gate_up))
-        contribution = F.linear(hidden, down).float()
+        gate_up_bias = None if b13 is None else b13[expert]
+        hidden = F.linear(x.index_select(0, tokens), gate_up, gate_up_bias)
+        hidden = gated_activation(hidden, clamped)
+        contribution = F.linear(hidden, down, None if b2 is None else b2[expert]).float()
         out.index_add_(0, tokens, contribution * topk_weights[tokens, slots, None].float())
     return out.to(x.dtype)

@@ -20,7 +20,9 @@ cover the most blocks any routing can need, cdiv(P, BLOCK_M) + min(E, P); progra
   GEMM 2  z[p] = w_p * (g[p] . w2[e]^T)                              [BLOCK_M, I] x [I, BLOCK_N]
   y[t] = sum_j z[t * k + j]
 
-so each expert's weights are read once per block of its tokens. BLOCK_M follows the pairs an
+so each expert's weights are read once per block of its tokens. GPT-OSS's experts add a bias
+to each GEMM's dots (before the activation, and before the routing weight) and clamp the
+activation (moe_ref's doc): `biases`, `clamped`. BLOCK_M follows the pairs an
 expert gets on average (16 for decode steps, up to 64). Accumulation is float32, z is float32;
 float32 models multiply exactly (`ieee`). FP8 experts (W8A16): the weights are read as fp8,
 widened to x's dtype for the dot, and each output channel's sum multiplied by its scale.
@@ -44,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.moe_ref import ExpertWeight, Int4Experts
+from pagedserve.kernels.moe_ref import ClampedSwiGLU, ExpertWeight, Int4Experts
 from pagedserve.kernels.triton_dot import accumulate_dot
 
 __all__ = ["ExpertBlocks", "align_by_expert", "fused_experts", "route"]
@@ -216,12 +218,28 @@ def _weight_tile(
 
 
 @triton.jit
+def _activation(gate, up, alpha, limit, CLAMPED: tl.constexpr, DTYPE: tl.constexpr):
+    """The gated activation of float32 dots, rounded to DTYPE where the reference rounds:
+    silu(gate) * up, or CLAMPED (u + 1) * g sigmoid(alpha g) with g = min(gate, limit) and
+    u = clamp(up, -limit, limit)."""
+    gate = gate.to(DTYPE).to(tl.float32)
+    up = up.to(DTYPE).to(tl.float32)
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        glu = (gate * tl.sigmoid(gate * alpha)).to(DTYPE).to(tl.float32)
+        return (up + 1.0).to(DTYPE).to(tl.float32) * glu
+    silu = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    return silu * up
+
+
+@triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr, num_blocks_ptr, weights_ptr,
-    scale_ptr, zero_ptr, num_pairs, N, K, gate_offset, group_size, stride_a, stride_we,
-    stride_wn, stride_out, stride_se, stride_sn,
+    scale_ptr, zero_ptr, bias_ptr, num_pairs, N, K, gate_offset, group_size, stride_a, stride_we,
+    stride_wn, stride_out, stride_se, stride_sn, stride_be, alpha, limit,
     PAIRS_PER_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
-    WEIGHTS: tl.constexpr,
+    WEIGHTS: tl.constexpr, BIASED: tl.constexpr, CLAMPED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -231,7 +249,9 @@ def _expert_gemm_kernel(
     WEIGHTS (_weight_tile): "float"; "fp8", each output channel's dot times its scale
     (scale[e, n], scale[e, gate_offset + n]); "int4", dequantized tile by tile (BLOCK_K
     divides the group size, or one group spans K) from words w[e, n, k // 8] and
-    scale / zero[e, n, k // group_size]."""
+    scale / zero[e, n, k // group_size]. BIASED: bias[e, n] (and bias[e, gate_offset + n])
+    added to the dots first; CLAMPED: GPT-OSS's activation (moe_ref.ClampedSwiGLU, with alpha
+    and limit) instead of silu(gate) * up."""
     m = tl.program_id(0)
     j = tl.program_id(1)
     if m < tl.load(num_blocks_ptr):
@@ -266,10 +286,13 @@ def _expert_gemm_kernel(
             acc *= tl.load(scale_cols, mask=inside, other=0.0)[None, :]
             if GATED:
                 up *= tl.load(scale_cols + up_offset, mask=inside, other=0.0)[None, :]
+        if BIASED:
+            bias_row = bias_ptr + expert * stride_be
+            acc += tl.load(bias_row + n, mask=inside, other=0.0).to(tl.float32)
+            if GATED:
+                up += tl.load(bias_row + gate_offset + n, mask=inside, other=0.0).to(tl.float32)
         if GATED:
-            gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # as the reference rounds
-            silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-            acc = silu * up.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = _activation(acc, up, alpha, limit, CLAMPED, out_ptr.dtype.element_ty)
         if WEIGHTED:
             acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
         out = out_ptr + pairs[:, None].to(tl.int64) * stride_out + n[None, :]
@@ -312,9 +335,12 @@ def _expert_gemm(
     weights: torch.Tensor | None,
     pairs_per_row: int,
     tiles: _Tiles,
+    bias: torch.Tensor | None = None,
+    clamped: ClampedSwiGLU | None = None,
 ) -> None:
     """out [P, N] from a and w (rows [E, rows, K]; module doc): GEMM 1 (no weights) is gated,
-    w's rows [gate; up] with N of each; GEMM 2 multiplies by the pairs' weights."""
+    w's rows [gate; up] with N of each; GEMM 2 multiplies by the pairs' weights. bias: [E,
+    rows] added to the dots; clamped: GEMM 1's activation (moe_ref.ClampedSwiGLU)."""
     num_pairs, n = out.shape
     k = a.shape[1]
     gated = weights is None
@@ -325,11 +351,15 @@ def _expert_gemm(
     _expert_gemm_kernel[grid](
         a, w.codes, out, blocks.pairs, blocks.block_experts, blocks.num_blocks,
         weights if weights is not None else out, scales,
-        w.zeros if w.zeros is not None else out,
+        w.zeros if w.zeros is not None else out, bias if bias is not None else out,
         num_pairs, n, k, n, w.group_size, a.stride(0), w.codes.stride(0), w.codes.stride(1),
         out.stride(0), scales.stride(0) if w.scales is not None else 0,
         scales.stride(1) if w.scales is not None else 0,
+        bias.stride(0) if bias is not None else 0,
+        clamped.alpha if clamped is not None else 0.0,
+        clamped.limit if clamped is not None else 0.0,
         PAIRS_PER_ROW=pairs_per_row, GATED=gated, WEIGHTED=weights is not None, WEIGHTS=w.kind,
+        BIASED=bias is not None, CLAMPED=clamped is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=_block_k(w, k, tiles),
         PRECISION=precision, UPCAST=upcast, num_warps=tiles.num_warps,
     )  # fmt: skip
@@ -384,6 +414,17 @@ def _check_weights(
         raise ValueError("scales: float32 [E, 2I] and [E, H], contiguous")
 
 
+def _check_biases(
+    biases: tuple[torch.Tensor | None, torch.Tensor | None],
+    w13_shape: tuple[int, int],
+    w2_shape: tuple[int, int],
+) -> None:
+    """Each bias given is [E, rows] of its weight, its rows contiguous."""
+    for bias, shape in zip(biases, (w13_shape, w2_shape)):
+        if bias is not None and (tuple(bias.shape) != shape or bias.stride(1) != 1):
+            raise ValueError(f"expert bias {tuple(bias.shape)}: expected {shape}, rows contiguous")
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: ExpertWeight,
@@ -391,11 +432,15 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    clamped: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """x [T, H] (rows contiguous), w13 [E, 2I, H] and w2 [E, H, I] contiguous in x's dtype,
     topk_weights [T, k] float32 and topk_ids [T, k] int (contiguous) -> y [T, H] in x's dtype
     (module doc). scales: fp8 weights (W8A16): float32 [E, 2I] and [E, H] contiguous, one a
-    weight's output channel. Int4 weights (W4A16): w13 and w2 both moe_ref.Int4Experts."""
+    weight's output channel. Int4 weights (W4A16): w13 and w2 both moe_ref.Int4Experts.
+    biases: b13 [E, 2I] and b2 [E, H] (rows contiguous), either None for none; clamped:
+    GPT-OSS's activation instead of SwiGLU (moe_ref's doc)."""
     t, hidden = x.shape
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
         raise ValueError(f"topk ids {tuple(topk_ids.shape)}, weights {tuple(topk_weights.shape)}")
@@ -405,6 +450,7 @@ def fused_experts(
         raise ValueError("topk_weights must be float32")
     _check_weights(x, w13, w2, scales)
     num_experts, two_i, _ = w13.shape
+    _check_biases(biases, (num_experts, two_i), (num_experts, hidden))
     w13_scale, w2_scale = scales if scales is not None else (None, None)
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
@@ -414,8 +460,9 @@ def fused_experts(
     tiles = _tiles(num_pairs, num_experts)
     blocks = align_by_expert(topk_ids.contiguous(), num_experts, tiles.block_m)
     activated = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
-    _expert_gemm(x, _operands(w13, w13_scale), activated, blocks, None, top_k, tiles)
+    _expert_gemm(x, _operands(w13, w13_scale), activated, blocks, None, top_k, tiles,
+                 biases[0], clamped)  # fmt: skip
     contributions = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _expert_gemm(activated, _operands(w2, w2_scale), contributions, blocks,
-                 topk_weights.reshape(-1), 1, tiles)  # fmt: skip
+                 topk_weights.reshape(-1), 1, tiles, biases[1])  # fmt: skip
     return torch.sum(contributions.view(t, top_k, hidden), dim=1, out=out)

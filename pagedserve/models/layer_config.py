@@ -29,6 +29,8 @@ operands' shapes and strides.
     context, EngineConfig.disable_sliding_window).
   * max_model_len: the engine's longest context (EngineConfig.max_model_len), which LongRoPE's
     choice of factors follows (models.layers.RotaryEmbedding); None: the model's own limit.
+  * mxfp4_experts: the checkpoint holds the experts' weights as MXFP4 blocks and scales
+    (GPT-OSS), which the experts dequantize to the model's dtype after loading.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class LayerConfig:
     kv_cache_dtype: torch.dtype | None = None
     sliding_window: bool = True
     max_model_len: int | None = None
+    mxfp4_experts: bool = False
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -70,6 +70,27 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_local_base_freq": 10000.0,
         "tie_word_embeddings": True,
     },
+    "gpt_oss": {
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": 128,
+        "attention_bias": True,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    },
     "mixtral": {
         "max_position_embeddings": 4096 * 32,
         "num_key_value_heads": 8,
@@ -169,9 +190,10 @@ def context_limit(values: dict[str, Any]) -> int:
 
 def sliding_windows(values: dict[str, Any]) -> list[int]:
     """Each layer's sliding window (0: full attention), as transformers assigns them: from
-    `layer_types` where the config lists them, else by model type: Gemma 2 every other layer
-    from the first, Gemma 3 all but every `sliding_window_pattern`-th, Qwen2/Qwen3 (where
-    `use_sliding_window` is set) the layers from `max_window_layers` on, Mistral every layer."""
+    `layer_types` where the config lists them, else by model type: Gemma 2 and GPT-OSS every
+    other layer from the first, Gemma 3 all but every `sliding_window_pattern`-th, Qwen2/Qwen3
+    (where `use_sliding_window` is set) the layers from `max_window_layers` on, Mistral every
+    layer."""
     num_layers = int(values.get("num_hidden_layers") or 0)
     window = int(values.get("sliding_window") or 0)
     layer_types = values.get("layer_types")
@@ -180,7 +202,7 @@ def sliding_windows(values: dict[str, Any]) -> list[int]:
     if layer_types is not None:
         return [window if kind == "sliding_attention" else 0 for kind in layer_types]
     model_type = values.get("model_type")
-    if model_type == "gemma2":
+    if model_type in ("gemma2", "gpt_oss"):
         return [window if i % 2 == 0 else 0 for i in range(num_layers)]
     if model_type in ("gemma3", "gemma3_text"):
         pattern = int(values.get("sliding_window_pattern") or 6)
@@ -194,10 +216,11 @@ def sliding_windows(values: dict[str, Any]) -> list[int]:
 
 
 def uses_windowed_attention(values: dict[str, Any], disable_sliding_window: bool) -> bool:
-    """Whether some layer attends within a sliding window (unless disabled) or caps its
-    attention logits (Gemma 2's `attn_logit_softcapping`)."""
+    """Whether some layer attends within a sliding window (unless disabled), caps its
+    attention logits (Gemma 2's `attn_logit_softcapping`) or has attention sinks (GPT-OSS)."""
     windows = not disable_sliding_window and any(sliding_windows(values))
-    return windows or bool(values.get("attn_logit_softcapping"))
+    sinks = values.get("model_type") == "gpt_oss"
+    return windows or sinks or bool(values.get("attn_logit_softcapping"))
 
 
 def active_sliding_window(values: dict[str, Any]) -> int | None:

@@ -33,13 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import moe_ref, quant_ref
-from pagedserve.kernels.moe_ref import ExpertWeight, Int4Experts
+from pagedserve.kernels.moe_ref import ClampedSwiGLU, ExpertWeight, Int4Experts
 from pagedserve.kernels.quant_ref import FP8_DTYPE
 from pagedserve.models.layer_config import LayerConfig
 from pagedserve.models.quantization import int_weight
 from pagedserve.models.quantization.config import Fp8Scheme, IntScheme, QuantizationError
 from pagedserve.models.weights import (
     MATRIX,
+    VECTOR,
     OutputShard,
     ParamLayout,
     default_weight_loader,
@@ -91,14 +92,17 @@ def triton_moe_module() -> ModuleType:
 
 
 class ReplicatedLinear(nn.Module):
-    """x W^T with W [out, in] whole on every rank (small: a router, a gate)."""
+    """x W^T (+ b) with W [out, in] whole on every rank (small: a router, a gate)."""
 
-    def __init__(self, input_size: int, output_size: int) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = new_parameter(output_size, input_size, loader=default_weight_loader)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = new_parameter(output_size, loader=default_weight_loader, layout=VECTOR)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Router(ReplicatedLinear):
@@ -112,8 +116,9 @@ class Router(ReplicatedLinear):
         top_k: int,
         renormalize: bool,
         config: LayerConfig,
+        bias: bool = False,
     ) -> None:
-        super().__init__(hidden_size, num_experts)
+        super().__init__(hidden_size, num_experts, bias)
         self.top_k, self.renormalize = top_k, renormalize
         self.fused_ops = config.fused_ops
 
@@ -165,12 +170,21 @@ class FusedMoE(nn.Module):
     Int4 (module doc): after loading w13 [E, 2 * I/tp, hidden / 8] and w2 [E, hidden, I/tp / 8]
     are int32 words of codes, with w13_scales / w13_zeros [E, 2 * I/tp, hidden / G] and
     w2_scales / w2_zeros [E, hidden, I/tp / G] in the model's dtype (W4A16). Tensor parallelism
-    keeps whole groups: I/tp must be a multiple of the group size G."""
+    keeps whole groups: I/tp must be a multiple of the group size G.
+
+    clamped: GPT-OSS's activation instead of SwiGLU (kernels.moe_ref); a subclass with expert
+    biases returns them from `expert_biases`."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, config: LayerConfig
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        config: LayerConfig,
+        clamped: ClampedSwiGLU | None = None,
     ) -> None:
         super().__init__()
+        self.clamped = clamped
         self.scheme = scheme = _expert_scheme(config)
         self.tp = config.tp
         self.dtype = config.dtype
@@ -343,15 +357,22 @@ class FusedMoE(nn.Module):
         scales = None if self.scheme is None else (self.w13_scale, self.w2_scale)
         return self.w13, self.w2, scales
 
+    def expert_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(b13 [E, 2 * I/tp], b2 [E, hidden]) added to the experts' products (None: none);
+        a rank adds b2 only where the all-reduce counts it once."""
+        return None, None
+
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         w13, w2, scales = self._weights()
+        extra = {"biases": self.expert_biases(), "clamped": self.clamped}
         if self.fused_ops == "triton":
             x = x if x.stride(-1) == 1 else x.contiguous()
-            y = triton_moe_module().fused_experts(x, w13, w2, topk_weights, topk_ids, scales=scales)
+            fused = triton_moe_module().fused_experts
+            y = fused(x, w13, w2, topk_weights, topk_ids, scales=scales, **extra)
         else:
-            y = moe_ref.fused_experts(x, w13, w2, topk_weights, topk_ids, scales)
+            y = moe_ref.fused_experts(x, w13, w2, topk_weights, topk_ids, scales, **extra)
         self.tp.all_reduce(y)
         return y
 

@@ -17,6 +17,10 @@ refuses what the engine cannot run with one clear message.
   awq                 AWQ GEMM layout: 4 bit, group, with zero points
   int8                weight-only INT8 of a float checkpoint, quantized while loading
                       (symmetric, groups of 128 where the input size allows, else per channel)
+  mxfp4               GPT-OSS's published checkpoints: the experts' weights as MXFP4 blocks
+                      (E2M1 codes, a power-of-two scale per 32), dequantized to the model's
+                      dtype while loading (`stores_mxfp4_experts`; models.gpt_oss); the
+                      linear layers stay float, so it resolves to no quantization here
 
 `quantization` unset takes the checkpoint's method; set, it must agree with the checkpoint.
 With load_format="dummy" the random float weights are quantized while loading, in the scheme
@@ -109,6 +113,8 @@ def resolve_quantization(
             f"(leave it unset, or pass {saved!r})"
         )
     method = requested or saved
+    if method == "mxfp4":
+        return _mxfp4_checked(saved, hf_config)
     if method is None:
         return None
     dummy = load_format == "dummy"
@@ -126,12 +132,29 @@ def _checkpoint_method(stored: dict[str, Any] | None) -> str | None:
     if stored is None:
         return None
     method = str(stored.get("quant_method", "")).lower()
-    if method not in ("fp8", "gptq", "awq", "compressed-tensors"):
+    if method not in ("fp8", "gptq", "awq", "compressed-tensors", "mxfp4"):
         raise QuantizationError(
             f"the checkpoint's quant_method {method!r} is not supported "
-            "(fp8, gptq, awq, compressed-tensors)"
+            "(fp8, gptq, awq, compressed-tensors, mxfp4)"
         )
     return method
+
+
+def _mxfp4_checked(saved: str | None, hf_config: ModelConfig) -> None:
+    """MXFP4 is a GPT-OSS checkpoint's experts' format, read into float (the module doc):
+    no quantization of the linear layers."""
+    if saved != "mxfp4":
+        raise QuantizationError("quantization='mxfp4' needs a checkpoint with MXFP4 experts")
+    if getattr(hf_config, "model_type", None) != "gpt_oss":
+        raise QuantizationError("MXFP4 checkpoints are supported for GPT-OSS only")
+    return None
+
+
+def stores_mxfp4_experts(hf_config: ModelConfig, load_format: str) -> bool:
+    """Whether the checkpoint to load holds its experts as MXFP4 blocks and scales (a GPT-OSS
+    release; not with dummy weights, which are float)."""
+    stored = getattr(hf_config, "quantization_config", None) or {}
+    return load_format != "dummy" and str(stored.get("quant_method", "")).lower() == "mxfp4"
 
 
 def _from_float(scheme: Fp8Scheme | IntScheme) -> Fp8Scheme | IntScheme:
