@@ -20,7 +20,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from pagedserve import LLM, SamplingParams
 from pagedserve.actors.messages import SamplingParams as WireSamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.models.gpt_oss import dequantize_mxfp4
+from pagedserve.kernels.quant_ref import dequantize_mxfp4, quantize_mxfp4
 from pagedserve.models.loader import load_model
 from pagedserve.models.model_config import load_model_config, sliding_windows
 from pagedserve.models.quantization.config import QuantizationError
@@ -174,17 +174,11 @@ def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch
     return blocks.to(torch.uint8), scales.to(torch.uint8)
 
 
-def test_mxfp4_dequantization_is_transformers() -> None:
-    blocks, scales = random_mxfp4((3, 10, 4), seed=1)
-    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 128, 10]
-    got = dequantize_mxfp4(blocks, scales, torch.float32)  # [3, 10, 128]
-    assert torch.equal(got, want.transpose(1, 2))
-
-
 def test_an_mxfp4_checkpoint_generates_what_its_float_weights_do(tmp_path: Path) -> None:
     """OpenAI's layout (experts' weights as `*_blocks` / `*_scales`, quant_method mxfp4)
-    loads as the float weights it encodes: the engine on it gives transformers' tokens on the
-    dequantized float checkpoint, and over two tensor-parallel ranks its own tokens."""
+    runs as the float weights it encodes: the engine on it, its experts kept 4-bit, gives
+    transformers' tokens on the dequantized float checkpoint; over two tensor-parallel ranks
+    (48 of w2's inputs each: not whole groups of 32, so dequantized at load) its own tokens."""
     float_dir, mxfp4_dir = tmp_path / "float", tmp_path / "mxfp4"
     save_gpt_oss(float_dir, seed=2)
     tensors = load_file(float_dir / "model.safetensors")
@@ -215,11 +209,56 @@ def test_an_mxfp4_checkpoint_generates_what_its_float_weights_do(tmp_path: Path)
     hf_model.generation_config.eos_token_id = None
     runner = make_runner(mxfp4_dir)
     assert_greedy_matches(runner, random_prompts(seed=4), functools.partial(hf_greedy, hf_model))
-    experts_module = runner.model.model.layers[0].mlp.experts
-    assert not hasattr(experts_module, "w13_blocks")  # the blocks are not kept
+    experts_module = runner.model.model.layers[0].mlp.experts  # kept 4-bit: 2 codes a byte
+    assert experts_module.w13_codes.shape == (4, 192, 32) and not hasattr(experts_module, "w13")
     params = WireSamplingParams(temperature=0.0, logprobs=0)
     expected = MiniScheduler(random_prompts(seed=11), params).run(runner)
     assert_two_ranks_match(mxfp4_dir, expected, tmp_path)
+
+
+def test_mxfp4_quantization_rounds_to_the_nearest_code() -> None:
+    """quant_ref.quantize_mxfp4: values already on the grid come back exactly, others to a
+    nearest code of their block's scale (within half a step of the binade), past 6 scales
+    saturated; the scale is 2^(floor(log2 amax) - 2)."""
+    gen = torch.Generator().manual_seed(0)
+    on_grid = dequantize_mxfp4(*random_codes((3, 64), gen), torch.float32)
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(on_grid), torch.float32), on_grid)
+    w = torch.randn(3, 64, generator=gen) * 0.05
+    codes, scales = quantize_mxfp4(w)
+    back = dequantize_mxfp4(codes, scales, torch.float32).unflatten(-1, (-1, 32))
+    blocks = w.unflatten(-1, (-1, 32))
+    scale = torch.exp2(scales.float() - 127).unsqueeze(-1)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    assert torch.equal(scale, torch.exp2(torch.floor(torch.log2(amax)) - 2))
+    error = (back - blocks).abs() / scale  # in units of the scale: steps of 0.5, 1 and 2
+    step = torch.where(blocks.abs() / scale < 2, 0.5, torch.where(blocks.abs() / scale < 4, 1, 2))
+    saturated = blocks.abs() / scale > 6
+    assert bool((error[~saturated] <= step[~saturated] / 2 + 1e-6).all())
+    assert bool((back.abs()[saturated] == 6 * scale.expand_as(back)[saturated]).all())
+
+
+def random_codes(shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(120, 128, (*shape[:-1], shape[-1] // 32), generator=gen)
+    return codes, scales.to(torch.uint8)
+
+
+def test_dummy_weights_of_an_mxfp4_config_run_mxfp4_experts(tmp_path: Path) -> None:
+    """Benchmarks' dummy weights of a GPT-OSS release's config: the float weights are
+    quantized to MXFP4 after loading, and the engine generates with them."""
+    save_gpt_oss(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 64  # whole groups of 32 inputs for w2
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(EngineConfig(model=str(tmp_path), load_format="dummy"), CPU)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.w13_codes.shape == (4, 128, 32) and experts.w2_scales.shape == (4, 64, 2)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True,
+             supervision=NO_STANDBY) as llm:  # fmt: skip
+        output = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)[0]
+    assert len(output.outputs[0].token_ids) == 8
 
 
 def test_model_config_fills_gpt_oss_defaults(tmp_path: Path) -> None:

@@ -140,6 +140,54 @@ def test_gpt_oss_experts_match_the_reference(dtype: torch.dtype, t: int, k: int)
         assert float((got.float() - want).abs().max()) < 0.02 * float(want.abs().max())
 
 
+def random_mxfp4_experts(experts: int, n: int, k: int, seed: int) -> moe_ref.Mxfp4Experts:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(122, 128, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
+    return moe_ref.Mxfp4Experts(codes, scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "k"), [(2, 2), (40, 3)])
+def test_mxfp4_experts_match_their_dequantized_weights(dtype: torch.dtype, t: int, k: int) -> None:
+    """MXFP4 experts (GPT-OSS's, with its biases and clamp) decoded tile by tile in the GEMMs
+    equal the reference on the weights they encode (exact in bf16): K of 96 and 64, so a tile
+    of K spans several scales."""
+    assert tm is not None
+    gen = torch.Generator().manual_seed(t)
+    experts, hidden, inter = 5, 64, 96
+    w13 = random_mxfp4_experts(experts, 2 * inter, hidden, seed=1)
+    w2 = random_mxfp4_experts(experts, hidden, inter, seed=2)
+    x = torch.randn(t, hidden, generator=gen).to(dtype)
+    b13 = torch.randn(experts, 2 * inter, generator=gen).to(dtype)
+    b2 = torch.randn(experts, hidden, generator=gen).to(dtype)
+    weights, ids = routing(t, experts, k, seed=t)
+    clamped = moe_ref.ClampedSwiGLU(alpha=1.702, limit=7.0)
+    extra = {"clamped": clamped}
+    got = tm.fused_experts(x, w13, w2, weights, ids, biases=(b13, b2), **extra)
+    dense = [quant_ref.dequantize_mxfp4(w.codes, w.scales, torch.float32) for w in (w13, w2)]
+    floats = (b13.float(), b2.float())
+    want = moe_ref.fused_experts(x.float(), *dense, weights, ids, biases=floats, **extra)
+    # the reference takes MXFP4 experts as the weights they encode
+    as_mxfp4 = moe_ref.fused_experts(x.float(), w13, w2, weights, ids, biases=floats, **extra)
+    assert torch.equal(as_mxfp4, want)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        assert float((got.float() - want).abs().max()) < 0.02 * float(want.abs().max())
+
+
+def test_mxfp4_decoding_is_transformers() -> None:
+    """quant_ref.dequantize_mxfp4 is transformers' convert_moe_packed_tensors (which returns
+    the weight transposed, [..., K, N])."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    w = random_mxfp4_experts(3, 10, 128, seed=3)
+    blocks = w.codes.unflatten(-1, (-1, 16))
+    want = mxfp4.convert_moe_packed_tensors(blocks, w.scales, dtype=torch.float32)
+    assert torch.equal(quant_ref.dequantize_mxfp4(w.codes, w.scales, torch.float32),
+                       want.transpose(1, 2))  # fmt: skip
+
+
 def test_clamped_activation_follows_transformers() -> None:
     """moe_ref.ClampedSwiGLU is transformers' GptOssExperts._apply_gate on de-interleaved
     gate and up."""

@@ -18,7 +18,8 @@ contribution weighted in float32 and summed into a float32 output.
 
 Quantized experts are dequantized into x's dtype where they are used: fp8 weights times their
 scale per output channel; int4 weights (`Int4Experts`: kernels.quant_ref's integer layout, one
-weight an expert) as W[n, k] = (q[n, k] - z[n, k // G]) * s[n, k // G], computed in float32.
+weight an expert) as W[n, k] = (q[n, k] - z[n, k // G]) * s[n, k // G], computed in float32;
+MXFP4 weights (`Mxfp4Experts`) as kernels.quant_ref.dequantize_mxfp4 gives them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.ops import silu_and_mul
-from pagedserve.kernels.quant_ref import IntWeight, dequantize_int_weight
+from pagedserve.kernels.quant_ref import (
+    MXFP4_BLOCK,
+    IntWeight,
+    dequantize_int_weight,
+    dequantize_mxfp4,
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,22 @@ class Int4Experts:
                          self.group_size)  # fmt: skip
 
 
-ExpertWeight = torch.Tensor | Int4Experts
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """One stacked expert weight W [E, N, K] in MXFP4 (GPT-OSS's experts; kernels.quant_ref's
+    layout, one weight an expert): codes [E, N, K / 2] and scales [E, N, K / 32], uint8."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K) of the weight it stands for."""
+        experts, n, groups = self.scales.shape
+        return experts, n, groups * MXFP4_BLOCK
+
+
+ExpertWeight = torch.Tensor | Int4Experts | Mxfp4Experts
 
 
 @dataclass(frozen=True)
@@ -86,6 +107,8 @@ def _expert_weight(
     """Expert `expert`'s weight [N, K] in dtype (scale: an fp8 weight's, per output channel)."""
     if isinstance(weight, Int4Experts):
         return dequantize_int_weight(weight.expert(expert), dtype)
+    if isinstance(weight, Mxfp4Experts):
+        return dequantize_mxfp4(weight.codes[expert], weight.scales[expert], dtype)
     if scale is not None:
         return (weight[expert].float() * scale[expert, :, None]).to(dtype)
     return weight[expert]

@@ -17,6 +17,12 @@ Integer weight-only (W4A16 / W8A16), the engine's layout whatever the checkpoint
              groups are contiguous; the input's columns follow (x[..., perm])
     W[n, k] = (q[n, k] - z[n, k // group]) * s[n, k // group]
     y = x[..., perm] @ W^T + b
+
+MXFP4 (OpenAI's GPT-OSS experts; OCP microscaling), weight-only:
+    codes    c [N, K / 2] uint8: E2M1 code k of a row in byte k // 2, the low nibble for even k
+             (sign bit 3, exponent bits 2-1, mantissa bit 0: 0, 0.5, 1, 1.5, 2, 3, 4, 6)
+    scales   e [N, K / 32] uint8, a power of two per 32 columns (E8M0)
+    W[n, k] = e2m1(c[n, k]) * 2^(e[n, k // 32] - 127)
 """
 
 from __future__ import annotations
@@ -172,3 +178,37 @@ def int_linear(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None) ->
     if weight.perm is not None:
         x = x.index_select(-1, weight.perm)
     return F.linear(x, dequantize_int_weight(weight, x.dtype), bias)
+
+
+# --------------------------------------------------------------------------- mxfp4
+
+E2M1_VALUES = (
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+)  # fmt: skip
+MXFP4_BLOCK = 32  # columns sharing one scale
+
+
+def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., K / 2] and scales [..., K / 32] uint8 (the module doc) -> W [..., K] of
+    dtype (exact in bf16 and float32)."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    values = lut[torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2).long()]
+    exponents = scales.to(torch.int32) - 127
+    blocks = values.unflatten(-1, (-1, MXFP4_BLOCK))
+    return torch.ldexp(blocks, exponents.unsqueeze(-1).float()).flatten(-2).to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [..., K] (K a multiple of 32) -> (codes [..., K / 2], scales [..., K / 32]) uint8: each
+    32 columns' scale 2^(floor(log2 amax) - 2) (the OCP rule: the largest code, 6, spans the
+    top binade), each value rounded to the nearest E2M1 code (ties to the smaller), values
+    past 6 saturated."""
+    blocks = w.float().unflatten(-1, (-1, MXFP4_BLOCK))
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
+    exponents = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)
+    scaled = (blocks / torch.exp2(exponents)).abs()
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=w.device)
+    index = torch.bucketize(scaled, midpoints, right=False)  # the nearest magnitude's index
+    codes = (index | torch.where(blocks < 0, 8, 0)).flatten(-2).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exponents.squeeze(-1) + 127).to(torch.uint8)

@@ -36,6 +36,8 @@ Each K tile of BLOCK_K columns lies in one group (BLOCK_K divides G, or one grou
 a tile loads BLOCK_K / 8 words a row, unpacks them in registers (code k at bits 4 (k % 8) of
 word k // 8), and dequantizes with that group's s and z (float32, rounded once to x's dtype,
 as the reference does) before the same tensor-core dot: the weights cross memory as 4 bits.
+MXFP4 experts (GPT-OSS; moe_ref.Mxfp4Experts) cross it as 4 bits too: each tile decodes its
+E2M1 codes and multiplies them by their 32 columns' power of two, exactly.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.moe_ref import ClampedSwiGLU, ExpertWeight, Int4Experts
+from pagedserve.kernels.moe_ref import ClampedSwiGLU, ExpertWeight, Int4Experts, Mxfp4Experts
+from pagedserve.kernels.quant_ref import MXFP4_BLOCK
 from pagedserve.kernels.triton_dot import accumulate_dot
 
 __all__ = ["ExpertBlocks", "align_by_expert", "fused_experts", "route"]
@@ -200,7 +203,9 @@ def _weight_tile(
     start; zero past N, and past K for "float" / "fp8"): "float" as stored, "fp8" widened
     (its scale applies after the dot), "int4" the BLOCK_K / 8 words of each row unpacked (code
     k at bits 4 (k % 8) of word k // 8) and dequantized, (q - z) * s in float32 with the
-    scale and zero of the one group the tile lies in (scale_cols / zero_cols: row n's)."""
+    scale and zero of the one group the tile lies in (scale_cols / zero_cols: row n's);
+    "mxfp4" each E2M1 code (byte k // 2, the low nibble for even k) decoded, times 2^(e - 127)
+    of its 32 columns' scale byte e (scale_cols: row n's), exact in DTYPE."""
     if WEIGHTS == "int4":
         words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         mask = (words_k < K // 8)[:, None] & n_inside[None, :]
@@ -213,7 +218,18 @@ def _weight_tile(
         zero = tl.load(zero_cols + group, mask=n_inside, other=0.0).to(tl.float32)
         return ((codes.to(tl.float32) - zero[None, :]) * scale[None, :]).to(DTYPE)
     k = k0 + tl.arange(0, BLOCK_K)
-    w = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & n_inside[None, :], other=0.0)
+    mask = (k < K)[:, None] & n_inside[None, :]
+    if WEIGHTS == "mxfp4":
+        byte = tl.load(w_cols + (k // 2)[:, None], mask=mask, other=0).to(tl.int32)
+        code = (byte >> (4 * (k % 2))[:, None]) & 0xF
+        exponent = (code >> 1) & 3
+        mantissa = (code & 1).to(tl.float32)
+        power = tl.exp2((exponent - 1).to(tl.float32))
+        magnitude = tl.where(exponent == 0, 0.5 * mantissa, power * (1.0 + 0.5 * mantissa))
+        value = tl.where((code & 8) != 0, -magnitude, magnitude)
+        scale = tl.load(scale_cols + (k // 32)[:, None], mask=mask, other=127).to(tl.float32)
+        return (value * tl.exp2(scale - 127.0)).to(DTYPE)
+    w = tl.load(w_cols + k[:, None], mask=mask, other=0.0)
     return w.to(DTYPE)
 
 
@@ -302,19 +318,22 @@ def _expert_gemm_kernel(
 @dataclass(frozen=True)
 class _WeightOperands:
     """One stacked expert weight as the GEMM kernel reads it (_expert_gemm_kernel's doc):
-    `codes` [E, rows, K] (float or fp8) or [E, rows, K / 8] (int4 words); `scales` / `zeros`
-    [E, rows] (fp8) or [E, rows, groups] (int4), None where the format has none."""
+    `codes` [E, rows, K] (float or fp8), [E, rows, K / 8] (int4 words) or [E, rows, K / 2]
+    (mxfp4 bytes); `scales` / `zeros` [E, rows] (fp8) or [E, rows, groups] (int4, mxfp4's
+    scales), None where the format has none."""
 
     codes: torch.Tensor
     scales: torch.Tensor | None
     zeros: torch.Tensor | None
     group_size: int  # int4's (else unused)
-    kind: str  # "float", "fp8" or "int4"
+    kind: str  # "float", "fp8", "int4" or "mxfp4"
 
 
 def _operands(w: ExpertWeight, scale: torch.Tensor | None) -> _WeightOperands:
     if isinstance(w, Int4Experts):
         return _WeightOperands(w.qweight, w.scales, w.zeros, w.group_size, "int4")
+    if isinstance(w, Mxfp4Experts):
+        return _WeightOperands(w.codes, w.scales, None, MXFP4_BLOCK, "mxfp4")
     return _WeightOperands(w, scale, None, 0, "float" if scale is None else "fp8")
 
 
@@ -384,6 +403,21 @@ def _check_int4(w: Int4Experts, shape: tuple[int, int, int], name: str) -> None:
         raise ValueError(f"int4 {name}: groups of {group} columns (a multiple of 16 needed)")
 
 
+def _check_mxfp4(w: Mxfp4Experts, shape: tuple[int, int, int], name: str) -> None:
+    """w stands for [E, N, K] = shape: codes [E, N, K / 2] and scales [E, N, K / 32], uint8,
+    contiguous."""
+    experts, n, k = shape
+    if (
+        w.shape != shape or w.codes.shape != (experts, n, k // 2)
+        or w.codes.dtype != torch.uint8 or w.scales.dtype != torch.uint8
+        or not (w.codes.is_contiguous() and w.scales.is_contiguous())
+    ):  # fmt: skip
+        raise ValueError(
+            f"mxfp4 {name} for {shape}: codes [E, N, K / 2] and scales [E, N, K / 32], uint8, "
+            "contiguous"
+        )
+
+
 def _check_weights(
     x: torch.Tensor,
     w13: ExpertWeight,
@@ -396,6 +430,12 @@ def _check_weights(
     hidden, inter = x.shape[1], two_i // 2
     if h_w13 != hidden or two_i % 2 or tuple(w2.shape) != (num_experts, hidden, inter):
         raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x {hidden}")
+    if isinstance(w13, Mxfp4Experts) or isinstance(w2, Mxfp4Experts):
+        if not (isinstance(w13, Mxfp4Experts) and isinstance(w2, Mxfp4Experts)) or scales:
+            raise ValueError("mxfp4 experts: w13 and w2 both Mxfp4Experts, no fp8 scales")
+        _check_mxfp4(w13, (num_experts, two_i, hidden), "w13")
+        _check_mxfp4(w2, (num_experts, hidden, inter), "w2")
+        return
     if isinstance(w13, Int4Experts) or isinstance(w2, Int4Experts):
         if not (isinstance(w13, Int4Experts) and isinstance(w2, Int4Experts)) or scales:
             raise ValueError("int4 experts: w13 and w2 both Int4Experts, no fp8 scales")
@@ -438,7 +478,8 @@ def fused_experts(
     """x [T, H] (rows contiguous), w13 [E, 2I, H] and w2 [E, H, I] contiguous in x's dtype,
     topk_weights [T, k] float32 and topk_ids [T, k] int (contiguous) -> y [T, H] in x's dtype
     (module doc). scales: fp8 weights (W8A16): float32 [E, 2I] and [E, H] contiguous, one a
-    weight's output channel. Int4 weights (W4A16): w13 and w2 both moe_ref.Int4Experts.
+    weight's output channel. Int4 weights (W4A16): w13 and w2 both moe_ref.Int4Experts;
+    MXFP4 weights: both moe_ref.Mxfp4Experts.
     biases: b13 [E, 2I] and b2 [E, H] (rows contiguous), either None for none; clamped:
     GPT-OSS's activation instead of SwiGLU (moe_ref's doc)."""
     t, hidden = x.shape

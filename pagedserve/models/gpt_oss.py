@@ -12,58 +12,26 @@ Checkpoints stack each layer's experts in one tensor a projection, as transforme
 columns), `experts.down_proj` [E, I, hidden], and their biases [E, 2I] and [E, hidden]. OpenAI's
 releases store the two weights in MXFP4 instead (`quantization_config.quant_method` "mxfp4"):
 `*_blocks` [E, out, in / 32, 16] uint8 (two E2M1 codes a byte, the low nibble first) and
-`*_scales` [E, out, in / 32] uint8 (a power of two, 2^(s - 127), for each 32 codes), which are
-dequantized to the model's dtype after loading (`dequantize_mxfp4`). Tensor parallelism gives
-each rank the same slice of every expert's intermediate dim as models.moe does.
+`*_scales` [E, out, in / 32] uint8 (a power of two, 2^(s - 127), for each 32 codes:
+kernels.quant_ref's MXFP4), which stay 4-bit: the expert kernels decode them (gpt-oss-120b's
+experts take ~61 GB, not ~230 GB in bf16). Tensor parallelism gives each rank the same slice of
+every expert's intermediate dim as models.moe does; where a rank's slice would cut w2's groups
+of 32 inputs, that rank dequantizes its experts to the model's dtype after loading instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from pagedserve.kernels.moe_ref import ClampedSwiGLU
+from pagedserve.kernels.moe_ref import ClampedSwiGLU, ExpertWeight, Mxfp4Experts
+from pagedserve.kernels.quant_ref import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
 from pagedserve.models.layer_config import LayerConfig
 from pagedserve.models.layers import Attention, RotaryEmbedding
 from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
 from pagedserve.models.model_config import ModelConfig, num_experts
 from pagedserve.models.moe import FusedMoE, Router
 from pagedserve.models.weights import default_weight_loader, new_parameter
-
-# the 16 values of an E2M1 code (sign bit 3, then two exponent bits and one mantissa bit)
-E2M1_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
-MXFP4_BLOCK = 32  # codes sharing one scale
-
-
-def dequantize_mxfp4(
-    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> [..., G * 32] of dtype: code 2j
-    of a block in byte j's low nibble, 2j + 1 in its high one, each times 2^(scale - 127)."""
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()
-    exponents = scales.to(torch.int32) - 127
-    values = torch.ldexp(lut[codes], exponents.unsqueeze(-1).float())
-    return values.flatten(-2).to(dtype)
 
 
 class GptOssAttention(LlamaAttention):
@@ -94,7 +62,7 @@ class GptOssExperts(FusedMoE):
         clamped = ClampedSwiGLU(float(config.swiglu_alpha), float(config.swiglu_limit))
         super().__init__(experts, hidden, inter, layer_config, clamped)
         self.mxfp4 = layer_config.mxfp4_experts
-        if self.mxfp4:
+        if self.mxfp4 == "checkpoint":
             del self.w13, self.w2
             for name, (rows, cols) in {"w13": (2 * inter, hidden), "w2": (hidden, inter)}.items():
                 groups = cols // MXFP4_BLOCK
@@ -138,26 +106,54 @@ class GptOssExperts(FusedMoE):
         default_weight_loader(param, self._rank_columns(loaded.transpose(1, 2)))
 
     def process_weights_after_loading(self) -> None:
-        """MXFP4: the weights dequantized, expert by expert, and this rank's part kept; then
-        what FusedMoE does (fp8 quantization, where configured)."""
-        if self.mxfp4:
-            self.register_buffer("w13", self._dequantized("w13", lambda w: self._rank_rows(w, 1)))
-            self.register_buffer("w2", self._dequantized("w2", self._rank_columns))
+        """MXFP4 experts keep this rank's part of their 4-bit codes and scales (the expert
+        kernels decode them): the checkpoint's, or float (dummy) weights' quantized; where
+        that part of w2 would cut its groups of 32 inputs, a checkpoint's experts are
+        dequantized to the model's dtype instead (and float ones stay float). Then what
+        FusedMoE does."""
+        whole_groups = self.local_size % MXFP4_BLOCK == 0  # so is this rank's first input
+        if self.mxfp4 == "checkpoint":
+            w13 = [self._rank_rows(t, 1) for t in self._take_mxfp4("w13")]
+            codes, scales = self._take_mxfp4("w2")
+            if whole_groups:
+                start, local = self.tp.rank * self.local_size, self.local_size
+                groups = (start // MXFP4_BLOCK, local // MXFP4_BLOCK)
+                self._keep_mxfp4("w13", *w13)
+                self._keep_mxfp4(
+                    "w2", codes.narrow(2, start // 2, local // 2), scales.narrow(2, *groups)
+                )
+            else:
+                self.register_buffer("w13", dequantize_mxfp4(*w13, self.dtype))
+                dense = dequantize_mxfp4(codes, scales, self.dtype)
+                self.register_buffer("w2", self._rank_columns(dense).contiguous())
+        elif self.mxfp4 == "float" and whole_groups:
+            for name in ("w13", "w2"):
+                weight = getattr(self, name).data
+                delattr(self, name)
+                self._keep_mxfp4(name, *quantize_mxfp4(weight))
         super().process_weights_after_loading()
 
-    def _dequantized(
-        self, name: str, rank_part: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        """The MXFP4 weight `name` [E, out, in] in the model's dtype, this rank's part of it;
-        its blocks and scales dropped."""
-        blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
-        weight = torch.cat([
-            rank_part(dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1], self.dtype))
-            for e in range(blocks.shape[0])
-        ]).contiguous()  # fmt: skip
+    def _keep_mxfp4(self, name: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.register_buffer(f"{name}_codes", codes.contiguous())
+        self.register_buffer(f"{name}_scales", scales.contiguous())
+
+    def _take_mxfp4(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checkpoint's MXFP4 weight `name`, whole, as (codes [E, out, in / 2], scales
+        [E, out, in / 32]); its parameters dropped."""
+        codes = getattr(self, f"{name}_blocks").data.flatten(-2)
+        scales = getattr(self, f"{name}_scales").data
         delattr(self, f"{name}_blocks")
         delattr(self, f"{name}_scales")
-        return weight
+        return codes, scales
+
+    def _weights(
+        self,
+    ) -> tuple[ExpertWeight, ExpertWeight, tuple[torch.Tensor, torch.Tensor] | None]:
+        if hasattr(self, "w13_codes"):
+            w13, w2 = (Mxfp4Experts(getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales"))
+                       for name in ("w13", "w2"))  # fmt: skip
+            return w13, w2, None
+        return super()._weights()
 
     def expert_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.w13_bias, self.w2_bias if self.tp.rank == 0 else None

@@ -18,9 +18,9 @@ refuses what the engine cannot run with one clear message.
   int8                weight-only INT8 of a float checkpoint, quantized while loading
                       (symmetric, groups of 128 where the input size allows, else per channel)
   mxfp4               GPT-OSS's published checkpoints: the experts' weights as MXFP4 blocks
-                      (E2M1 codes, a power-of-two scale per 32), dequantized to the model's
-                      dtype while loading (`stores_mxfp4_experts`; models.gpt_oss); the
-                      linear layers stay float, so it resolves to no quantization here
+                      (E2M1 codes, a power-of-two scale per 32), which the experts keep
+                      (`mxfp4_experts_source`; models.gpt_oss); the linear layers stay
+                      float, so it resolves to no quantization here
 
 `quantization` unset takes the checkpoint's method; set, it must agree with the checkpoint.
 With load_format="dummy" the random float weights are quantized while loading, in the scheme
@@ -46,6 +46,9 @@ from pagedserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 _KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 DEFAULT_GROUP_SIZE = 128
+
+
+Mxfp4Source = Literal["checkpoint", "float"]
 
 
 class QuantizationError(ValueError):
@@ -150,11 +153,14 @@ def _mxfp4_checked(saved: str | None, hf_config: ModelConfig) -> None:
     return None
 
 
-def stores_mxfp4_experts(hf_config: ModelConfig, load_format: str) -> bool:
-    """Whether the checkpoint to load holds its experts as MXFP4 blocks and scales (a GPT-OSS
-    release; not with dummy weights, which are float)."""
+def mxfp4_experts_source(hf_config: ModelConfig, load_format: str) -> Mxfp4Source | None:
+    """Where a GPT-OSS release's MXFP4 experts come from: its blocks and scales ("checkpoint"),
+    or, with dummy weights, float weights quantized after loading ("float"); None for a
+    checkpoint of other experts."""
     stored = getattr(hf_config, "quantization_config", None) or {}
-    return load_format != "dummy" and str(stored.get("quant_method", "")).lower() == "mxfp4"
+    if str(stored.get("quant_method", "")).lower() != "mxfp4":
+        return None
+    return "float" if load_format == "dummy" else "checkpoint"
 
 
 def _from_float(scheme: Fp8Scheme | IntScheme) -> Fp8Scheme | IntScheme:
