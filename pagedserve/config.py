@@ -36,7 +36,7 @@ ASSETS_DIR = Path(__file__).parent / "assets"
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tool_parsers.py
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # api/reasoning_parsers.py
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")  # api/reasoning_parsers.py
 
 
 class ServerConfig(msgspec.Struct, kw_only=True):
@@ -87,7 +87,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     # "auto" tool choice: calls found in the reply's text by this parser (api/tool_parsers.py)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    # a chat reply's <think>...</think> as its reasoning_content (api/reasoning_parsers.py)
+    # a chat reply's thinking (<think>...</think>, GPT-OSS's analysis channel) as its
+    # reasoning_content (api/reasoning_parsers.py)
     reasoning_parser: str | None = None
     # LoRA adapters served by name (the request's `model`): name -> adapter directory
     lora_modules: dict[str, str] = msgspec.field(default_factory=dict)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.api.reasoning_parsers import ReasoningStream, split_reasoning
+from pagedserve.api.reasoning_parsers import split_reasoning, stream_for
 from pagedserve.config import ServerConfig
 from tests.test_tool_parsers import ScriptedEngine, app_client
 from tests.tiny_models import save_tiny_model
@@ -48,7 +48,7 @@ def test_streamed_pieces_give_what_the_whole_reply_gives(parser: str, seed: int)
         )
         bounds = zip([0, *cuts], [*cuts, len(reply)])
         pieces = list(reply) if seed == 0 else [reply[a:b] for a, b in bounds]
-        stream, reasoning, content = ReasoningStream(parser), "", ""
+        stream, reasoning, content = stream_for(parser), "", ""
         for i, piece in enumerate(pieces):
             more_reasoning, more_content = stream.feed(piece, final=i == len(pieces) - 1)
             reasoning, content = reasoning + more_reasoning, content + more_content
@@ -56,7 +56,7 @@ def test_streamed_pieces_give_what_the_whole_reply_gives(parser: str, seed: int)
 
 
 def test_streamed_reasoning_goes_out_before_the_reply_ends() -> None:
-    stream = ReasoningStream("deepseek_r1")
+    stream = stream_for("deepseek_r1")
     assert stream.feed("<think>Two plus", final=False) == ("Two plus", "")
     assert stream.feed(" two</th", final=False) == (" two", "")  # "</th" may be the tag
     assert stream.feed("ink>Four", final=False) == ("", "Four")

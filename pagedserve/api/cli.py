@@ -73,8 +73,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--reasoning-parser", choices=REASONING_PARSERS, default=None,
-        help="a chat reply's <think>...</think> as the message's reasoning_content "
-        "(deepseek_r1: the reply starts in thinking; qwen3: both tags in the reply)",
+        help="a chat reply's thinking as the message's reasoning_content (deepseek_r1: "
+        "<think>...</think>, the reply starts in thinking; qwen3: both tags in the reply; "
+        "openai_gptoss: GPT-OSS's harmony analysis channel)",
     )  # fmt: skip
     parser.add_argument(
         "--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",

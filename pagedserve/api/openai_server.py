@@ -71,6 +71,7 @@ from pagedserve.api.protocol import (
     TokenizeRequest,
     check_token_prompt,
 )
+from pagedserve.api.reasoning_parsers import keeps_special_tokens
 from pagedserve.api.render import (
     ChatRender,
     ClassificationRender,
@@ -266,7 +267,8 @@ class OpenAIServer:
             beams = body.beam_search_params(sampling, self.max_model_len)
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
-        if auto_tools:  # the parser reads the calls' tags, which may be special tokens
+        # the parsers read tags (a call's, a reasoning's) that may be special tokens
+        if auto_tools or keeps_special_tokens(self.limits.reasoning_parser):
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         render = ChatRender(self, body, self.limits.tool_call_parser if auto_tools else None)
         jobs = plan_jobs([messages], sampling, body.prompt_options(), body.priority, lora)

@@ -23,7 +23,7 @@ from pagedserve.api.protocol import (
     RerankRequest,
     ScoreRequest,
 )
-from pagedserve.api.reasoning_parsers import ReasoningStream, split_reasoning
+from pagedserve.api.reasoning_parsers import ReasoningStream, split_reasoning, stream_for
 from pagedserve.api.scoring import ScorePlan
 from pagedserve.api.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls
 from pagedserve.api.tools import new_call_id
@@ -342,7 +342,7 @@ class ChatRender(Render):
         done = delta.finish_reason is not None
         reasoning = ""
         if self.reasoning_parser is not None:
-            stream = self.reasoning.setdefault(choice.index, ReasoningStream(self.reasoning_parser))
+            stream = self.reasoning.setdefault(choice.index, stream_for(self.reasoning_parser))
             reasoning, text = stream.feed(delta.text, final=done)
             delta = msgspec.structs.replace(delta, text=text)
         content, finish_reason = self.streamed_content(choice, delta)

@@ -36,7 +36,7 @@ from pagedserve.api.client import EngineRequestError
 from pagedserve.api.errors import APIError
 from pagedserve.api.generation import Choice, Event, plan_jobs
 from pagedserve.api.protocol import ChatCompletionRequest, ChatMessageIn, Int64
-from pagedserve.api.reasoning_parsers import ReasoningStream, split_reasoning
+from pagedserve.api.reasoning_parsers import keeps_special_tokens, split_reasoning, stream_for
 from pagedserve.api.render import Render
 from pagedserve.api.responses import SSE_HEADERS, GenerationResponse
 from pagedserve.api.structured import JsonSchemaFormat, ResponseFormat
@@ -172,6 +172,8 @@ async def create_response(server: OpenAIServer, request: Request) -> GenerationR
         sampling = chat.to_sampling(server.defaults)
     except ValueError as exc:
         raise APIError(str(exc), 400) from None
+    if keeps_special_tokens(server.limits.reasoning_parser):  # its reply's markers
+        sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
     render = ResponsesRender(server, body, chat, sampling)
     if not server.limits.disable_log_requests:
         logger.info("%s: %d message(s), %s", render.id, len(messages), sampling)
@@ -184,10 +186,10 @@ async def create_response(server: OpenAIServer, request: Request) -> GenerationR
 class ReplySplit:
     """The one reply's reasoning and content by the server's reasoning parser (None: all
     content), fed delta by delta, and the output tokens of the deltas that carried reasoning
-    or its tags (exact when a delta is one token, as in a plain decode step)."""
+    or its tags or markers (exact when a delta is one token, as in a plain decode step)."""
 
     def __init__(self, parser: str | None) -> None:
-        self.stream = None if parser is None else ReasoningStream(parser)
+        self.stream = None if parser is None else stream_for(parser)
         self.reasoning = self.content = ""
         self.reasoning_tokens = 0
 
