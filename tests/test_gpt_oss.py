@@ -166,6 +166,21 @@ def test_llm_generates_what_transformers_does(
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+def test_two_pipeline_stages_keep_transformers_tokens(
+    gpt_oss: tuple[Path, transformers.PreTrainedModel],
+) -> None:
+    """Two pipeline stages of a layer each (the first's window and sinks, the second's full
+    attention): transformers' greedy tokens."""
+    path, hf_model = gpt_oss
+    prompts = random_prompts(seed=6)[1:4]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(str(path), skip_tokenizer_init=True, pipeline_parallel_size=2,
+             supervision=NO_STANDBY) as llm:  # fmt: skip
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 16)[0]
+
+
 def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks [*shape, 16] of random E2M1 code pairs and scales [*shape] of 2^-6 .. 2^0."""
     gen = torch.Generator().manual_seed(seed)
