@@ -17,7 +17,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.actors.messages import SamplingParams as WireSamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.quant_ref import dequantize_mxfp4, quantize_mxfp4
@@ -34,7 +34,7 @@ from tests.test_model_parity import (
     make_runner,
     random_prompts,
 )
-from tests.tiny_models import hf_greedy, save_tiny_model
+from tests.tiny_models import hf_greedy, merge_lora, save_lora_adapter, save_tiny_model
 
 ROPE = {
     "rope_type": "yarn",
@@ -179,6 +179,25 @@ def test_two_pipeline_stages_keep_transformers_tokens(
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 16)[0]
+
+
+def test_lora_adapts_its_attention(
+    gpt_oss: tuple[Path, transformers.PreTrainedModel], tmp_path: Path
+) -> None:
+    """An adapter on q_proj and o_proj (biased projections) gives transformers' tokens with the
+    adapter merged."""
+    path, hf_model = gpt_oss
+    adapter = save_lora_adapter(path, tmp_path / "attn", seed=1, targets=["q_proj", "o_proj"])
+    prompt = random_prompts(seed=2)[2]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(str(path), skip_tokenizer_init=True, enable_lora=True, max_lora_rank=8,
+             supervision=NO_STANDBY) as llm:  # fmt: skip
+        request = LoRARequest("a", 1, str(adapter))
+        adapted = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=request)[0]
+    merged = merge_lora(path, adapter)
+    merged.generation_config.eos_token_id = None
+    assert adapted.outputs[0].token_ids == hf_greedy(merged, prompt, 16)[0]
+    assert adapted.outputs[0].token_ids != hf_greedy(hf_model, prompt, 16)[0]  # it adapts
 
 
 def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
