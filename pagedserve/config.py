@@ -35,8 +35,9 @@ TOKENIZER_MODES = ("auto", "slow")  # vLLM's mistral mode is not supported
 ASSETS_DIR = Path(__file__).parent / "assets"
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tool_parsers.py
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai")  # api/tool_parsers.py
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")  # api/reasoning_parsers.py
+HARMONY_REASONING = (None, "openai_gptoss")  # the reasoning parsers the openai tool parser takes
 
 
 class ServerConfig(msgspec.Struct, kw_only=True):
@@ -108,6 +109,11 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser {self.reasoning_parser!r} is not one of {REASONING_PARSERS}"
+            )
+        if self.tool_call_parser == "openai" and self.reasoning_parser not in HARMONY_REASONING:
+            raise ValueError(
+                "tool_call_parser 'openai' reads GPT-OSS's harmony messages: the reasoning_parser "
+                "with it is openai_gptoss or none"
             )
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("TLS needs both ssl_keyfile and ssl_certfile")

@@ -70,7 +70,7 @@ def test_whole_llama3_json_replies() -> None:
         assert parse_tool_calls(text, "llama3_json") == (text, [])
 
 
-@pytest.mark.parametrize("parser", list(PARSERS))
+@pytest.mark.parametrize("parser", list(REPLIES))
 @pytest.mark.parametrize("seed", range(6))
 def test_streamed_pieces_give_what_the_whole_reply_gives(parser: str, seed: int) -> None:
     """The reply fed in random pieces (one character each for seed 0): the content joined and
@@ -138,7 +138,7 @@ TOOLS = [{"type": "function", "function": {"name": n}} for n in ("weather", "clo
 ASK = [{"role": "user", "content": "weather?"}]
 
 
-@pytest.mark.parametrize("parser", list(PARSERS))
+@pytest.mark.parametrize("parser", list(REPLIES))
 async def test_auto_tool_choice_through_the_chat_endpoint(model_path: Path, parser: str) -> None:
     """With the flags: the calls (and any content before them), finish "tool_calls", whole
     and streamed alike, special tokens kept in the text for the parser; a reply with no call

@@ -69,7 +69,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
         help="the model's tool-call format (hermes: Hermes, Qwen2.5, Qwen3; llama3_json: "
-        "Llama 3.1-3.3)",
+        "Llama 3.1-3.3; openai: GPT-OSS's harmony messages to functions.NAME)",
     )  # fmt: skip
     parser.add_argument(
         "--reasoning-parser", choices=REASONING_PARSERS, default=None,

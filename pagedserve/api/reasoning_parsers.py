@@ -11,12 +11,13 @@ message's `reasoning_content`, the rest to `content`.
                  `<|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final
                  <|message|>…<|return|>`: the analysis channel's text is reasoning, the final
                  channel's and a commentary preamble's (no recipient) content. A message with a
-                 recipient (`to=functions.NAME`: a tool call) is neither: tool calls are not
-                 parsed. Headers and markers (special tokens, which the server keeps in this
-                 parser's text: `keeps_special_tokens`) go to neither field, nor does the
-                 reply's end token; a marker cut short at the end of the reply is dropped.
-                 Messages of the same field are joined by a newline. A reply cut inside a
-                 message keeps what it wrote of it (all reasoning, if cut in the analysis).
+                 recipient (`to=functions.NAME`: a tool call) is neither: the `openai` tool-call
+                 parser (tool_parsers.py) reads the calls. Headers and markers (special
+                 tokens, which the server keeps in this parser's text: `keeps_special_tokens`)
+                 go to neither field, nor does the reply's end token; a marker cut short at
+                 the end of the reply is dropped. Messages of the same field are joined by a
+                 newline. A reply cut inside a message keeps what it wrote of it (all
+                 reasoning, if cut in the analysis).
 
 Streamed, text goes out as soon as no tag or marker can be forming in it: a possible start of
 one is held back until the next piece tells (or the reply ends). A streamed qwen3 reply that
@@ -26,6 +27,7 @@ close).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Protocol
 
@@ -37,7 +39,8 @@ MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|endoftext|>")
 MARKERS = (MESSAGE_START, "<|channel|>", "<|constrain|>", MESSAGE, *MESSAGE_ENDS)
 MARKER = re.compile("|".join(re.escape(marker) for marker in MARKERS))
 HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
-RECIPIENT = re.compile(r"(?:^|\s|\|>)to=")  # a header naming a recipient: a tool call
+RECIPIENT = re.compile(r"(?:^|\s|\|>)to=([^\s<]*)")  # a header's recipient: a tool's call
+FUNCTIONS = "functions."  # a recipient's prefix for the request's tools (the others: built-ins)
 
 
 class ReasoningStream(Protocol):
@@ -104,16 +107,20 @@ class ThinkStream:
 
 
 class HarmonyStream:
-    """An openai_gptoss reply (harmony messages), fed piece by piece."""
+    """An openai_gptoss reply (harmony messages), fed piece by piece: its reasoning and
+    content, and (in `calls`) the tool calls it has written."""
 
     def __init__(self) -> None:
         # header (before a message's <|message|>), or the field of the message's text:
-        # reasoning, content, or none (a tool call's)
+        # reasoning, content, call (a call of a function), or none (a built-in tool's call)
         self.state = "header"
         self.header = ""  # the open header's text, markers included
         self.held = ""  # text not read yet: it may be the start of a marker
         self.written: set[str] = set()  # the fields earlier messages wrote to
         self.opened = False  # whether the open message has written text yet
+        self.function: str | None = None  # the function the open message calls
+        self.arguments = ""  # the open call's text
+        self.calls: list[tuple[str, str]] = []  # each call ended: (function, its text)
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
         self.held += text
@@ -125,12 +132,18 @@ class HarmonyStream:
         cut = len(self.held) - _partial_marker(self.held, final)
         self.read(self.held[:cut], out)
         self.held = "" if final else self.held[cut:]  # at the end: a marker cut short
+        if final and self.function is not None and _is_json(self.arguments):
+            # a call the reply left open (its <|call|> not in the text) is kept if whole
+            self.end_message()
         return out["reasoning"], out["content"]
 
     def read(self, text: str, out: dict[str, str]) -> None:
-        """Text between markers: the header's, or the open message's field's."""
+        """Text between markers: the header's, the open call's, or the open message's
+        field's."""
         if self.state == "header":
             self.header += text
+        elif self.state == "call":
+            self.arguments += text
         elif self.state in out and text:
             if not self.opened and self.state in self.written:
                 text = "\n" + text  # the field's next message
@@ -142,21 +155,46 @@ class HarmonyStream:
         """A marker read: a message's end or a header's start opens the next header; the
         header's <|message|> opens its message; a header keeps its other markers."""
         if marker == MESSAGE_START or marker in MESSAGE_ENDS:
+            self.end_message()
             self.state, self.header = "header", ""
         elif self.state != "header":
             return  # a stray marker inside a message
         elif marker == MESSAGE:
             self.state, self.opened = _harmony_field(self.header), False
+            self.function, self.arguments = _function(self.header), ""
         else:
             self.header += marker
+
+    def end_message(self) -> None:
+        """The open message has ended: a function's call is kept."""
+        if self.function is not None:
+            self.calls.append((self.function, self.arguments))
+        self.function, self.arguments = None, ""
 
 
 def _harmony_field(header: str) -> str:
     """The field a harmony message's text goes to, by its header."""
     if RECIPIENT.search(header):
-        return "none"
+        return "call" if _function(header) is not None else "none"
     channel = HARMONY_CHANNEL.search(header)
     return "reasoning" if channel is not None and channel.group(1) == "analysis" else "content"
+
+
+def _function(header: str) -> str | None:
+    """The function a harmony message calls (its recipient `functions.NAME`), if any."""
+    recipient = RECIPIENT.search(header)
+    if recipient is None or not recipient.group(1).startswith(FUNCTIONS):
+        return None
+    return recipient.group(1).removeprefix(FUNCTIONS) or None
+
+
+def _is_json(text: str) -> bool:
+    """Whether `text` is one whole JSON value."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _partial_marker(text: str, final: bool) -> int:

@@ -25,7 +25,7 @@ from pagedserve.api.protocol import (
 )
 from pagedserve.api.reasoning_parsers import ReasoningStream, split_reasoning, stream_for
 from pagedserve.api.scoring import ScorePlan
-from pagedserve.api.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls
+from pagedserve.api.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls, reads_harmony
 from pagedserve.api.tools import new_call_id
 from pagedserve.outputs import embedding_floats, logprob_dict
 
@@ -320,11 +320,13 @@ class ChatRender(Render):
             message = {"role": self.role, "content": None, "tool_calls": calls}
             finish_reason = self.tools.finish_reason or finish_reason
         elif self.tool_parser is not None:
-            content, found = parse_tool_calls(text, self.tool_parser)
+            content, found = parse_tool_calls(self.tool_text(choice.text, text), self.tool_parser)
             if found:
                 unindexed = [{k: v for k, v in c.items() if k != "index"} for c in found]
                 message = {"role": self.role, "content": content, "tool_calls": unindexed}
                 finish_reason = "tool_calls"
+            elif reads_harmony(self.tool_parser):  # harmony's content, not the reply as written
+                message["content"] = self.echoed + (content or "")
         if self.reasoning_parser is not None:
             message["reasoning_content"] = reasoning
         body = {
@@ -344,7 +346,7 @@ class ChatRender(Render):
         if self.reasoning_parser is not None:
             stream = self.reasoning.setdefault(choice.index, stream_for(self.reasoning_parser))
             reasoning, text = stream.feed(delta.text, final=done)
-            delta = msgspec.structs.replace(delta, text=text)
+            delta = msgspec.structs.replace(delta, text=self.tool_text(delta.text, text))
         content, finish_reason = self.streamed_content(choice, delta)
         if reasoning:
             content = {"reasoning_content": reasoning} | {k: v for k, v in content.items() if v}
@@ -358,6 +360,12 @@ class ChatRender(Render):
         if self.body.return_token_ids:
             body["token_ids"] = delta.token_ids
         return body
+
+    def tool_text(self, written: str, content: str) -> str:
+        """The text the reply's content and calls are read from: the reasoning parser's
+        content, or the reply as written for a tool parser that reads harmony (it finds the
+        content itself)."""
+        return written if reads_harmony(self.tool_parser) else content
 
     def streamed_content(self, choice: Choice, delta: RequestDelta) -> tuple[dict, str | None]:
         """A chunk's delta and the choice's finish: content; a named call's arguments as they

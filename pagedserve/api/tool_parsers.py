@@ -16,18 +16,35 @@ if it is JSON, else it is given as content).
 llama3_json (Llama 3.1-3.3): a reply that starts (after white space) with `<|python_tag|>` or
 `{` is calls, JSON objects {"name": ..., "parameters": {...}} separated by ";", given when the
 reply ends (all of it as content if it is not calls after all); any other reply is content,
-streamed as it comes."""
+streamed as it comes.
+
+openai (GPT-OSS): the reply's harmony messages (reasoning_parsers.HarmonyStream reads them),
+each message to `functions.NAME` a call of NAME, its text the arguments (JSON re-written by
+json.dumps, as vLLM's parser does)
+
+    <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":
+    "Paris"}<|call|>
+
+(or `<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>...`),
+given once its message ends; a call the reply leaves open (the `<|call|>` that stopped it not in
+the text) counts if its text is whole JSON. The content is the final channel's text and the
+commentary preambles' (no recipient), streamed as it comes; the analysis channel is never
+content (the chat's reasoning_content with `--reasoning-parser openai_gptoss`, else dropped),
+and no marker or header is in either. This parser reads the reply as the model wrote it, not
+the reasoning parser's content (`reads_harmony`)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
+from pagedserve.api.reasoning_parsers import HarmonyStream
 from pagedserve.api.tools import tool_call
 from pagedserve.config import TOOL_CALL_PARSERS as TOOL_CALL_PARSERS
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+HARMONY_TOOLS = "openai"
 
 
 @dataclass
@@ -136,11 +153,43 @@ def _json_calls(text: str) -> list[dict]:
     return calls
 
 
-ToolCallStream = HermesStream | Llama3JsonStream
-PARSERS: dict[str, type[HermesStream] | type[Llama3JsonStream]] = {
+@dataclass
+class HarmonyToolStream:
+    """One choice's text in GPT-OSS's harmony format (openai), fed as it comes."""
+
+    harmony: HarmonyStream = field(default_factory=HarmonyStream)
+    calls: list[dict] = field(default_factory=list)
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
+        _, content = self.harmony.feed(delta, final)
+        ended = self.harmony.calls[len(self.calls) :]
+        calls = [{"index": len(self.calls) + i, **tool_call(name, _arguments(text))}
+                 for i, (name, text) in enumerate(ended)]  # fmt: skip
+        self.calls += calls
+        return content, calls
+
+
+def _arguments(arguments: str) -> str:
+    """A harmony call's arguments: its JSON re-written, or (not JSON) its text as is."""
+    try:
+        return json.dumps(json.loads(arguments), ensure_ascii=False)
+    except ValueError:
+        return arguments
+
+
+ToolCallStream = HermesStream | Llama3JsonStream | HarmonyToolStream
+PARSERS: dict[str, type[ToolCallStream]] = {
     "hermes": HermesStream,
     "llama3_json": Llama3JsonStream,
+    HARMONY_TOOLS: HarmonyToolStream,
 }
+
+
+def reads_harmony(parser: str | None) -> bool:
+    """Whether the tool-call parser reads GPT-OSS's harmony reply as written (markers and
+    analysis included): the chat's content is then the harmony messages' content, whatever
+    the reasoning parser."""
+    return parser == HARMONY_TOOLS
 
 
 def _partial_tag(text: str, start: int) -> int:
