@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from pagedserve.kernels import triton_attention, triton_lora, triton_moe, triton_ops  # noqa: E402
 from pagedserve.kernels.attention_metadata import build_attention_metadata  # noqa: E402
-from pagedserve.kernels.moe_ref import Int4Experts  # noqa: E402
+from pagedserve.kernels.moe_ref import ClampedSwiGLU, Int4Experts, Mxfp4Experts  # noqa: E402
 
 LORA_SHAPES = {
     "qkv": (1024, [2048, 1024, 1024]),
@@ -59,7 +59,7 @@ ROTARY_SHAPES = {
     "partial+norm": (16, 8, 128, 64, True),
 }
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
-          torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
+          torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}  # fmt: skip
 Launch = tuple[triton.runtime.JITFunction, tuple, dict]
 
 
@@ -104,7 +104,7 @@ def lora_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
 
 def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
     """The router's launch and fused_experts' three (the align, the two GEMMs) for each expert
-    shape; for bf16 also those of its fp8 and int4 experts."""
+    shape; for bf16 also those of its fp8, int4 and MXFP4 (GPT-OSS's) experts."""
     out = {}
     for shape, (experts, top_k, hidden, inter) in MOE_SHAPES.items():
         x = torch.zeros(tokens, hidden, dtype=dtype)
@@ -132,7 +132,21 @@ def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
                 triton_moe, ("_align_kernel", "_expert_gemm_kernel"),
                 functools.partial(triton_moe.fused_experts, x, *int4, weights, ids),
             )  # fmt: skip
+            mxfp4 = (mxfp4_experts(w13), mxfp4_experts(w2))  # GPT-OSS's: biases, clamp
+            biases = (w13[:, :, 0].contiguous(), w2[:, :, 0].contiguous())
+            gpt_oss = {"biases": biases, "clamped": ClampedSwiGLU(1.702, 7.0)}
+            out[f"{shape} mxfp4"] = recorded(
+                triton_moe, ("_align_kernel", "_expert_gemm_kernel"),
+                functools.partial(triton_moe.fused_experts, x, *mxfp4, weights, ids, **gpt_oss),
+            )  # fmt: skip
     return out
+
+
+def mxfp4_experts(w: torch.Tensor) -> Mxfp4Experts:
+    """Zero MXFP4 codes and unit scales in w's shape [E, N, K]."""
+    experts, n, k = w.shape
+    codes = torch.zeros(experts, n, k // 2, dtype=torch.uint8)
+    return Mxfp4Experts(codes, torch.full((experts, n, k // 32), 127, dtype=torch.uint8))
 
 
 def int4_experts(w: torch.Tensor, dtype: torch.dtype) -> Int4Experts:
