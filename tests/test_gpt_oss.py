@@ -210,9 +210,9 @@ def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch
 
 def test_an_mxfp4_checkpoint_generates_what_its_float_weights_do(tmp_path: Path) -> None:
     """OpenAI's layout (experts' weights as `*_blocks` / `*_scales`, quant_method mxfp4)
-    runs as the float weights it encodes: the engine on it, its experts kept 4-bit, gives
-    transformers' tokens on the dequantized float checkpoint; over two tensor-parallel ranks
-    (48 of w2's inputs each: not whole groups of 32, so dequantized at load) its own tokens."""
+    runs as the float weights it encodes: the engine on it, its experts dequantized at load
+    (the default) or kept 4-bit (quantization="mxfp4"), gives transformers' tokens on the
+    dequantized float checkpoint; over two tensor-parallel ranks, its own tokens."""
     float_dir, mxfp4_dir = tmp_path / "float", tmp_path / "mxfp4"
     save_gpt_oss(float_dir, seed=2)
     tensors = load_file(float_dir / "model.safetensors")
@@ -241,10 +241,15 @@ def test_an_mxfp4_checkpoint_generates_what_its_float_weights_do(tmp_path: Path)
         float_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     hf_model.generation_config.eos_token_id = None
-    runner = make_runner(mxfp4_dir)
-    assert_greedy_matches(runner, random_prompts(seed=4), functools.partial(hf_greedy, hf_model))
-    experts_module = runner.model.model.layers[0].mlp.experts  # kept 4-bit: 2 codes a byte
+    greedy = functools.partial(hf_greedy, hf_model)
+    kept = make_runner(mxfp4_dir, quantization="mxfp4")
+    assert_greedy_matches(kept, random_prompts(seed=4), greedy)
+    experts_module = kept.model.model.layers[0].mlp.experts  # kept 4-bit: 2 codes a byte
     assert experts_module.w13_codes.shape == (4, 192, 32) and not hasattr(experts_module, "w13")
+    runner = make_runner(mxfp4_dir)  # by default dequantized at load
+    assert_greedy_matches(runner, random_prompts(seed=4), greedy)
+    experts_module = runner.model.model.layers[0].mlp.experts
+    assert experts_module.w13.shape == (4, 192, 64) and not hasattr(experts_module, "w13_codes")
     params = WireSamplingParams(temperature=0.0, logprobs=0)
     expected = MiniScheduler(random_prompts(seed=11), params).run(runner)
     assert_two_ranks_match(mxfp4_dir, expected, tmp_path)
@@ -278,18 +283,22 @@ def random_codes(shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Te
 
 
 def test_dummy_weights_of_an_mxfp4_config_run_mxfp4_experts(tmp_path: Path) -> None:
-    """Benchmarks' dummy weights of a GPT-OSS release's config: the float weights are
-    quantized to MXFP4 after loading, and the engine generates with them."""
+    """Benchmarks' dummy weights of a GPT-OSS release's config with quantization="mxfp4":
+    the float weights are quantized to MXFP4 after loading, and the engine generates with
+    them (without it they stay float)."""
     save_gpt_oss(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["intermediate_size"] = 64  # whole groups of 32 inputs for w2
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    model = load_model(EngineConfig(model=str(tmp_path), load_format="dummy"), CPU)
+    mxfp4 = {"load_format": "dummy", "quantization": "mxfp4"}
+    model = load_model(EngineConfig(model=str(tmp_path), **mxfp4), CPU)
     experts = model.model.layers[1].mlp.experts
     assert experts.w13_codes.shape == (4, 128, 32) and experts.w2_scales.shape == (4, 64, 2)
+    dummy = load_model(EngineConfig(model=str(tmp_path), load_format="dummy"), CPU)
+    assert dummy.model.layers[1].mlp.experts.w13.dtype == torch.float32
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True,
+    with LLM(str(tmp_path), **mxfp4, skip_tokenizer_init=True,
              supervision=NO_STANDBY) as llm:  # fmt: skip
         output = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)[0]
     assert len(output.outputs[0].token_ids) == 8

@@ -48,14 +48,14 @@ CONFIGS = {
         query_pre_attn_scalar=16,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
     ),  # fmt: skip
-    # GPT-OSS: 4 experts (top 2), a clamp its dots cross, windows of 8 on every other layer,
-    # YaRN from 64 positions to the 512 the tiny models have
+    # GPT-OSS: 4 experts (top 2), windows of 8 on every other layer, YaRN from 64 positions to
+    # the 512 the tiny models have; the default clamp (transformers 5.17, the GPU image's,
+    # ignores the config's swiglu_limit: 7.0 always)
     "gpt_oss": functools.partial(
         transformers.GptOssConfig,
         sliding_window=8,
         num_local_experts=4,
         num_experts_per_tok=2,
-        swiglu_limit=1.0,
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 150000.0,

@@ -13,10 +13,12 @@ columns), `experts.down_proj` [E, I, hidden], and their biases [E, 2I] and [E, h
 releases store the two weights in MXFP4 instead (`quantization_config.quant_method` "mxfp4"):
 `*_blocks` [E, out, in / 32, 16] uint8 (two E2M1 codes a byte, the low nibble first) and
 `*_scales` [E, out, in / 32] uint8 (a power of two, 2^(s - 127), for each 32 codes:
-kernels.quant_ref's MXFP4), which stay 4-bit: the expert kernels decode them (gpt-oss-120b's
-experts take ~61 GB, not ~230 GB in bf16). Tensor parallelism gives each rank the same slice of
+kernels.quant_ref's MXFP4), dequantized to the model's dtype after loading; with
+quantization="mxfp4" they stay 4-bit and the expert kernels decode them (gpt-oss-120b's
+experts take ~61 GB instead of ~230 GB in bf16, but the decoding Triton GEMM is far slower
+today: scripts/results/session31.md). Tensor parallelism gives each rank the same slice of
 every expert's intermediate dim as models.moe does; where a rank's slice would cut w2's groups
-of 32 inputs, that rank dequantizes its experts to the model's dtype after loading instead.
+of 32 inputs, that rank dequantizes its experts even when asked to keep them.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class GptOssExperts(FusedMoE):
         clamped = ClampedSwiGLU(float(config.swiglu_alpha), float(config.swiglu_limit))
         super().__init__(experts, hidden, inter, layer_config, clamped)
         self.mxfp4 = layer_config.mxfp4_experts
-        if self.mxfp4 == "checkpoint":
+        if self.mxfp4 is not None and self.mxfp4.source == "checkpoint":
             del self.w13, self.w2
             for name, (rows, cols) in {"w13": (2 * inter, hidden), "w2": (hidden, inter)}.items():
                 groups = cols // MXFP4_BLOCK
@@ -106,16 +108,18 @@ class GptOssExperts(FusedMoE):
         default_weight_loader(param, self._rank_columns(loaded.transpose(1, 2)))
 
     def process_weights_after_loading(self) -> None:
-        """MXFP4 experts keep this rank's part of their 4-bit codes and scales (the expert
-        kernels decode them): the checkpoint's, or float (dummy) weights' quantized; where
-        that part of w2 would cut its groups of 32 inputs, a checkpoint's experts are
-        dequantized to the model's dtype instead (and float ones stay float). Then what
-        FusedMoE does."""
-        whole_groups = self.local_size % MXFP4_BLOCK == 0  # so is this rank's first input
-        if self.mxfp4 == "checkpoint":
+        """MXFP4 experts: a checkpoint's dequantized to the model's dtype, or, where asked to
+        keep them (`Mxfp4Setting.keep`), this rank's part of their 4-bit codes and scales kept
+        for the expert kernels to decode (a checkpoint's, or dummy float weights quantized),
+        unless that part of w2 would cut its groups of 32 inputs: then dequantized (float
+        ones stay float). Then what FusedMoE does."""
+        if self.mxfp4 is None:
+            return super().process_weights_after_loading()
+        keep = self.mxfp4.keep and self.local_size % MXFP4_BLOCK == 0  # whole groups
+        if self.mxfp4.source == "checkpoint":
             w13 = [self._rank_rows(t, 1) for t in self._take_mxfp4("w13")]
             codes, scales = self._take_mxfp4("w2")
-            if whole_groups:
+            if keep:
                 start, local = self.tp.rank * self.local_size, self.local_size
                 groups = (start // MXFP4_BLOCK, local // MXFP4_BLOCK)
                 self._keep_mxfp4("w13", *w13)
@@ -126,12 +130,12 @@ class GptOssExperts(FusedMoE):
                 self.register_buffer("w13", dequantize_mxfp4(*w13, self.dtype))
                 dense = dequantize_mxfp4(codes, scales, self.dtype)
                 self.register_buffer("w2", self._rank_columns(dense).contiguous())
-        elif self.mxfp4 == "float" and whole_groups:
+        elif keep:
             for name in ("w13", "w2"):
                 weight = getattr(self, name).data
                 delattr(self, name)
                 self._keep_mxfp4(name, *quantize_mxfp4(weight))
-        super().process_weights_after_loading()
+        return super().process_weights_after_loading()
 
     def _keep_mxfp4(self, name: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
         self.register_buffer(f"{name}_codes", codes.contiguous())

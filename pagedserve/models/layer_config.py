@@ -29,9 +29,9 @@ operands' shapes and strides.
     context, EngineConfig.disable_sliding_window).
   * max_model_len: the engine's longest context (EngineConfig.max_model_len), which LongRoPE's
     choice of factors follows (models.layers.RotaryEmbedding); None: the model's own limit.
-  * mxfp4_experts: the experts run MXFP4 weights (GPT-OSS), from the checkpoint's blocks and
-    scales ("checkpoint") or quantized after loading from float ones ("float": dummy
-    weights); None: the experts' weights are as the quantization says.
+  * mxfp4_experts: a GPT-OSS release's MXFP4 experts (models.quantization.config's
+    `Mxfp4Setting`: where they come from, whether the kernels keep them 4-bit); None: the
+    experts' weights are as the quantization says.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pagedserve.kernels.attention_backends import AttentionBackend
 from pagedserve.layout import PipelineStage
 
 if TYPE_CHECKING:
-    from pagedserve.models.quantization.config import Mxfp4Source, QuantizationConfig
+    from pagedserve.models.quantization.config import Mxfp4Setting, QuantizationConfig
 
 FusedOps = Literal["triton", "cpu", "torch"]
 
@@ -104,7 +104,7 @@ class LayerConfig:
     kv_cache_dtype: torch.dtype | None = None
     sliding_window: bool = True
     max_model_len: int | None = None
-    mxfp4_experts: Mxfp4Source | None = None
+    mxfp4_experts: Mxfp4Setting | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -44,7 +44,7 @@ from pagedserve.models.model_config import (
 from pagedserve.models.moe import expert_target
 from pagedserve.models.quantization.config import (
     check_supported,
-    mxfp4_experts_source,
+    mxfp4_setting,
     resolve_kv_cache_dtype,
     resolve_quantization,
 )
@@ -146,7 +146,7 @@ def build_layer_config(
         kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
         sliding_window=not config.disable_sliding_window,
         max_model_len=config.max_model_len,
-        mxfp4_experts=mxfp4_experts_source(hf_config, config.load_format),
+        mxfp4_experts=mxfp4_setting(hf_config, config.load_format, config.quantization),
     )  # fmt: skip
 
 

@@ -64,16 +64,16 @@ def check() -> list[str]:
 
 
 def engine() -> list[str]:
-    """gpt-oss-20b's shape, dummy bf16 weights: its experts MXFP4 (quantized after loading,
-    as a release's config says: 13 GB) and bf16 (42 GB), one engine each."""
+    """gpt-oss-20b's shape, dummy bf16 weights: its experts kept MXFP4 (quantization="mxfp4":
+    quantized after loading, 13 GB) and bf16 (the default: 42 GB), one engine each."""
     lines = ["| experts | batch 1: ms per output token | batch 64: output tok/s |",
              "|---|---:|---:|"]  # fmt: skip
     one = [{"prompt_token_ids": list(range(1000, 1128))}]
     batch = [{"prompt_token_ids": [t + i for t in range(1000, 1128)]} for i in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
-    for label, overrides in (("MXFP4", {}), ("bf16", {"quantization_config": None})):
+    for label, settings in (("MXFP4", {"quantization": "mxfp4"}), ("bf16", {})):
         with LLM(str(MODEL), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-                 hf_overrides=overrides) as llm:  # fmt: skip
+                 **settings) as llm:  # fmt: skip
             seconds = []
             for prompts in (one, batch):
                 llm.generate(prompts, params, use_tqdm=False)  # warm-up

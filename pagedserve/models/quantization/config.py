@@ -18,9 +18,10 @@ refuses what the engine cannot run with one clear message.
   int8                weight-only INT8 of a float checkpoint, quantized while loading
                       (symmetric, groups of 128 where the input size allows, else per channel)
   mxfp4               GPT-OSS's published checkpoints: the experts' weights as MXFP4 blocks
-                      (E2M1 codes, a power-of-two scale per 32), which the experts keep
-                      (`mxfp4_experts_source`; models.gpt_oss); the linear layers stay
-                      float, so it resolves to no quantization here
+                      (E2M1 codes, a power-of-two scale per 32), dequantized to the model's
+                      dtype at load unless quantization="mxfp4" is asked, which keeps them
+                      4-bit (`Mxfp4Setting`; models.gpt_oss); the linear layers stay float,
+                      so it resolves to no quantization here
 
 `quantization` unset takes the checkpoint's method; set, it must agree with the checkpoint.
 With load_format="dummy" the random float weights are quantized while loading, in the scheme
@@ -48,7 +49,15 @@ _KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8
 DEFAULT_GROUP_SIZE = 128
 
 
-Mxfp4Source = Literal["checkpoint", "float"]
+@dataclass(frozen=True)
+class Mxfp4Setting:
+    """A GPT-OSS release's MXFP4 experts: read from the checkpoint's blocks and scales
+    ("checkpoint") or, with dummy weights, quantized from float ones ("float"); `keep`: the
+    expert kernels decode the 4-bit codes (quantization="mxfp4"), else a checkpoint's are
+    dequantized to the model's dtype at load (the faster kernels today)."""
+
+    source: Literal["checkpoint", "float"]
+    keep: bool
 
 
 class QuantizationError(ValueError):
@@ -153,14 +162,19 @@ def _mxfp4_checked(saved: str | None, hf_config: ModelConfig) -> None:
     return None
 
 
-def mxfp4_experts_source(hf_config: ModelConfig, load_format: str) -> Mxfp4Source | None:
-    """Where a GPT-OSS release's MXFP4 experts come from: its blocks and scales ("checkpoint"),
-    or, with dummy weights, float weights quantized after loading ("float"); None for a
-    checkpoint of other experts."""
+def mxfp4_setting(
+    hf_config: ModelConfig, load_format: str, requested: str | None
+) -> Mxfp4Setting | None:
+    """The experts' MXFP4 setting for a GPT-OSS release's config (None for any other): its
+    blocks and scales, or dummy float weights quantized only where quantization="mxfp4"
+    asks to keep 4-bit experts."""
     stored = getattr(hf_config, "quantization_config", None) or {}
     if str(stored.get("quant_method", "")).lower() != "mxfp4":
         return None
-    return "float" if load_format == "dummy" else "checkpoint"
+    keep = requested == "mxfp4"
+    if load_format == "dummy":
+        return Mxfp4Setting("float", keep) if keep else None
+    return Mxfp4Setting("checkpoint", keep)
 
 
 def _from_float(scheme: Fp8Scheme | IntScheme) -> Fp8Scheme | IntScheme:
