@@ -16,6 +16,7 @@ from pathlib import Path
 
 import anyio
 import httpx2 as httpx
+import msgspec
 import openai
 import pytest
 
@@ -23,6 +24,7 @@ import pagedserve
 from pagedserve import LLM, SamplingParams
 from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import AsyncClient, Client
+from pagedserve.api.protocol import ChatCompletionRequest
 from pagedserve.config import EngineConfig, ServerConfig
 from tests.engine_settings import NO_STANDBY
 from tests.tiny_models import hf_beam_search, load_hf_model, pick_stop_string, save_tiny_model
@@ -745,6 +747,25 @@ def test_chat_template_fields_reach_the_template(server, api: openai.OpenAI) -> 
         for path in ("/v1/chat/completions", "/tokenize"):
             response = httpx.post(base + path, json=body)
             assert response.status_code == 400, (path, fields)
+
+
+def test_reasoning_effort_is_a_chat_template_variable(server, api: openai.OpenAI) -> None:
+    """OpenAI's reasoning_effort reaches the chat template as `reasoning_effort` (GPT-OSS's
+    template reads it; this model's ignores it), under a chat_template_kwargs of the same name;
+    a value OpenAI does not define is a 400."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "low"}
+    options = msgspec.convert(body, ChatCompletionRequest).prompt_options()
+    assert options.chat_template_kwargs == {"reasoning_effort": "low"}
+    both = {**body, "chat_template_kwargs": {"reasoning_effort": "high", "x": 1}}
+    options = msgspec.convert(both, ChatCompletionRequest).prompt_options()
+    assert options.chat_template_kwargs == {"reasoning_effort": "high", "x": 1}
+    chat = api.chat.completions.create(
+        model=MODEL_NAME, messages=body["messages"], max_tokens=2, reasoning_effort="low"
+    )
+    assert chat.choices[0].message.content is not None
+    bad = {**minimal_body("/v1/chat/completions"), "reasoning_effort": "extreme"}
+    response = httpx.post(server[1] + "/v1/chat/completions", json=bad)
+    assert response.status_code == 400 and "reasoning_effort" in response.text
 
 
 def test_vllm_token_fields_on_both_endpoints(server, api: openai.OpenAI) -> None:

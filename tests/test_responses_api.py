@@ -11,6 +11,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from pagedserve.api.responses_api import ResponsesRequest
 from pagedserve.config import EngineConfig, ServerConfig
 from tests.engine_settings import NO_STANDBY
 from tests.test_openai_server import LIMITS, free_port, metric, running_server
@@ -161,6 +162,7 @@ def test_a_completed_stream_ends_with_response_completed(api: openai.OpenAI) -> 
         {"text": {"format": {"type": "grammar"}}},
         {"text": {"format": {"type": "json_schema", "name": "x"}}},
         {"metadata": {"k": 1}},
+        {"reasoning": {"effort": "extreme"}},
     ],
 )
 def test_what_it_does_not_follow_is_a_400(server: str, fields: dict) -> None:
@@ -169,6 +171,17 @@ def test_what_it_does_not_follow_is_a_400(server: str, fields: dict) -> None:
         reply = httpx.post(server + "/v1/responses", json=body | {"stream": stream}, timeout=30)
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_reasoning_effort_reaches_the_chat_template(api: openai.OpenAI) -> None:
+    """reasoning.effort is the chat's reasoning_effort: a chat template variable (GPT-OSS's)."""
+    request = ResponsesRequest(input="To be", reasoning={"effort": "high", "summary": "auto"})
+    options = request.to_chat().prompt_options()
+    assert options.chat_template_kwargs == {"reasoning_effort": "high"}
+    response = api.responses.create(
+        model=MODEL_NAME, input="To be", max_output_tokens=2, reasoning={"effort": "low"}
+    )
+    assert response.status == "incomplete" and response.reasoning.effort == "low"
 
 
 def test_an_unknown_model_is_a_404_and_json_schema_is_followed(server: str) -> None:

@@ -6,7 +6,7 @@ Every check here raises ValueError, which the server answers with a 400."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -272,6 +272,10 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         return self.sampling(max_tokens, self.logprobs, defaults, prompt_logprobs)
 
 
+ReasoningEffort = Literal["low", "medium", "high"]
+REASONING_EFFORTS = get_args(ReasoningEffort)
+
+
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessageIn]
     max_completion_tokens: Int64 | None = None
@@ -285,6 +289,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[Tool] | None = None  # with tool_choice: see api/tools.py
     tool_choice: Any = None
     echo: bool = False  # vLLM's: a final assistant message's content before the reply
+    # OpenAI's: how long to reason, a chat template variable (GPT-OSS's), as vLLM passes it
+    reasoning_effort: ReasoningEffort | None = None
     # Not implemented: a 400 when asked for
     functions: list[Any] | None = None
     function_call: Any = None
@@ -311,7 +317,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
     def prompt_options(self) -> PromptOptions:
         tools = [msgspec.to_builtins(t) for t in self.tools] if self.tools else None
-        return template_options(self, tools)
+        return template_options(self, tools, self.reasoning_effort)
 
     def tool_plan(self) -> ToolPlan | None:
         return plan_tools(self.tools, self.tool_choice)
@@ -487,13 +493,18 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 def template_options(
     body: ChatCompletionRequest | TokenizeRequest | EmbeddingRequest,
     tools: list[dict] | None = None,
+    reasoning_effort: str | None = None,
 ) -> PromptOptions:
-    """The chat template fields the bodies with messages share, as the tokenizer takes them."""
+    """The chat template fields the bodies with messages share, as the tokenizer takes them (a
+    chat's reasoning_effort among the template's variables)."""
+    kwargs = body.chat_template_kwargs or {}
+    if reasoning_effort is not None:  # chat_template_kwargs' own reasoning_effort wins
+        kwargs = {"reasoning_effort": reasoning_effort} | kwargs
     return PromptOptions(
         add_special_tokens=body.add_special_tokens,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
-        chat_template_kwargs=body.chat_template_kwargs or {},
+        chat_template_kwargs=kwargs,
         tools=tools,
     )
 

@@ -14,7 +14,8 @@ json_schema map onto the chat endpoint's response_format. With a reasoning parse
 --reasoning-parser`) the reply's thinking is a "reasoning" output item before the message (its
 text a reasoning_text part; streamed as response.reasoning_text.delta events), and
 usage.output_tokens_details.reasoning_tokens counts the output tokens of the deltas that carried
-it or its tags; the request's `reasoning` settings are echoed and otherwise ignored. Unknown
+it or its tags; the request's `reasoning` settings are echoed, and their `effort` reaches the
+chat template as the chat endpoint's `reasoning_effort` does. Unknown
 fields are ignored, as on every endpoint.
 """
 
@@ -35,7 +36,12 @@ from pagedserve.api.body import read_json
 from pagedserve.api.client import EngineRequestError
 from pagedserve.api.errors import APIError
 from pagedserve.api.generation import Choice, Event, plan_jobs
-from pagedserve.api.protocol import ChatCompletionRequest, ChatMessageIn, Int64
+from pagedserve.api.protocol import (
+    REASONING_EFFORTS,
+    ChatCompletionRequest,
+    ChatMessageIn,
+    Int64,
+)
 from pagedserve.api.reasoning_parsers import keeps_special_tokens, split_reasoning, stream_for
 from pagedserve.api.render import Render
 from pagedserve.api.responses import SSE_HEADERS, GenerationResponse
@@ -116,7 +122,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     metadata: dict[str, str] | None = None  # echoed
     store: bool = True  # accepted; nothing is stored
-    reasoning: dict[str, Any] | None = None  # echoed
+    reasoning: dict[str, Any] | None = None  # echoed; its effort is the chat's reasoning_effort
     text: TextConfig | None = None
     parallel_tool_calls: bool = True
     # Not implemented: a 400 when asked for
@@ -131,6 +137,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
             raise ValueError("tools are not supported on /v1/responses")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ValueError(f"max_output_tokens must be at least 1, got {self.max_output_tokens}")
+        if self.effort() not in (None, *REASONING_EFFORTS):
+            raise ValueError(f"reasoning.effort must be one of {REASONING_EFFORTS}")
+
+    def effort(self) -> Any:
+        return (self.reasoning or {}).get("effort")
 
     def chat_messages(self) -> list[ChatMessageIn]:
         items = (
@@ -155,6 +166,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
             stream=self.stream,
             user=self.user,
             response_format=text_format.response_format() if text_format else None,
+            reasoning_effort=self.effort(),
         )
 
 
