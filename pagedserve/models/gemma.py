@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels.attention_metadata import AttentionMetadata, OutputRows
 from pagedserve.models.layer_config import LayerConfig
-from pagedserve.models.layers import Attention, GeluTanhAndMul, RMSNorm, RotaryEmbedding
+from pagedserve.models.layers import GeluTanhAndMul, RMSNorm, RotaryEmbedding
 from pagedserve.models.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedserve.models.llama import (
     BuildMLP,
     LlamaAttention,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
     rope_settings,
@@ -77,15 +77,16 @@ class GemmaAttention(LlamaAttention):
         window: int = 0,
     ) -> None:
         super().__init__(config, layer_config, rotary_emb, window)
-        scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
-        softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
-        self.attn = Attention(
-            self.num_heads, self.head_dim, scale, self.num_kv_heads, layer_config, window, softcap
-        )
         if config.model_type != "gemma2":  # Gemma 3: q / k norms
             self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, layer_config)
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, layer_config)
             self.qk_norms = (self.q_norm, self.k_norm)
+
+    def attention_scale(self, config: ModelConfig) -> float:
+        return float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+
+    def attention_options(self, config: ModelConfig) -> dict[str, float | bool]:
+        return {"softcap": float(getattr(config, "attn_logit_softcapping", None) or 0.0)}
 
 
 class GemmaMLP(nn.Module):
@@ -103,7 +104,12 @@ class GemmaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """The Llama layer with (1 + w) norms, and two more around the feed-forward: the
+    attention's output normed before the residual add, the feed-forward's after."""
+
+    norm_cls = GemmaRMSNorm
+
     def __init__(
         self,
         config: ModelConfig,
@@ -113,31 +119,14 @@ class GemmaDecoderLayer(nn.Module):
         mlp: nn.Module,
         window: int,
     ) -> None:
-        super().__init__()
-        self.self_attn = attention_cls(config, layer_config, rotary_emb, window)
-        self.mlp = mlp
+        super().__init__(config, layer_config, attention_cls, rotary_emb, mlp, window)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps, layer_config)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps, layer_config)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, layer_config)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, layer_config)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-        output_rows: OutputRows | None = None,
+    def feed_forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) as the Llama layer's: the sum of the two is the layer's input."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata, output_rows)
-        if output_rows is not None:
-            residual = residual.index_select(0, output_rows.indices)
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

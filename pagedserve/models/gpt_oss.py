@@ -29,7 +29,6 @@ from torch import nn
 from pagedserve.kernels.moe_ref import ClampedSwiGLU, ExpertWeight, Mxfp4Experts
 from pagedserve.kernels.quant_ref import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
 from pagedserve.models.layer_config import LayerConfig
-from pagedserve.models.layers import Attention, RotaryEmbedding
 from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
 from pagedserve.models.model_config import ModelConfig, num_experts
 from pagedserve.models.moe import FusedMoE, Router
@@ -39,18 +38,8 @@ from pagedserve.models.weights import default_weight_loader, new_parameter
 class GptOssAttention(LlamaAttention):
     """Llama's attention with a sink logit per head (the checkpoint's `self_attn.sinks`)."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer_config: LayerConfig,
-        rotary_emb: RotaryEmbedding,
-        window: int = 0,
-    ) -> None:
-        super().__init__(config, layer_config, rotary_emb, window)
-        self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_config,
-            window, sinks=True,
-        )  # fmt: skip
+    def attention_options(self, config: ModelConfig) -> dict[str, float | bool]:
+        return {"sinks": True}
 
 
 class GptOssExperts(FusedMoE):

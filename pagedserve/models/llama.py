@@ -83,7 +83,9 @@ def layer_windows(config: ModelConfig, layer_config: LayerConfig) -> list[int]:
 
 class LlamaAttention(nn.Module):
     """qkv projection, rotary on q and k (after a per-head RMSNorm when `qk_norms` is set),
-    paged attention (within a sliding `window` when > 0), o_proj."""
+    paged attention (within a sliding `window` when > 0), o_proj. A subclass changes the
+    biases (`qkv_bias`, `o_proj_bias`), the attention's scale (`attention_scale`) and its
+    other options (`attention_options`: Gemma 2's softcap, GPT-OSS's sinks)."""
 
     def __init__(
         self,
@@ -105,8 +107,9 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(
-            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_config, window
-        )
+            self.num_heads, head_dim, self.attention_scale(config), self.num_kv_heads,
+            layer_config, window, **self.attention_options(config),
+        )  # fmt: skip
         # (q_norm, k_norm) applied per head before rotary, or None; a subclass registers the
         # modules themselves (their parameters) and points this at them (see Qwen3Attention)
         self.qk_norms: tuple[RMSNorm, RMSNorm] | None = None
@@ -116,6 +119,13 @@ class LlamaAttention(nn.Module):
 
     def o_proj_bias(self, config: ModelConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
+
+    def attention_scale(self, config: ModelConfig) -> float:
+        return self.head_dim**-0.5
+
+    def attention_options(self, config: ModelConfig) -> dict[str, float | bool]:
+        """Attention's keyword options beyond the window (none for Llama)."""
+        return {}
 
     def forward(
         self,
@@ -162,6 +172,11 @@ BuildMLP = Callable[[ModelConfig, LayerConfig, int], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and feed-forward; a subclass (Gemma) changes the norm class and what
+    follows the attention (`feed_forward`)."""
+
+    norm_cls: type[RMSNorm] = RMSNorm
+
     def __init__(
         self,
         config: ModelConfig,
@@ -175,8 +190,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = attention_cls(config, layer_config, rotary_emb, window)
         self.mlp = mlp
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, layer_config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, layer_config)
+        self.input_layernorm = self.norm_cls(config.hidden_size, eps, layer_config)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, eps, layer_config)
 
     def forward(
         self,
@@ -194,6 +209,12 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, metadata, output_rows)
         if output_rows is not None:
             residual = residual.index_select(0, output_rows.indices)
+        return self.feed_forward(hidden, residual)
+
+    def feed_forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's output, the residual) -> the layer's (hidden, residual)."""
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
