@@ -9,15 +9,18 @@ ones included). Slot -1 marks a padding row (written nowhere).
 The device tensors (slot_mapping, query_start_loc, seq_lens, block_tables) are the kernels'
 inputs; their host copies (query_lens_cpu, seq_lens_cpu, block_tables_cpu) let the CPU
 backends plan a step without reading the device. A backend's per-step plan is built on first
-use and kept in `plans` (keyed by the backend), so every layer of the step shares it.
+use and kept in `plans` (keyed by the backend: `plan`), so every layer of the step shares it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -56,6 +59,12 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    def plan(self, key: Hashable, build: Callable[[], T]) -> T:
+        """The step's plan of `key` (a backend's), built by `build` on first use."""
+        if key not in self.plans:
+            self.plans[key] = build()
+        return self.plans[key]
 
 
 def build_attention_metadata(

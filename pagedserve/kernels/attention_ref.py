@@ -97,17 +97,18 @@ class AttentionGroup:
 
 def torch_groups(metadata: AttentionMetadata) -> list[AttentionGroup]:
     """The step's padded groups (decodes, then prefill buckets), built on first use and kept
-    in metadata.plans for the step's other layers."""
-    groups = metadata.plans.get("torch_ref")
-    if groups is None:
-        decode = metadata.query_lens_cpu == 1
-        decode_rows = decode.nonzero().squeeze(1)
-        prefill_rows = (~decode).nonzero().squeeze(1)
-        buckets = [decode_rows] if len(decode_rows) else []
-        if len(prefill_rows):
-            buckets += _bucket_prefills(metadata, prefill_rows)
-        groups = metadata.plans["torch_ref"] = [_build_group(metadata, rows) for rows in buckets]
-    return groups
+    for the step's other layers."""
+    return metadata.plan("torch_ref", lambda: _build_groups(metadata))
+
+
+def _build_groups(metadata: AttentionMetadata) -> list[AttentionGroup]:
+    decode = metadata.query_lens_cpu == 1
+    decode_rows = decode.nonzero().squeeze(1)
+    prefill_rows = (~decode).nonzero().squeeze(1)
+    buckets = [decode_rows] if len(decode_rows) else []
+    if len(prefill_rows):
+        buckets += _bucket_prefills(metadata, prefill_rows)
+    return [_build_group(metadata, rows) for rows in buckets]
 
 
 def _bucket_prefills(metadata: AttentionMetadata, rows: torch.Tensor) -> list[torch.Tensor]:

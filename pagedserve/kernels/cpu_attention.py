@@ -190,11 +190,10 @@ def head_major_plan(
 ) -> HeadMajorPlan:
     """The step's plan, built on first use and shared by every layer."""
     key = ("torch", num_kv_heads, num_blocks, dtype, with_buckets)
-    plan = metadata.plans.get(key)
-    if plan is None:
-        plan = build_head_major_plan(metadata, num_kv_heads, num_blocks, dtype, with_buckets)
-        metadata.plans[key] = plan
-    return plan
+    return metadata.plan(
+        key,
+        lambda: build_head_major_plan(metadata, num_kv_heads, num_blocks, dtype, with_buckets),
+    )
 
 
 def write_kv_cache_head_major(
@@ -366,8 +365,14 @@ def explicit_plan(
     shared by every layer of the window: query i of a request (position p = ctx + i) attends
     keys j <= p, and j > p - window when window > 0."""
     key = ("explicit", num_kv_heads, num_blocks, window)
-    if key in metadata.plans:
-        return metadata.plans[key]
+    return metadata.plan(
+        key, lambda: _build_explicit_plan(metadata, num_kv_heads, num_blocks, window)
+    )
+
+
+def _build_explicit_plan(
+    metadata: AttentionMetadata, num_kv_heads: int, num_blocks: int, window: int
+) -> list[ExplicitRequest]:
     device = metadata.slot_mapping.device
     head_offsets = torch.arange(num_kv_heads, dtype=torch.int64) * num_blocks
     plan, start = [], 0
@@ -382,7 +387,6 @@ def explicit_plan(
             allowed &= keys > positions - window
         plan.append(ExplicitRequest(start, start + q_len, seq_len, block_ids, allowed.to(device)))
         start += q_len
-    metadata.plans[key] = plan
     return plan
 
 

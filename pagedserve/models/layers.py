@@ -394,12 +394,15 @@ class Attention(nn.Module):
                 f"the {self.backend.name!r} attention backend has no sliding window, softcap or "
                 "attention sinks"
             )
-        self.options = {"window": window, "softcap": softcap} if window or softcap else {}
+        self.options: dict[str, int | float | torch.Tensor] = (
+            {"window": window, "softcap": softcap} if window or softcap else {}
+        )
         self.sinks: nn.Parameter | None = None
-        if sinks:
+        if sinks:  # loaded in place: the options hold the parameter itself
             loader = functools.partial(load_head_shard, config.tp)
             self.sinks = new_parameter(num_heads, loader=loader, dtype=torch.float32,
                                        layout=VECTOR)  # fmt: skip
+            self.options["sinks"] = self.sinks
         fp8_cache = config.cache_dtype == torch.float8_e4m3fn
         # the q/k rotary launch writes the cache (Triton ops, a backend with Triton's write, a
         # cache of the model's dtype)
@@ -449,9 +452,6 @@ class Attention(nn.Module):
             )
         if output_rows is not None:
             q, metadata = q.index_select(0, output_rows.indices), output_rows.metadata
-        options = self.options
-        if self.sinks is not None:
-            options = {**options, "sinks": self.sinks.float()}
         out = self.backend.attend(q, self.k_cache, self.v_cache, metadata, self.scale,
-                                  *self.kv_scales, **options)  # fmt: skip
+                                  *self.kv_scales, **self.options)  # fmt: skip
         return out.reshape(-1, self.num_heads * self.head_dim)
