@@ -12,20 +12,18 @@ each request's new tokens). Tolerances as test_triton_kernels.py's: fp32 2e-5 ab
 
 from __future__ import annotations
 
-import importlib
-import os
 from types import ModuleType
 
 import pytest
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.interpreter import (
+    NOT_IN_PROCESS,
+    fresh_process_test,
+    interpret_triton,
+    interpreted,
+)
 
-try:
-    import triton.language.standard as _tl_standard
-    from triton.runtime.interpreter import InterpretedFunction
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    pytest.skip(f"triton is not importable ({exc}): no kernel tests", allow_module_level=True)
+IN_PROCESS = interpret_triton()
 
 import torch  # noqa: E402
 
@@ -39,21 +37,11 @@ from pagedserve.kernels.attention_ref import paged_attention as reference_attent
 from pagedserve.kernels.cpu_attention import paged_attention_head_major  # noqa: E402
 from pagedserve.models.layer_config import LayerConfig, TensorParallel  # noqa: E402
 from pagedserve.models.layers import Attention  # noqa: E402
-from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
 from tests.test_triton_kernels import MIXED, make_step  # noqa: E402
 
-IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
-if not IN_PROCESS:
-    if _PREVIOUS_INTERPRET is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-ta: ModuleType | None = None
-if IN_PROCESS:
-    ta = importlib.import_module("pagedserve.kernels.triton_attention")
-    assert isinstance(ta._prefill_kernel, InterpretedFunction)
+ta = interpreted("pagedserve.kernels.triton_attention", "_prefill_kernel", IN_PROCESS)
+test_kernels_in_a_fresh_interpreter_process = fresh_process_test(__file__, IN_PROCESS)
 
-FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_interpreter_process"
 ATOL = 2e-5
 CPU = torch.device("cpu")
 # prefill chunks after earlier context (chunked prefill), a fresh prompt, a decode
@@ -67,15 +55,8 @@ WINDOW_SOFTCAP = [(0, 0.0), (6, 0.0), (0, 2.0), (24, 3.0)]
 def triton_kernels() -> ModuleType:
     """triton_attention with its kernels interpreted (the test skips when they cannot be)."""
     if ta is None:
-        pytest.skip("triton was imported in compiled mode: see " + FRESH_PROCESS_TEST)
+        pytest.skip(NOT_IN_PROCESS)
     return ta
-
-
-def test_kernels_in_a_fresh_interpreter_process() -> None:
-    """This file in a fresh process, when triton was imported too early to interpret here."""
-    if IN_PROCESS:
-        pytest.skip("the kernels run in this process")
-    assert_passes_in_fresh_interpreter(__file__)
 
 
 def sink_logits(num_heads: int, seed: int) -> torch.Tensor:

@@ -10,19 +10,16 @@ against the reference on their dequantized weights, the same way.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.interpreter import (
+    fresh_process_test,
+    interpret_triton,
+    interpreted,
+    skip_unless_interpreted,
+)
 
-try:
-    import triton.language.standard as _tl_standard
-    from triton.runtime.interpreter import InterpretedFunction
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    pytest.skip(f"triton is not importable ({exc}): no kernel tests", allow_module_level=True)
+IN_PROCESS = interpret_triton()
 
 import torch  # noqa: E402
 
@@ -33,32 +30,10 @@ from pagedserve.models.layer_config import LayerConfig  # noqa: E402
 from pagedserve.models.model_config import ModelConfig  # noqa: E402
 from pagedserve.models.moe import SparseMoeBlock  # noqa: E402
 from pagedserve.models.quantization.config import IntScheme, QuantizationConfig  # noqa: E402
-from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
 
-IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
-if not IN_PROCESS:
-    if _PREVIOUS_INTERPRET is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-    tm = None
-else:
-    tm = importlib.import_module("pagedserve.kernels.triton_moe")
-    assert isinstance(tm._expert_gemm_kernel, InterpretedFunction)
-
-FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_interpreter_process"
-
-
-@pytest.fixture(autouse=True)
-def _kernels_in_this_process(request: pytest.FixtureRequest) -> None:
-    if not IN_PROCESS and request.node.originalname != FRESH_PROCESS_TEST:
-        pytest.skip("triton was imported in compiled mode: see " + FRESH_PROCESS_TEST)
-
-
-def test_kernels_in_a_fresh_interpreter_process() -> None:
-    if IN_PROCESS:
-        pytest.skip("the kernels run in this process")
-    assert_passes_in_fresh_interpreter(__file__)
+tm = interpreted("pagedserve.kernels.triton_moe", "_expert_gemm_kernel", IN_PROCESS)
+_kernels_in_this_process = skip_unless_interpreted(IN_PROCESS)
+test_kernels_in_a_fresh_interpreter_process = fresh_process_test(__file__, IN_PROCESS)
 
 
 def routing(t: int, experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

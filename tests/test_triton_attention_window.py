@@ -11,53 +11,27 @@ Tolerances as test_triton_kernels.py's: fp32 2e-5, bf16 3e-2 absolute.
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable
-from types import ModuleType
 
 import pytest
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.interpreter import (
+    fresh_process_test,
+    interpret_triton,
+    interpreted,
+    skip_unless_interpreted,
+)
 
-try:
-    import triton.language.standard as _tl_standard
-    from triton.runtime.interpreter import InterpretedFunction
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    pytest.skip(f"triton is not importable ({exc}): no kernel tests", allow_module_level=True)
+IN_PROCESS = interpret_triton()
 
 import torch  # noqa: E402
 
 from pagedserve.kernels.attention_ref import paged_attention as reference_attention  # noqa: E402
-from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
 from tests.test_triton_kernels import ATTENTION_ATOL, MIXED, make_step  # noqa: E402
 
-IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
-if not IN_PROCESS:
-    if _PREVIOUS_INTERPRET is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-ta: ModuleType | None = None
-if IN_PROCESS:
-    ta = importlib.import_module("pagedserve.kernels.triton_attention")
-    assert isinstance(ta._prefill_kernel, InterpretedFunction)
-
-FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_interpreter_process"
-
-
-@pytest.fixture(autouse=True)
-def _kernels_in_this_process(request: pytest.FixtureRequest) -> None:
-    if not IN_PROCESS and request.node.originalname != FRESH_PROCESS_TEST:
-        pytest.skip("triton was imported in compiled mode: see " + FRESH_PROCESS_TEST)
-
-
-def test_kernels_in_a_fresh_interpreter_process() -> None:
-    """This file in a fresh process, when triton was imported too early to interpret here."""
-    if IN_PROCESS:
-        pytest.skip("the kernels run in this process")
-    assert_passes_in_fresh_interpreter(__file__)
+ta = interpreted("pagedserve.kernels.triton_attention", "_prefill_kernel", IN_PROCESS)
+_kernels_in_this_process = skip_unless_interpreted(IN_PROCESS)
+test_kernels_in_a_fresh_interpreter_process = fresh_process_test(__file__, IN_PROCESS)
 
 
 def poisoned_caches(step: dict, window: int) -> tuple[torch.Tensor, torch.Tensor]:

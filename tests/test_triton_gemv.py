@@ -15,21 +15,20 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-import os
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.interpreter import (
+    fresh_process_test,
+    interpret_triton,
+    interpreted,
+    skip_unless_interpreted,
+)
 
-try:
-    import triton.language.standard as _tl_standard
-    from triton.runtime.interpreter import InterpretedFunction
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    pytest.skip(f"triton is not importable ({exc}): no kernel tests", allow_module_level=True)
+IN_PROCESS = interpret_triton()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -38,33 +37,10 @@ from pagedserve.kernels.attention_backends import torch_ref_backend  # noqa: E40
 from pagedserve.models import linear  # noqa: E402
 from pagedserve.models.layer_config import LayerConfig  # noqa: E402
 from pagedserve.models.loader import default_dtype  # noqa: E402
-from tests.interpreter import assert_passes_in_fresh_interpreter  # noqa: E402
 
-IN_PROCESS = isinstance(_tl_standard.sum, InterpretedFunction)
-if not IN_PROCESS:
-    if _PREVIOUS_INTERPRET is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-    tg = None
-else:
-    tg = importlib.import_module("pagedserve.kernels.triton_gemv")
-    assert isinstance(tg._skinny_linear_kernel, InterpretedFunction)
-
-FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_interpreter_process"
-
-
-@pytest.fixture(autouse=True)
-def _kernels_in_this_process(request: pytest.FixtureRequest) -> None:
-    if not IN_PROCESS and request.node.originalname != FRESH_PROCESS_TEST:
-        pytest.skip("triton was imported in compiled mode: see " + FRESH_PROCESS_TEST)
-
-
-def test_kernels_in_a_fresh_interpreter_process() -> None:
-    """This file in a fresh process, when triton was imported too early to interpret here."""
-    if IN_PROCESS:
-        pytest.skip("the kernels run in this process")
-    assert_passes_in_fresh_interpreter(__file__)
+tg = interpreted("pagedserve.kernels.triton_gemv", "_skinny_linear_kernel", IN_PROCESS)
+_kernels_in_this_process = skip_unless_interpreted(IN_PROCESS)
+test_kernels_in_a_fresh_interpreter_process = fresh_process_test(__file__, IN_PROCESS)
 
 
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}  # significant bits, implicit one included
