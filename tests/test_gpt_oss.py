@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from pagedserve import LLM, LoRARequest, SamplingParams
-from pagedserve.actors.messages import SamplingParams as WireSamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.quant_ref import dequantize_mxfp4, quantize_mxfp4
 from pagedserve.models.loader import load_model
@@ -28,9 +27,8 @@ from tests.engine_settings import NO_STANDBY
 from tests.test_model_parity import (
     COMMON,
     LOGPROB_ATOL,
-    MiniScheduler,
-    _tensor_parallel_worker,
     assert_greedy_matches,
+    assert_two_ranks_match_one,
     make_runner,
     random_prompts,
 )
@@ -125,25 +123,7 @@ def test_tensor_parallel_two_ranks_match_one(
     """Two gloo ranks (two heads and their sinks each, half of every expert) give the
     single-process tokens and logprobs."""
     path, _ = gpt_oss
-    params = WireSamplingParams(temperature=0.0, logprobs=0)
-    expected = MiniScheduler(random_prompts(seed=11), params).run(make_runner(path))
-    assert_two_ranks_match(path, expected, tmp_path)
-
-
-def assert_two_ranks_match(path: Path, expected: list, tmp_path: Path) -> None:
-    """test_model_parity's tensor-parallel run (two gloo ranks, random_prompts(seed=11), greedy
-    with logprobs) gives `expected`, the single process's requests."""
-    out_file = tmp_path / "tp_out.pt"
-    torch.multiprocessing.spawn(
-        _tensor_parallel_worker,
-        args=(str(path), str(tmp_path / "dist_init"), str(out_file)),
-        nprocs=2,
-    )
-    for request, (outputs, logprobs) in zip(expected, torch.load(out_file)):
-        assert outputs == request.outputs
-        torch.testing.assert_close(
-            torch.tensor(logprobs), torch.tensor(request.logprobs), atol=LOGPROB_ATOL, rtol=0
-        )
+    assert_two_ranks_match_one(path, tmp_path)
 
 
 def test_llm_generates_what_transformers_does(
@@ -250,9 +230,7 @@ def test_an_mxfp4_checkpoint_generates_what_its_float_weights_do(tmp_path: Path)
     assert_greedy_matches(runner, random_prompts(seed=4), greedy)
     experts_module = runner.model.model.layers[0].mlp.experts
     assert experts_module.w13.shape == (4, 192, 64) and not hasattr(experts_module, "w13_codes")
-    params = WireSamplingParams(temperature=0.0, logprobs=0)
-    expected = MiniScheduler(random_prompts(seed=11), params).run(runner)
-    assert_two_ranks_match(mxfp4_dir, expected, tmp_path)
+    assert_two_ranks_match_one(mxfp4_dir, tmp_path)
 
 
 def test_mxfp4_quantization_rounds_to_the_nearest_code() -> None:

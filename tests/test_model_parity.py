@@ -378,16 +378,15 @@ def _tensor_parallel_worker(rank: int, path: str, init_file: str, out_file: str)
         dist.destroy_process_group()
 
 
-def test_tensor_parallel_two_ranks_match_one(tmp_path: Path) -> None:
-    """Two gloo ranks on the CPU (sharded qkv/o/gate_up/down, vocab-parallel embedding and
-    LM head, one kv head per rank) give the single-process tokens and logprobs."""
-    save_hf_model("qwen2", tmp_path)  # tied embeddings: the sharded embedding is the LM head
+def assert_two_ranks_match_one(model: Path, tmp_path: Path) -> None:
+    """Two gloo ranks on the CPU (_tensor_parallel_worker) give the model's single-process
+    greedy tokens and logprobs of random_prompts(seed=11)."""
     single = MiniScheduler(random_prompts(seed=11), SamplingParams(temperature=0.0, logprobs=0))
-    expected = single.run(make_runner(tmp_path))
+    expected = single.run(make_runner(model))
     out_file = tmp_path / "tp_out.pt"
     torch.multiprocessing.spawn(
         _tensor_parallel_worker,
-        args=(str(tmp_path), str(tmp_path / "dist_init"), str(out_file)),
+        args=(str(model), str(tmp_path / "dist_init"), str(out_file)),
         nprocs=2,
     )
     for request, (outputs, logprobs) in zip(expected, torch.load(out_file)):
@@ -395,6 +394,13 @@ def test_tensor_parallel_two_ranks_match_one(tmp_path: Path) -> None:
         torch.testing.assert_close(
             torch.tensor(logprobs), torch.tensor(request.logprobs), atol=LOGPROB_ATOL, rtol=0
         )
+
+
+def test_tensor_parallel_two_ranks_match_one(tmp_path: Path) -> None:
+    """Two gloo ranks on the CPU (sharded qkv/o/gate_up/down, vocab-parallel embedding and
+    LM head, one kv head per rank) give the single-process tokens and logprobs."""
+    save_hf_model("qwen2", tmp_path)  # tied embeddings: the sharded embedding is the LM head
+    assert_two_ranks_match_one(tmp_path, tmp_path)
 
 
 def test_qkv_shard_replicates_kv_heads_beyond_their_count() -> None:

@@ -17,7 +17,6 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pagedserve import LLM, LoRARequest, SamplingParams
-from pagedserve.actors.messages import SamplingParams as WireSamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.kernels import moe_ref
 from pagedserve.models.loader import load_model
@@ -28,10 +27,8 @@ from tests import quant_checkpoints as qc
 from tests.engine_settings import NO_STANDBY
 from tests.test_model_parity import (
     COMMON,
-    LOGPROB_ATOL,
-    MiniScheduler,
-    _tensor_parallel_worker,
     assert_greedy_matches,
+    assert_two_ranks_match_one,
     make_runner,
     random_prompts,
 )
@@ -181,19 +178,7 @@ def test_tensor_parallel_two_ranks_match_one(tmp_path: Path) -> None:
     """Two gloo ranks, each with half of every expert's intermediate dim (and half of the
     shared expert's), give the single-process tokens and logprobs."""
     save_moe_model("qwen2-moe", tmp_path)
-    params = WireSamplingParams(temperature=0.0, logprobs=0)
-    expected = MiniScheduler(random_prompts(seed=11), params).run(make_runner(tmp_path))
-    out_file = tmp_path / "tp_out.pt"
-    torch.multiprocessing.spawn(
-        _tensor_parallel_worker,  # test_model_parity's: the same runs, on this model
-        args=(str(tmp_path), str(tmp_path / "dist_init"), str(out_file)),
-        nprocs=2,
-    )
-    for request, (outputs, logprobs) in zip(expected, torch.load(out_file)):
-        assert outputs == request.outputs
-        torch.testing.assert_close(
-            torch.tensor(logprobs), torch.tensor(request.logprobs), atol=LOGPROB_ATOL, rtol=0
-        )
+    assert_two_ranks_match_one(tmp_path, tmp_path)
 
 
 def test_lora_adapts_the_attention_of_a_moe_model(tmp_path: Path) -> None:

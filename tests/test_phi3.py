@@ -14,7 +14,6 @@ import transformers
 
 from pagedserve import LLM
 from pagedserve import SamplingParams as EngineSamplingParams
-from pagedserve.actors.messages import SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention_backends import torch_ref_backend
 from pagedserve.models.layer_config import LayerConfig, TensorParallel
@@ -31,10 +30,8 @@ from pagedserve.models.weights import ALL_PARTS
 from tests.engine_settings import NO_STANDBY
 from tests.test_model_parity import (
     COMMON,
-    LOGPROB_ATOL,
-    MiniScheduler,
-    _tensor_parallel_worker,
     assert_greedy_matches,
+    assert_two_ranks_match_one,
     make_runner,
     random_prompts,
 )
@@ -226,16 +223,4 @@ def test_prefix_cache_hit_and_chunked_prefill_keep_transformers_tokens(
 def test_tensor_parallel_two_ranks_match_one(phi4_mini: TinyPhi3, tmp_path: Path) -> None:
     """Two gloo ranks (the fused tensors split and sharded by heads and rows, one kv head a
     rank, the tied vocabulary-parallel head) give the single-process tokens and logprobs."""
-    single = MiniScheduler(random_prompts(seed=11), SamplingParams(temperature=0.0, logprobs=0))
-    expected = single.run(make_runner(phi4_mini.path))
-    out_file = tmp_path / "tp_out.pt"
-    torch.multiprocessing.spawn(
-        _tensor_parallel_worker,
-        args=(str(phi4_mini.path), str(tmp_path / "dist_init"), str(out_file)),
-        nprocs=2,
-    )
-    for request, (outputs, logprobs) in zip(expected, torch.load(out_file)):
-        assert outputs == request.outputs
-        torch.testing.assert_close(
-            torch.tensor(logprobs), torch.tensor(request.logprobs), atol=LOGPROB_ATOL, rtol=0
-        )
+    assert_two_ranks_match_one(phi4_mini.path, tmp_path)
