@@ -76,8 +76,13 @@ class _Recorder:
         return record
 
 
+# constexprs that the launchers set for Triton's CPU interpreter, as a GPU launch sets them
+_ON_THE_GPU = {"UPCAST": False, "DECODE_ASM": True}
+
+
 def recorded(module: object, names: tuple[str, ...], call: Callable[[], object]) -> list[Launch]:
-    """(kernel, args, kwargs) of every launch of module's kernels `names` that call() makes."""
+    """(kernel, args, kwargs) of every launch of module's kernels `names` that call() makes,
+    with the constexprs a GPU launch sets (_ON_THE_GPU)."""
     recorders = {name: _Recorder(getattr(module, name)) for name in names}
     for name, recorder in recorders.items():
         setattr(module, name, recorder)
@@ -86,7 +91,11 @@ def recorded(module: object, names: tuple[str, ...], call: Callable[[], object])
     finally:
         for name, recorder in recorders.items():
             setattr(module, name, recorder.fn)
-    return [(r.fn, *launch) for r in recorders.values() for launch in r.launches]
+    return [
+        (r.fn, args, kwargs | {k: v for k, v in _ON_THE_GPU.items() if k in kwargs})
+        for r in recorders.values()
+        for args, kwargs in r.launches
+    ]
 
 
 def lora_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
@@ -215,11 +224,7 @@ def attention_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch
             num_splits=4, prefill_tiles=COMPILE_PREFILL_TILES, longest_first=md.longest_first,
             **options,
         )  # fmt: skip
-        launches = recorded(triton_attention, names, call)
-        out[label] = [
-            (fn, args, kwargs | ({"UPCAST": False} if "UPCAST" in kwargs else {}))
-            for fn, args, kwargs in launches
-        ]
+        out[label] = recorded(triton_attention, names, call)
     return out
 
 
@@ -266,7 +271,7 @@ def main() -> int:
                             compile_launch(fn, launch_args, kwargs, args.arch)
                         except Exception as exc:  # reported, the rest go on
                             failed += 1
-                            print(f"FAILED {label}: {type(exc).__name__}: {exc}"[:2000], flush=True)
+                            print(f"FAILED {label}: {type(exc).__name__}: {exc} {exc.__cause__!r}"[-3000:], flush=True)
                             continue
                         print(f"ok {label} ({time.perf_counter() - started:.1f} s)", flush=True)
     print(f"{failed} failed")

@@ -36,8 +36,16 @@ Each K tile of BLOCK_K columns lies in one group (BLOCK_K divides G, or one grou
 a tile loads BLOCK_K / 8 words a row, unpacks them in registers (code k at bits 4 (k % 8) of
 word k // 8), and dequantizes with that group's s and z (float32, rounded once to x's dtype,
 as the reference does) before the same tensor-core dot: the weights cross memory as 4 bits.
-MXFP4 experts (GPT-OSS; moe_ref.Mxfp4Experts) cross it as 4 bits too: each tile decodes its
-E2M1 codes and multiplies them by their 32 columns' power of two, exactly.
+MXFP4 experts (GPT-OSS; moe_ref.Mxfp4Experts: E2M1 codes, two a byte, the low nibble first,
+and one power-of-two scale 2^(s - 127) per 32 columns) cross it as 4 bits too, read as int32
+words of 8 codes. The dot's k order is free (any permutation of k applied to both operands
+gives the same sum), so a tile of BLOCK_K columns is BLOCK_K / 8 words a row and 8 dots:
+dot j multiplies code j of each word (columns k0 + 8 i + j) by those columns of x. A word's 8
+codes share one scale. On the GPU the codes become bf16 in registers with bit operations
+(_E2M1_PAIRS_ASM, two words at a time): code j's sign moved to bit 15 and its 2-bit exponent
+and 1-bit mantissa to bits 8..6 read as the bf16 2^-126 |value| (e = 0, m = 1 is the subnormal
+2^-127), then times 2^126 and times the scale, both exact (mul.bf16x2: 3 instructions a code);
+Triton's interpreter computes the same values through float32 bits.
 """
 
 from __future__ import annotations
@@ -203,9 +211,8 @@ def _weight_tile(
     start; zero past N, and past K for "float" / "fp8"): "float" as stored, "fp8" widened
     (its scale applies after the dot), "int4" the BLOCK_K / 8 words of each row unpacked (code
     k at bits 4 (k % 8) of word k // 8) and dequantized, (q - z) * s in float32 with the
-    scale and zero of the one group the tile lies in (scale_cols / zero_cols: row n's);
-    "mxfp4" each E2M1 code (byte k // 2, the low nibble for even k) decoded, times 2^(e - 127)
-    of its 32 columns' scale byte e (scale_cols: row n's), exact in DTYPE."""
+    scale and zero of the one group the tile lies in (scale_cols / zero_cols: row n's).
+    ("mxfp4": _mxfp4_step.)"""
     if WEIGHTS == "int4":
         words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         mask = (words_k < K // 8)[:, None] & n_inside[None, :]
@@ -219,18 +226,96 @@ def _weight_tile(
         return ((codes.to(tl.float32) - zero[None, :]) * scale[None, :]).to(DTYPE)
     k = k0 + tl.arange(0, BLOCK_K)
     mask = (k < K)[:, None] & n_inside[None, :]
-    if WEIGHTS == "mxfp4":
-        byte = tl.load(w_cols + (k // 2)[:, None], mask=mask, other=0).to(tl.int32)
-        code = (byte >> (4 * (k % 2))[:, None]) & 0xF
-        exponent = (code >> 1) & 3
-        mantissa = (code & 1).to(tl.float32)
-        power = tl.exp2((exponent - 1).to(tl.float32))
-        magnitude = tl.where(exponent == 0, 0.5 * mantissa, power * (1.0 + 0.5 * mantissa))
-        value = tl.where((code & 8) != 0, -magnitude, magnitude)
-        scale = tl.load(scale_cols + (k // 32)[:, None], mask=mask, other=127).to(tl.float32)
-        return (value * tl.exp2(scale - 127.0)).to(DTYPE)
     w = tl.load(w_cols + k[:, None], mask=mask, other=0.0)
     return w.to(DTYPE)
+
+
+def _e2m1_pairs_asm() -> str:
+    """PTX for two words (8 E2M1 codes each, code j at bits 4j .. 4j + 3: $8, $9) and their
+    scales' bf16 bits (2^(s - 127), packed: $10) -> codes j = 0..7 of both words as bf16 pairs
+    ($j: word $8's in the low half, $9's in the high half), each code times its scale.
+
+    prmt gathers codes 0-3 (then 4-7) of both words into the two halves of one register; in a
+    half, code q's sign (bit 4q + 3) moves to bit 15 and its exponent and mantissa (bits 4q ..
+    4q + 2) to bits 8..6: a bf16 of 2^-126 times the code's value (module doc)."""
+    lines = [
+        "{",
+        ".reg .b32 pair, sign, rest, v, mask_sign, mask_code, two126;",
+        "mov.b32 mask_sign, 0x80008000;",
+        "mov.b32 mask_code, 0x81C081C0;",
+        "mov.b32 two126, 0x7E807E80;",
+    ]
+    for half, selector in enumerate(("0x5410", "0x7632")):
+        lines.append(f"prmt.b32 pair, $8, $9, {selector};")
+        for q in range(4):
+            to_sign, to_rest = 12 - 4 * q, 6 - 4 * q  # bit shifts left (negative: right)
+            shift = "shl" if to_rest > 0 else "shr"
+            lines += [
+                f"shl.b32 sign, pair, {to_sign};" if to_sign else "mov.b32 sign, pair;",
+                f"{shift}.b32 rest, pair, {abs(to_rest)};",
+                "lop3.b32 v, sign, rest, mask_sign, 0xE4;",  # (sign & mask) | (rest & ~mask)
+                "and.b32 v, v, mask_code;",
+                "mul.rn.bf16x2 v, v, two126;",
+                f"mul.rn.bf16x2 ${4 * half + q}, v, $10;",
+            ]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_E2M1_PAIRS_ASM = tl.constexpr(_e2m1_pairs_asm())
+
+
+@triton.jit
+def _e2m1_codes_asm(words, scale_bits):
+    """Codes 0..7 of each word of `words` (int32) times their scale (scale_bits: int16, the
+    bf16 bits of 2^(s - 127)), as 8 bf16 tensors of words' shape (_e2m1_pairs_asm)."""
+    return tl.inline_asm_elementwise(
+        _E2M1_PAIRS_ASM,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+        [words, scale_bits],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _e2m1_code(words, scale_exponent, j: tl.constexpr):
+    """Code j of each word times 2^scale_exponent in float32, from its bits (the interpreter's
+    path): sign to bit 31, exponent and mantissa to bits 24..22, a float32 of 2^-126 times the
+    code's value (2^-127, e = 0 and m = 1, a subnormal), then times 2^126."""
+    code = (words >> (4 * j)) & 0xF
+    bits = ((code & 8) << 28) | ((code & 7) << 22)
+    value = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    return value * tl.exp2(scale_exponent)
+
+
+@triton.jit
+def _mxfp4_dots(a_rows, a_valid, w_words, w_scales, k0, K, n_inside, acc,
+                BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr, DECODE_ASM: tl.constexpr):  # fmt: skip
+    """acc + x[:, k0 : k0 + BLOCK_K] . W[n, k0 : k0 + BLOCK_K]^T for MXFP4 rows W (module doc):
+    w_words row n's int32 words of codes (word i: columns 8 i .. 8 i + 7), w_scales row n's
+    scale bytes (one per 32 columns); the tile's BLOCK_K / 8 words a row, 8 dots."""
+    i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    inside = (i < K // 8)[:, None] & n_inside[None, :]
+    words = tl.load(w_words + i[:, None], mask=inside, other=0)  # [BLOCK_K / 8, BLOCK_N]
+    scales = tl.load(w_scales + (i // 4)[:, None], mask=inside, other=127).to(tl.int32)
+    columns = 8 * i
+    a_mask = a_valid[:, None] & (columns < K)[None, :]  # (K is a multiple of 32)
+    if DECODE_ASM:
+        scale_bits = tl.where(scales == 0, 0x40, scales << 7).to(tl.int16)  # 2^-127: subnormal
+        codes = _e2m1_codes_asm(words, scale_bits)
+        for j in tl.static_range(8):
+            a = tl.load(a_rows + (columns + j)[None, :], mask=a_mask, other=0.0)
+            acc = accumulate_dot(a, codes[j].to(DTYPE), acc, PRECISION, UPCAST)
+    else:
+        exponents = (scales - 127).to(tl.float32)
+        for j in tl.static_range(8):
+            a = tl.load(a_rows + (columns + j)[None, :], mask=a_mask, other=0.0)
+            w = _e2m1_code(words, exponents, j).to(DTYPE)
+            acc = accumulate_dot(a, w, acc, PRECISION, UPCAST)
+    return acc
 
 
 @triton.jit
@@ -257,7 +342,7 @@ def _expert_gemm_kernel(
     PAIRS_PER_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
     WEIGHTS: tl.constexpr, BIASED: tl.constexpr, CLAMPED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, DECODE_ASM: tl.constexpr,
 ):  # fmt: skip
     """For the pairs p of sorted block m (expert e) and BLOCK_N outputs n (program (m, j)),
     with a = a[p // PAIRS_PER_ROW]: out[p, n] = a . w[e, n] (times weights[p] if WEIGHTED), or
@@ -287,17 +372,26 @@ def _expert_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_rows + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
-            w = _weight_tile(w_cols, scale_cols, zero_cols, k0, K, inside, group_size,
-                             WEIGHTS, BLOCK_K, BLOCK_N, dtype)  # fmt: skip
-            acc = accumulate_dot(a, w, acc, PRECISION, UPCAST)
-            if GATED:
-                w_up = _weight_tile(
-                    up_cols, scale_cols + up_offset, zero_cols + up_offset, k0, K, inside,
-                    group_size, WEIGHTS, BLOCK_K, BLOCK_N, dtype,
-                )  # fmt: skip
-                up = accumulate_dot(a, w_up, up, PRECISION, UPCAST)
+            if WEIGHTS == "mxfp4":
+                acc = _mxfp4_dots(a_rows, valid, w_cols, scale_cols, k0, K, inside, acc,
+                                  BLOCK_K, dtype, PRECISION, UPCAST, DECODE_ASM)  # fmt: skip
+                if GATED:
+                    up = _mxfp4_dots(a_rows, valid, up_cols, scale_cols + up_offset, k0, K,
+                                     inside, up, BLOCK_K, dtype, PRECISION, UPCAST,
+                                     DECODE_ASM)  # fmt: skip
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                a_mask = valid[:, None] & (k < K)[None, :]
+                a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0)
+                w = _weight_tile(w_cols, scale_cols, zero_cols, k0, K, inside, group_size,
+                                 WEIGHTS, BLOCK_K, BLOCK_N, dtype)  # fmt: skip
+                acc = accumulate_dot(a, w, acc, PRECISION, UPCAST)
+                if GATED:
+                    w_up = _weight_tile(
+                        up_cols, scale_cols + up_offset, zero_cols + up_offset, k0, K, inside,
+                        group_size, WEIGHTS, BLOCK_K, BLOCK_N, dtype,
+                    )  # fmt: skip
+                    up = accumulate_dot(a, w_up, up, PRECISION, UPCAST)
         if WEIGHTS == "fp8":
             acc *= tl.load(scale_cols, mask=inside, other=0.0)[None, :]
             if GATED:
@@ -318,9 +412,9 @@ def _expert_gemm_kernel(
 @dataclass(frozen=True)
 class _WeightOperands:
     """One stacked expert weight as the GEMM kernel reads it (_expert_gemm_kernel's doc):
-    `codes` [E, rows, K] (float or fp8), [E, rows, K / 8] (int4 words) or [E, rows, K / 2]
-    (mxfp4 bytes); `scales` / `zeros` [E, rows] (fp8) or [E, rows, groups] (int4, mxfp4's
-    scales), None where the format has none."""
+    `codes` [E, rows, K] (float or fp8) or [E, rows, K / 8] (int4's or mxfp4's int32 words);
+    `scales` / `zeros` [E, rows] (fp8) or [E, rows, groups] (int4, mxfp4's scales), None where
+    the format has none."""
 
     codes: torch.Tensor
     scales: torch.Tensor | None
@@ -332,14 +426,17 @@ class _WeightOperands:
 def _operands(w: ExpertWeight, scale: torch.Tensor | None) -> _WeightOperands:
     if isinstance(w, Int4Experts):
         return _WeightOperands(w.qweight, w.scales, w.zeros, w.group_size, "int4")
-    if isinstance(w, Mxfp4Experts):
-        return _WeightOperands(w.codes, w.scales, None, MXFP4_BLOCK, "mxfp4")
+    if isinstance(w, Mxfp4Experts):  # the codes as int32 words of 8
+        return _WeightOperands(w.codes.view(torch.int32), w.scales, None, MXFP4_BLOCK, "mxfp4")
     return _WeightOperands(w, scale, None, 0, "float" if scale is None else "fp8")
 
 
 def _block_k(operands: _WeightOperands, k: int, tiles: _Tiles) -> int:
-    """The K tile: the tiles' own, or for int4 at most the largest power of two dividing the
-    group size (so that a tile lies in one group), unless one group spans K."""
+    """The K tile: the tiles' own, for mxfp4 at least 128 (its 8 dots of BLOCK_K / 8), or for
+    int4 at most the largest power of two dividing the group size (so that a tile lies in one
+    group), unless one group spans K."""
+    if operands.kind == "mxfp4":
+        return max(128, tiles.block_k)
     if operands.kind != "int4" or operands.group_size >= k:
         return tiles.block_k
     group = operands.group_size
@@ -380,7 +477,8 @@ def _expert_gemm(
         PAIRS_PER_ROW=pairs_per_row, GATED=gated, WEIGHTED=weights is not None, WEIGHTS=w.kind,
         BIASED=bias is not None, CLAMPED=clamped is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=_block_k(w, k, tiles),
-        PRECISION=precision, UPCAST=upcast, num_warps=tiles.num_warps,
+        PRECISION=precision, UPCAST=upcast, DECODE_ASM=a.device.type != "cpu",
+        num_warps=tiles.num_warps,
     )  # fmt: skip
 
 
