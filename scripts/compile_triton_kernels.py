@@ -271,7 +271,12 @@ def main() -> int:
                             compile_launch(fn, launch_args, kwargs, args.arch)
                         except Exception as exc:  # reported, the rest go on
                             failed += 1
-                            print(f"FAILED {label}: {type(exc).__name__}: {exc} {exc.__cause__!r}"[-3000:], flush=True)
+                            print(
+                                f"FAILED {label}: {type(exc).__name__}: {exc} {exc.__cause__!r}"[
+                                    -3000:
+                                ],
+                                flush=True,
+                            )
                             continue
                         print(f"ok {label} ({time.perf_counter() - started:.1f} s)", flush=True)
     print(f"{failed} failed")
