@@ -117,6 +117,9 @@ class _Tiles:
     block_n: int
     block_k: int
     num_warps: int
+    num_stages: int = 3
+    split_a: bool = True
+    prefetch: bool = False
 
 
 def _tiles(num_pairs: int, num_experts: int) -> _Tiles:
@@ -291,31 +294,101 @@ def _e2m1_code(words, scale_exponent, j: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_dots(a_rows, a_valid, w_words, w_scales, k0, K, n_inside, acc,
-                BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                UPCAST: tl.constexpr, DECODE_ASM: tl.constexpr):  # fmt: skip
-    """acc + x[:, k0 : k0 + BLOCK_K] . W[n, k0 : k0 + BLOCK_K]^T for MXFP4 rows W (module doc):
-    w_words row n's int32 words of codes (word i: columns 8 i .. 8 i + 7), w_scales row n's
-    scale bytes (one per 32 columns); the tile's BLOCK_K / 8 words a row, 8 dots."""
+def _mxfp4_tile(w_words, w_scales, k0, K, n_inside, BLOCK_K: tl.constexpr):
+    """Rows n's words [BLOCK_K / 8, BLOCK_N] (word i: columns k0 + 8 i .. + 7) and each word's
+    scale byte (one per 32 columns), zero / 127 past K."""
     i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     inside = (i < K // 8)[:, None] & n_inside[None, :]
-    words = tl.load(w_words + i[:, None], mask=inside, other=0)  # [BLOCK_K / 8, BLOCK_N]
-    scales = tl.load(w_scales + (i // 4)[:, None], mask=inside, other=127).to(tl.int32)
-    columns = 8 * i
-    a_mask = a_valid[:, None] & (columns < K)[None, :]  # (K is a multiple of 32)
+    words = tl.load(w_words + i[:, None], mask=inside, other=0)
+    scales = tl.load(w_scales + (i // 4)[:, None], mask=inside, other=127)
+    return words, scales
+
+
+@triton.jit
+def _x_eighths(a_rows, a_valid, k0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLIT_A: tl.constexpr):  # fmt: skip
+    """x[:, k0 + 8 i + j] for j = 0..7, each [BLOCK_M, BLOCK_K / 8]: one load of the tile
+    split in registers (SPLIT_A), or 8 strided loads."""
+    i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    if SPLIT_A:
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + k[None, :], mask=a_valid[:, None] & (k < K)[None, :], other=0.0)
+        a = tl.reshape(a, [BLOCK_M, BLOCK_K // 8, 2, 2, 2])  # k = 8 i + 4 b2 + 2 b1 + b0
+        even, odd = tl.split(a)  # b0
+        j0j4, j2j6 = tl.split(even)  # b1
+        j1j5, j3j7 = tl.split(odd)
+        j0, j4 = tl.split(j0j4)  # b2
+        j2, j6 = tl.split(j2j6)
+        j1, j5 = tl.split(j1j5)
+        j3, j7 = tl.split(j3j7)
+        return j0, j1, j2, j3, j4, j5, j6, j7
+    mask = a_valid[:, None] & (8 * i < K)[None, :]  # (K is a multiple of 32)
+    return (
+        tl.load(a_rows + (8 * i + 0)[None, :], mask=mask, other=0.0),
+        tl.load(a_rows + (8 * i + 1)[None, :], mask=mask, other=0.0),
+        tl.load(a_rows + (8 * i + 2)[None, :], mask=mask, other=0.0),
+        tl.load(a_rows + (8 * i + 3)[None, :], mask=mask, other=0.0),
+        tl.load(a_rows + (8 * i + 4)[None, :], mask=mask, other=0.0),
+        tl.load(a_rows + (8 * i + 5)[None, :], mask=mask, other=0.0),
+        tl.load(a_rows + (8 * i + 6)[None, :], mask=mask, other=0.0),
+        tl.load(a_rows + (8 * i + 7)[None, :], mask=mask, other=0.0),
+    )
+
+
+@triton.jit
+def _mxfp4_dots(x, words, scales, acc, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr, DECODE_ASM: tl.constexpr):  # fmt: skip
+    """acc + the tile's 8 dots: x[j] (x[:, k0 + 8 i + j]) times code j of words (scales: their
+    scale bytes) decoded."""
+    scales = scales.to(tl.int32)
     if DECODE_ASM:
         scale_bits = tl.where(scales == 0, 0x40, scales << 7).to(tl.int16)  # 2^-127: subnormal
         codes = _e2m1_codes_asm(words, scale_bits)
         for j in tl.static_range(8):
-            a = tl.load(a_rows + (columns + j)[None, :], mask=a_mask, other=0.0)
-            acc = accumulate_dot(a, codes[j].to(DTYPE), acc, PRECISION, UPCAST)
+            acc = accumulate_dot(x[j], codes[j].to(DTYPE), acc, PRECISION, UPCAST)
     else:
         exponents = (scales - 127).to(tl.float32)
         for j in tl.static_range(8):
-            a = tl.load(a_rows + (columns + j)[None, :], mask=a_mask, other=0.0)
             w = _e2m1_code(words, exponents, j).to(DTYPE)
-            acc = accumulate_dot(a, w, acc, PRECISION, UPCAST)
+            acc = accumulate_dot(x[j], w, acc, PRECISION, UPCAST)
     return acc
+
+
+@triton.jit
+def _mxfp4_products(a_rows, a_valid, w_cols, up_cols, scale_cols, up_scale_cols, K, n_inside,
+                    acc, up, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DTYPE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    DECODE_ASM: tl.constexpr, SPLIT_A: tl.constexpr,
+                    PREFETCH: tl.constexpr):  # fmt: skip
+    """The K loop for MXFP4 rows (module doc): acc (and if GATED up) + x . W^T over all of K,
+    each tile's x shared by the gate and up rows; PREFETCH: the next tile's words loaded
+    before this tile's dots."""
+    words, scales = _mxfp4_tile(w_cols, scale_cols, 0, K, n_inside, BLOCK_K)
+    up_words, up_scales = words, scales
+    if GATED:
+        up_words, up_scales = _mxfp4_tile(up_cols, up_scale_cols, 0, K, n_inside, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        if PREFETCH:
+            next_words, next_scales = _mxfp4_tile(w_cols, scale_cols, k0 + BLOCK_K, K,
+                                                  n_inside, BLOCK_K)  # fmt: skip
+            next_up_words, next_up_scales = next_words, next_scales
+            if GATED:
+                next_up_words, next_up_scales = _mxfp4_tile(
+                    up_cols, up_scale_cols, k0 + BLOCK_K, K, n_inside, BLOCK_K
+                )
+        else:
+            words, scales = _mxfp4_tile(w_cols, scale_cols, k0, K, n_inside, BLOCK_K)
+            if GATED:
+                up_words, up_scales = _mxfp4_tile(up_cols, up_scale_cols, k0, K, n_inside,
+                                                  BLOCK_K)  # fmt: skip
+        x = _x_eighths(a_rows, a_valid, k0, K, BLOCK_M, BLOCK_K, SPLIT_A)
+        acc = _mxfp4_dots(x, words, scales, acc, DTYPE, PRECISION, UPCAST, DECODE_ASM)
+        if GATED:
+            up = _mxfp4_dots(x, up_words, up_scales, up, DTYPE, PRECISION, UPCAST, DECODE_ASM)
+        if PREFETCH:
+            words, scales = next_words, next_scales
+            up_words, up_scales = next_up_words, next_up_scales
+    return acc, up
 
 
 @triton.jit
@@ -343,6 +416,7 @@ def _expert_gemm_kernel(
     WEIGHTS: tl.constexpr, BIASED: tl.constexpr, CLAMPED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, DECODE_ASM: tl.constexpr,
+    SPLIT_A: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """For the pairs p of sorted block m (expert e) and BLOCK_N outputs n (program (m, j)),
     with a = a[p // PAIRS_PER_ROW]: out[p, n] = a . w[e, n] (times weights[p] if WEIGHTED), or
@@ -371,15 +445,14 @@ def _expert_gemm_kernel(
         dtype = a_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if WEIGHTS == "mxfp4":
-                acc = _mxfp4_dots(a_rows, valid, w_cols, scale_cols, k0, K, inside, acc,
-                                  BLOCK_K, dtype, PRECISION, UPCAST, DECODE_ASM)  # fmt: skip
-                if GATED:
-                    up = _mxfp4_dots(a_rows, valid, up_cols, scale_cols + up_offset, k0, K,
-                                     inside, up, BLOCK_K, dtype, PRECISION, UPCAST,
-                                     DECODE_ASM)  # fmt: skip
-            else:
+        if WEIGHTS == "mxfp4":
+            acc, up = _mxfp4_products(
+                a_rows, valid, w_cols, up_cols, scale_cols, scale_cols + up_offset, K, inside,
+                acc, up, GATED, BLOCK_M, BLOCK_K, dtype, PRECISION, UPCAST, DECODE_ASM,
+                SPLIT_A, PREFETCH,
+            )  # fmt: skip
+        else:
+            for k0 in range(0, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 a_mask = valid[:, None] & (k < K)[None, :]
                 a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0)
@@ -478,7 +551,8 @@ def _expert_gemm(
         BIASED=bias is not None, CLAMPED=clamped is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=_block_k(w, k, tiles),
         PRECISION=precision, UPCAST=upcast, DECODE_ASM=a.device.type != "cpu",
-        num_warps=tiles.num_warps,
+        SPLIT_A=tiles.split_a, PREFETCH=tiles.prefetch,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
