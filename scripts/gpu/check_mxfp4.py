@@ -135,7 +135,7 @@ def sweep_configs(t: int, weights: str) -> list[dict]:
         shapes = [(64, 128, 4), (32, 128, 4)] if t < 64 else [(128, 64, 8)]
         return [dict(block_n=n, block_k=k, num_warps=w, num_stages=stages)
                 for n, k, w in shapes for stages in (2, 3, 4)]  # fmt: skip
-    shapes = {1: [(32, 128, 4), (64, 128, 4), (128, 256, 8)],
+    shapes = {1: [(16, 128, 2), (16, 256, 4), (32, 128, 4), (64, 128, 4)],
               64: [(64, 256, 4), (128, 256, 8)], 512: [(64, 128, 4), (128, 128, 8)]}[t]  # fmt: skip
     ahead = (False, True) if t < 512 else (False,)
     configs = [dict(block_n=n, block_k=k, num_warps=w, split_a=split, prefetch=early)
