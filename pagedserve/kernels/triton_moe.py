@@ -131,6 +131,14 @@ def _tiles(num_pairs: int, num_experts: int) -> _Tiles:
     return _Tiles(block_m=block_m, block_n=128, block_k=64, num_warps=8 if block_m == 64 else 4)
 
 
+def _gemv_tiles(num_pairs: int, num_experts: int) -> _Tiles | None:
+    """MXFP4 experts' tiles for a program a pair (_mxfp4_gemv_kernel) where the experts get
+    about one pair each (a decode step), else None (blocks of an expert's pairs)."""
+    if num_pairs > num_experts:
+        return None
+    return _Tiles(block_m=1, block_n=16, block_k=256, num_warps=4)
+
+
 @dataclass(frozen=True)
 class ExpertBlocks:
     """The pairs sorted by expert in blocks of block_m (module doc): `pairs` [max_blocks *
@@ -482,6 +490,72 @@ def _expert_gemm_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & inside[None, :])
 
 
+@triton.jit
+def _mxfp4_row_products(x_row, w_rows, s_rows, K, n_inside, acc,
+                        BLOCK_K: tl.constexpr, DECODE_ASM: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_N, BLOCK_K / 8] + each word's 8 codes times their columns of x (one row),
+    over all of K, in float32 on the CUDA cores (the caller sums acc's columns)."""
+    for k0 in range(0, K, BLOCK_K):
+        i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        inside = n_inside[:, None] & (i < K // 8)[None, :]
+        words = tl.load(w_rows + i[None, :], mask=inside, other=0)
+        scales = tl.load(s_rows + (i // 4)[None, :], mask=inside, other=127).to(tl.int32)
+        x_mask = 8 * i < K
+        if DECODE_ASM:
+            scale_bits = tl.where(scales == 0, 0x40, scales << 7).to(tl.int16)
+            codes = _e2m1_codes_asm(words, scale_bits)
+            for j in tl.static_range(8):
+                x = tl.load(x_row + 8 * i + j, mask=x_mask, other=0.0).to(tl.float32)
+                acc += codes[j].to(tl.float32) * x[None, :]
+        else:
+            exponents = (scales - 127).to(tl.float32)
+            for j in tl.static_range(8):
+                x = tl.load(x_row + 8 * i + j, mask=x_mask, other=0.0).to(tl.float32)
+                acc += _e2m1_code(words, exponents, j) * x[None, :]
+    return acc
+
+
+@triton.jit
+def _mxfp4_gemv_kernel(
+    a_ptr, w_ptr, scale_ptr, out_ptr, ids_ptr, weights_ptr, bias_ptr, N, K, gate_offset,
+    stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out, alpha, limit,
+    PAIRS_PER_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+    BIASED: tl.constexpr, CLAMPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DECODE_ASM: tl.constexpr,
+):  # fmt: skip
+    """_expert_gemm_kernel's products for MXFP4 weights, one pair a program (p, j) instead of
+    a block of an expert's pairs: pair p (expert ids[p], x row p // PAIRS_PER_ROW) and BLOCK_N
+    outputs n, on the CUDA cores (a decode step's experts get about one pair each, and a
+    tensor-core tile of 16 rows would be one row and 15 of padding). Bias, activation and
+    routing weight as there."""
+    p = tl.program_id(0)
+    j = tl.program_id(1)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = n < N
+    x_row = a_ptr + (p // PAIRS_PER_ROW).to(tl.int64) * stride_a
+    w_rows = w_ptr + expert * stride_we + n.to(tl.int64)[:, None] * stride_wn
+    s_rows = scale_ptr + expert * stride_se + n[:, None] * stride_sn
+    partial = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    acc = tl.sum(_mxfp4_row_products(x_row, w_rows, s_rows, K, inside, partial,
+                                     BLOCK_K, DECODE_ASM), axis=1)  # fmt: skip
+    if BIASED:
+        acc += tl.load(bias_ptr + expert * stride_be + n, mask=inside, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.sum(_mxfp4_row_products(
+            x_row, w_rows + gate_offset * stride_wn, s_rows + gate_offset * stride_sn, K,
+            inside, partial, BLOCK_K, DECODE_ASM,
+        ), axis=1)  # fmt: skip
+        if BIASED:
+            up_bias = bias_ptr + expert * stride_be + gate_offset + n
+            up += tl.load(up_bias, mask=inside, other=0.0).to(tl.float32)
+        acc = _activation(acc, up, alpha, limit, CLAMPED, out_ptr.dtype.element_ty)
+    if WEIGHTED:
+        acc *= tl.load(weights_ptr + p)
+    out = out_ptr + p.to(tl.int64) * stride_out + n
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
 @dataclass(frozen=True)
 class _WeightOperands:
     """One stacked expert weight as the GEMM kernel reads it (_expert_gemm_kernel's doc):
@@ -553,6 +627,34 @@ def _expert_gemm(
         PRECISION=precision, UPCAST=upcast, DECODE_ASM=a.device.type != "cpu",
         SPLIT_A=tiles.split_a, PREFETCH=tiles.prefetch,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+
+
+def _mxfp4_gemv(
+    a: torch.Tensor,
+    w: _WeightOperands,
+    out: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    pairs_per_row: int,
+    tiles: _Tiles,
+    bias: torch.Tensor | None = None,
+    clamped: ClampedSwiGLU | None = None,
+) -> None:
+    """_expert_gemm for MXFP4 weights, a program a pair (_mxfp4_gemv_kernel): ids [P] the
+    pairs' experts."""
+    num_pairs, n = out.shape
+    grid = (num_pairs, triton.cdiv(n, tiles.block_n))
+    _mxfp4_gemv_kernel[grid](
+        a, w.codes, w.scales, out, ids, weights if weights is not None else out,
+        bias if bias is not None else out, n, a.shape[1], n, a.stride(0), w.codes.stride(0),
+        w.codes.stride(1), w.scales.stride(0), w.scales.stride(1),
+        bias.stride(0) if bias is not None else 0, out.stride(0),
+        clamped.alpha if clamped is not None else 0.0,
+        clamped.limit if clamped is not None else 0.0,
+        PAIRS_PER_ROW=pairs_per_row, GATED=weights is None, WEIGHTED=weights is not None,
+        BIASED=bias is not None, CLAMPED=clamped is not None, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, DECODE_ASM=a.device.type != "cpu", num_warps=tiles.num_warps,
     )  # fmt: skip
 
 
@@ -670,12 +772,20 @@ def fused_experts(
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     if num_pairs == 0:
         return out
-    tiles = _tiles(num_pairs, num_experts)
-    blocks = align_by_expert(topk_ids.contiguous(), num_experts, tiles.block_m)
     activated = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
-    _expert_gemm(x, _operands(w13, w13_scale), activated, blocks, None, top_k, tiles,
-                 biases[0], clamped)  # fmt: skip
     contributions = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    _expert_gemm(activated, _operands(w2, w2_scale), contributions, blocks,
-                 topk_weights.reshape(-1), 1, tiles, biases[1])  # fmt: skip
+    gemv_tiles = _gemv_tiles(num_pairs, num_experts) if isinstance(w13, Mxfp4Experts) else None
+    if gemv_tiles is not None:
+        ids = topk_ids.reshape(-1).contiguous()
+        _mxfp4_gemv(x, _operands(w13, None), activated, ids, None, top_k, gemv_tiles,
+                    biases[0], clamped)  # fmt: skip
+        _mxfp4_gemv(activated, _operands(w2, None), contributions, ids,
+                    topk_weights.reshape(-1), 1, gemv_tiles, biases[1])  # fmt: skip
+    else:
+        tiles = _tiles(num_pairs, num_experts)
+        blocks = align_by_expert(topk_ids.contiguous(), num_experts, tiles.block_m)
+        _expert_gemm(x, _operands(w13, w13_scale), activated, blocks, None, top_k, tiles,
+                     biases[0], clamped)  # fmt: skip
+        _expert_gemm(activated, _operands(w2, w2_scale), contributions, blocks,
+                     topk_weights.reshape(-1), 1, tiles, biases[1])  # fmt: skip
     return torch.sum(contributions.view(t, top_k, hidden), dim=1, out=out)

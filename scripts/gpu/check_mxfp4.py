@@ -10,10 +10,11 @@ decode   x = I through the expert GEMM (each pair one column k, routing weight 1
 experts  fused_experts with MXFP4 weights against the reference on their dequantized weights
          (fp32), bf16 activations, 1 to 512 tokens; µs a call (a CUDA graph of 20 calls) for
          MXFP4 and for the same weights in bf16, and the expert bytes each reads a call.
-tiles    MXFP4 and bf16 experts at 1, 64 (and MXFP4 at 512) tokens over tile shapes,
+tiles    MXFP4 and bf16 experts at 1, 64 (and MXFP4 at 8 and 512) tokens over tile shapes,
          pipeline stages, and for MXFP4 x loaded once and split in registers or by 8 strided
-         loads, and the next tile's codes loaded ahead or not (the module's _tiles replaced
-         for the sweep): µs a call.
+         loads, the next tile's codes loaded ahead or not, and at 1 and 8 tokens a program a
+         pair on the CUDA cores (the module's _tiles / _gemv_tiles replaced for the sweep):
+         µs a call.
 compile  registers and spilled bytes of the expert GEMM's kernels (gated and not) for bf16
          and MXFP4 weights, as this GPU's Triton compiles them.
 """
@@ -129,49 +130,60 @@ def experts() -> list[str]:
     return lines
 
 
-def sweep_configs(t: int, weights: str) -> list[dict]:
-    """The tile settings swept for `weights` ("mxfp4" or "bf16") at t tokens."""
+def sweep_configs(t: int, weights: str) -> list[tuple[str, dict]]:
+    """The settings swept for `weights` ("mxfp4" or "bf16") at t tokens: ("block", _Tiles
+    fields) for the blocked tensor-core kernel, ("pair", fields) for MXFP4's program a pair."""
     if weights == "bf16":
         shapes = [(64, 128, 4), (32, 128, 4)] if t < 64 else [(128, 64, 8)]
-        return [dict(block_n=n, block_k=k, num_warps=w, num_stages=stages)
+        return [("block", dict(block_n=n, block_k=k, num_warps=w, num_stages=stages))
                 for n, k, w in shapes for stages in (2, 3, 4)]  # fmt: skip
-    shapes = {1: [(16, 128, 2), (16, 256, 4), (32, 128, 4), (64, 128, 4)],
-              64: [(64, 256, 4), (128, 256, 8)], 512: [(64, 128, 4), (128, 128, 8)]}[t]  # fmt: skip
+    if t <= 8:
+        blocked = [(32, 128, 4), (64, 128, 4)]
+        pairs = [(8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4), (64, 256, 8)]
+        return [("block", dict(block_n=n, block_k=k, num_warps=w, split_a=split, prefetch=early))
+                for n, k, w in blocked for split in (True, False) for early in (False, True)] + [
+            ("pair", dict(block_m=1, block_n=n, block_k=k, num_warps=w)) for n, k, w in pairs
+        ]  # fmt: skip
+    shapes = {64: [(64, 256, 4), (128, 256, 8)], 512: [(64, 128, 4), (128, 128, 8)]}[t]
     ahead = (False, True) if t < 512 else (False,)
-    configs = [dict(block_n=n, block_k=k, num_warps=w, split_a=split, prefetch=early)
-               for n, k, w in shapes for split in (True, False) for early in ahead]  # fmt: skip
-    if t == 1:
-        configs += [dict(block_n=64, block_k=128, num_warps=4, num_stages=s) for s in (1, 2)]
-    return configs
+    return [("block", dict(block_n=n, block_k=k, num_warps=w, split_a=split, prefetch=early))
+            for n, k, w in shapes for split in (True, False) for early in ahead]  # fmt: skip
 
 
 def tiles() -> list[str]:
-    lines = ["| weights | tokens | tiles | µs a call |", "|---|---:|---|---:|"]
+    lines = ["| weights | tokens | program | tiles | µs a call |", "|---|---:|---|---|---:|"]
     w13 = random_mxfp4(EXPERTS, 2 * INTER, HIDDEN, seed=1, scales=(118, 124))
     w2 = random_mxfp4(EXPERTS, HIDDEN, INTER, seed=2, scales=(118, 124))
     dense = [quant_ref.dequantize_mxfp4(w.codes, w.scales, torch.bfloat16) for w in (w13, w2)]
-    planned = tm._tiles
+    planned, planned_pairs = tm._tiles, tm._gemv_tiles
+    runs = [("mxfp4", 1), ("mxfp4", 8), ("bf16", 1), ("mxfp4", 64), ("bf16", 64), ("mxfp4", 512)]
     try:
-        for weights, t in (("mxfp4", 1), ("bf16", 1), ("mxfp4", 64), ("bf16", 64), ("mxfp4", 512)):
+        for weights, t in runs:
             x = torch.randn(t, HIDDEN).to(DEVICE, torch.bfloat16)
             routes = routing(t, seed=t)
             operands = (w13, w2) if weights == "mxfp4" else dense
             block_m = planned(t * TOP_K, EXPERTS).block_m
-            for settings in [{}] + sweep_configs(t, weights):
-                config = tm._Tiles(block_m, **settings) if settings else planned(t * TOP_K, EXPERTS)
-                tm._tiles = lambda *_, config=config: config
+            for program, settings in [("planned", {})] + sweep_configs(t, weights):
+                if program == "block":
+                    config = tm._Tiles(**{"block_m": block_m} | settings)
+                    tm._tiles, tm._gemv_tiles = (lambda *_, c=config: c), (lambda *_: None)
+                elif program == "pair":
+                    config = tm._Tiles(**settings)
+                    tm._gemv_tiles = lambda *_, c=config: c
+                else:
+                    pairs = planned_pairs(t * TOP_K, EXPERTS) if weights == "mxfp4" else None
+                    config = pairs or planned(t * TOP_K, EXPERTS)
                 try:
                     call = functools.partial(tm.fused_experts, x, *operands, *routes)
                     cell = f"{graph_seconds(call) * 1e6:.1f}"
                 except Exception as exc:  # a config the compiler refuses
                     cell = f"failed: {type(exc).__name__}"
                 finally:
-                    tm._tiles = planned
-                label = "planned: " if not settings else ""
-                lines.append(f"| {weights} | {t} | {label}{config} | {cell} |")
+                    tm._tiles, tm._gemv_tiles = planned, planned_pairs
+                lines.append(f"| {weights} | {t} | {program} | {config} | {cell} |")
                 print(lines[-1], flush=True)
     finally:
-        tm._tiles = planned
+        tm._tiles, tm._gemv_tiles = planned, planned_pairs
     return lines
 
 
