@@ -491,8 +491,38 @@ def _expert_gemm_kernel(
 
 
 @triton.jit
-def _mxfp4_row_products(x_row, w_rows, s_rows, K, n_inside, acc,
-                        BLOCK_K: tl.constexpr, DECODE_ASM: tl.constexpr):  # fmt: skip
+def _row_eighths(x_row, k0, K, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr):
+    """x[k0 + 8 i + j] for j = 0..7 (one row), each [BLOCK_K / 8] float32: one load split in
+    registers (SPLIT_X), or 8 strided loads."""
+    if SPLIT_X:
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        x = tl.reshape(x, [BLOCK_K // 8, 2, 2, 2])  # k = 8 i + 4 b2 + 2 b1 + b0
+        even, odd = tl.split(x)
+        j0j4, j2j6 = tl.split(even)
+        j1j5, j3j7 = tl.split(odd)
+        j0, j4 = tl.split(j0j4)
+        j2, j6 = tl.split(j2j6)
+        j1, j5 = tl.split(j1j5)
+        j3, j7 = tl.split(j3j7)
+        return j0, j1, j2, j3, j4, j5, j6, j7
+    i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = 8 * i < K
+    return (
+        tl.load(x_row + 8 * i + 0, mask=mask, other=0.0).to(tl.float32),
+        tl.load(x_row + 8 * i + 1, mask=mask, other=0.0).to(tl.float32),
+        tl.load(x_row + 8 * i + 2, mask=mask, other=0.0).to(tl.float32),
+        tl.load(x_row + 8 * i + 3, mask=mask, other=0.0).to(tl.float32),
+        tl.load(x_row + 8 * i + 4, mask=mask, other=0.0).to(tl.float32),
+        tl.load(x_row + 8 * i + 5, mask=mask, other=0.0).to(tl.float32),
+        tl.load(x_row + 8 * i + 6, mask=mask, other=0.0).to(tl.float32),
+        tl.load(x_row + 8 * i + 7, mask=mask, other=0.0).to(tl.float32),
+    )
+
+
+@triton.jit
+def _mxfp4_row_products(x_row, w_rows, s_rows, K, n_inside, acc, BLOCK_K: tl.constexpr,
+                        DECODE_ASM: tl.constexpr, SPLIT_X: tl.constexpr):  # fmt: skip
     """acc [BLOCK_N, BLOCK_K / 8] + each word's 8 codes times their columns of x (one row),
     over all of K, in float32 on the CUDA cores (the caller sums acc's columns)."""
     for k0 in range(0, K, BLOCK_K):
@@ -500,18 +530,16 @@ def _mxfp4_row_products(x_row, w_rows, s_rows, K, n_inside, acc,
         inside = n_inside[:, None] & (i < K // 8)[None, :]
         words = tl.load(w_rows + i[None, :], mask=inside, other=0)
         scales = tl.load(s_rows + (i // 4)[None, :], mask=inside, other=127).to(tl.int32)
-        x_mask = 8 * i < K
+        x = _row_eighths(x_row, k0, K, BLOCK_K, SPLIT_X)
         if DECODE_ASM:
             scale_bits = tl.where(scales == 0, 0x40, scales << 7).to(tl.int16)
             codes = _e2m1_codes_asm(words, scale_bits)
             for j in tl.static_range(8):
-                x = tl.load(x_row + 8 * i + j, mask=x_mask, other=0.0).to(tl.float32)
-                acc += codes[j].to(tl.float32) * x[None, :]
+                acc += codes[j].to(tl.float32) * x[j][None, :]
         else:
             exponents = (scales - 127).to(tl.float32)
             for j in tl.static_range(8):
-                x = tl.load(x_row + 8 * i + j, mask=x_mask, other=0.0).to(tl.float32)
-                acc += _e2m1_code(words, exponents, j) * x[None, :]
+                acc += _e2m1_code(words, exponents, j) * x[j][None, :]
     return acc
 
 
@@ -521,7 +549,7 @@ def _mxfp4_gemv_kernel(
     stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out, alpha, limit,
     PAIRS_PER_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
     BIASED: tl.constexpr, CLAMPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DECODE_ASM: tl.constexpr,
+    DECODE_ASM: tl.constexpr, SPLIT_X: tl.constexpr,
 ):  # fmt: skip
     """_expert_gemm_kernel's products for MXFP4 weights, one pair a program (p, j) instead of
     a block of an expert's pairs: pair p (expert ids[p], x row p // PAIRS_PER_ROW) and BLOCK_N
@@ -538,13 +566,13 @@ def _mxfp4_gemv_kernel(
     s_rows = scale_ptr + expert * stride_se + n[:, None] * stride_sn
     partial = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     acc = tl.sum(_mxfp4_row_products(x_row, w_rows, s_rows, K, inside, partial,
-                                     BLOCK_K, DECODE_ASM), axis=1)  # fmt: skip
+                                     BLOCK_K, DECODE_ASM, SPLIT_X), axis=1)  # fmt: skip
     if BIASED:
         acc += tl.load(bias_ptr + expert * stride_be + n, mask=inside, other=0.0).to(tl.float32)
     if GATED:
         up = tl.sum(_mxfp4_row_products(
             x_row, w_rows + gate_offset * stride_wn, s_rows + gate_offset * stride_sn, K,
-            inside, partial, BLOCK_K, DECODE_ASM,
+            inside, partial, BLOCK_K, DECODE_ASM, SPLIT_X,
         ), axis=1)  # fmt: skip
         if BIASED:
             up_bias = bias_ptr + expert * stride_be + gate_offset + n
@@ -654,7 +682,8 @@ def _mxfp4_gemv(
         clamped.limit if clamped is not None else 0.0,
         PAIRS_PER_ROW=pairs_per_row, GATED=weights is None, WEIGHTED=weights is not None,
         BIASED=bias is not None, CLAMPED=clamped is not None, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, DECODE_ASM=a.device.type != "cpu", num_warps=tiles.num_warps,
+        BLOCK_K=tiles.block_k, DECODE_ASM=a.device.type != "cpu", SPLIT_X=tiles.split_a,
+        num_warps=tiles.num_warps,
     )  # fmt: skip
 
 

@@ -139,10 +139,11 @@ def sweep_configs(t: int, weights: str) -> list[tuple[str, dict]]:
                 for n, k, w in shapes for stages in (2, 3, 4)]  # fmt: skip
     if t <= 8:
         blocked = [(32, 128, 4), (64, 128, 4)]
-        pairs = [(8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4), (64, 256, 8)]
+        pairs = [(8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4), (64, 256, 8)]
         return [("block", dict(block_n=n, block_k=k, num_warps=w, split_a=split, prefetch=early))
                 for n, k, w in blocked for split in (True, False) for early in (False, True)] + [
-            ("pair", dict(block_m=1, block_n=n, block_k=k, num_warps=w)) for n, k, w in pairs
+            ("pair", dict(block_m=1, block_n=n, block_k=k, num_warps=w, split_a=split))
+            for n, k, w in pairs for split in (True, False)
         ]  # fmt: skip
     shapes = {64: [(64, 256, 4), (128, 256, 8)], 512: [(64, 128, 4), (128, 128, 8)]}[t]
     ahead = (False, True) if t < 512 else (False,)
@@ -150,13 +151,16 @@ def sweep_configs(t: int, weights: str) -> list[tuple[str, dict]]:
             for n, k, w in shapes for split in (True, False) for early in ahead]  # fmt: skip
 
 
-def tiles() -> list[str]:
+SWEEPS = ("mxfp4:1", "mxfp4:8", "bf16:1", "mxfp4:64", "bf16:64", "mxfp4:512")
+
+
+def tiles(sweeps: list[str]) -> list[str]:
     lines = ["| weights | tokens | program | tiles | µs a call |", "|---|---:|---|---|---:|"]
     w13 = random_mxfp4(EXPERTS, 2 * INTER, HIDDEN, seed=1, scales=(118, 124))
     w2 = random_mxfp4(EXPERTS, HIDDEN, INTER, seed=2, scales=(118, 124))
     dense = [quant_ref.dequantize_mxfp4(w.codes, w.scales, torch.bfloat16) for w in (w13, w2)]
     planned, planned_pairs = tm._tiles, tm._gemv_tiles
-    runs = [("mxfp4", 1), ("mxfp4", 8), ("bf16", 1), ("mxfp4", 64), ("bf16", 64), ("mxfp4", 512)]
+    runs = [(weights, int(t)) for weights, t in (sweep.split(":") for sweep in sweeps)]
     try:
         for weights, t in runs:
             x = torch.randn(t, HIDDEN).to(DEVICE, torch.bfloat16)
@@ -228,10 +232,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="+", default=["decode", "experts", "tiles", "compile"])
+    parser.add_argument("--sweeps", nargs="+", default=list(SWEEPS), help="weights:tokens")
     args = parser.parse_args()
     report = [f"# MXFP4 experts on {torch.cuda.get_device_name()}, "
               f"{datetime.datetime.now():%Y-%m-%d %H:%M}"]  # fmt: skip
-    parts = {"decode": decode, "experts": experts, "tiles": tiles, "compile": compiled}
+    parts = {"decode": decode, "experts": experts, "tiles": lambda: tiles(args.sweeps),
+             "compile": compiled}  # fmt: skip
     for title, run in parts.items():
         if title in args.only:
             report += [f"\n## {title}\n", *run()]
