@@ -141,7 +141,7 @@ def sweep_configs(t: int, weights: str) -> list[tuple[str, dict]]:
         blocked = [(32, 128, 4), (64, 128, 4)]
         pairs = [(8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4), (64, 256, 8)]
         return [("block", dict(block_n=n, block_k=k, num_warps=w, split_a=split, prefetch=early))
-                for n, k, w in blocked for split in (True, False) for early in (False, True)] + [
+                for n, k, w in blocked for split in (True,) for early in (False, True)] + [
             ("pair", dict(block_m=1, block_n=n, block_k=k, num_warps=w, split_a=split))
             for n, k, w in pairs for split in (True, False)
         ]  # fmt: skip
