@@ -113,8 +113,7 @@ def lora_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
 
 def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
     """The router's launch and fused_experts' three (the align, the two GEMMs) for each expert
-    shape; for bf16 also those of its fp8, int4 and MXFP4 (GPT-OSS's) experts (a decode
-    step's MXFP4 experts: two launches of the GEMV, a program a pair)."""
+    shape; for bf16 also those of its fp8, int4 and MXFP4 (GPT-OSS's) experts."""
     out = {}
     for shape, (experts, top_k, hidden, inter) in MOE_SHAPES.items():
         x = torch.zeros(tokens, hidden, dtype=dtype)
@@ -146,7 +145,7 @@ def moe_launches(tokens: int, dtype: torch.dtype) -> dict[str, list[Launch]]:
             biases = (w13[:, :, 0].contiguous(), w2[:, :, 0].contiguous())
             gpt_oss = {"biases": biases, "clamped": ClampedSwiGLU(1.702, 7.0)}
             out[f"{shape} mxfp4"] = recorded(
-                triton_moe, ("_align_kernel", "_expert_gemm_kernel", "_mxfp4_gemv_kernel"),
+                triton_moe, ("_align_kernel", "_expert_gemm_kernel"),
                 functools.partial(triton_moe.fused_experts, x, *mxfp4, weights, ids, **gpt_oss),
             )  # fmt: skip
     return out

@@ -117,9 +117,6 @@ class _Tiles:
     block_n: int
     block_k: int
     num_warps: int
-    num_stages: int = 3
-    split_a: bool = True
-    prefetch: bool = False
 
 
 def _tiles(num_pairs: int, num_experts: int) -> _Tiles:
@@ -129,14 +126,6 @@ def _tiles(num_pairs: int, num_experts: int) -> _Tiles:
     if block_m == 16:
         return _Tiles(block_m=16, block_n=64, block_k=128, num_warps=4)
     return _Tiles(block_m=block_m, block_n=128, block_k=64, num_warps=8 if block_m == 64 else 4)
-
-
-def _gemv_tiles(num_pairs: int, num_experts: int) -> _Tiles | None:
-    """MXFP4 experts' tiles for a program a pair (_mxfp4_gemv_kernel) where the experts get
-    about one pair each (a decode step), else None (blocks of an expert's pairs)."""
-    if num_pairs > num_experts:
-        return None
-    return _Tiles(block_m=1, block_n=16, block_k=256, num_warps=4)
 
 
 @dataclass(frozen=True)
@@ -302,101 +291,31 @@ def _e2m1_code(words, scale_exponent, j: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_tile(w_words, w_scales, k0, K, n_inside, BLOCK_K: tl.constexpr):
-    """Rows n's words [BLOCK_K / 8, BLOCK_N] (word i: columns k0 + 8 i .. + 7) and each word's
-    scale byte (one per 32 columns), zero / 127 past K."""
+def _mxfp4_dots(a_rows, a_valid, w_words, w_scales, k0, K, n_inside, acc,
+                BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr, DECODE_ASM: tl.constexpr):  # fmt: skip
+    """acc + x[:, k0 : k0 + BLOCK_K] . W[n, k0 : k0 + BLOCK_K]^T for MXFP4 rows W (module doc):
+    w_words row n's int32 words of codes (word i: columns 8 i .. 8 i + 7), w_scales row n's
+    scale bytes (one per 32 columns); the tile's BLOCK_K / 8 words a row, 8 dots."""
     i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     inside = (i < K // 8)[:, None] & n_inside[None, :]
-    words = tl.load(w_words + i[:, None], mask=inside, other=0)
-    scales = tl.load(w_scales + (i // 4)[:, None], mask=inside, other=127)
-    return words, scales
-
-
-@triton.jit
-def _x_eighths(a_rows, a_valid, k0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               SPLIT_A: tl.constexpr):  # fmt: skip
-    """x[:, k0 + 8 i + j] for j = 0..7, each [BLOCK_M, BLOCK_K / 8]: one load of the tile
-    split in registers (SPLIT_A), or 8 strided loads."""
-    i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    if SPLIT_A:
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_rows + k[None, :], mask=a_valid[:, None] & (k < K)[None, :], other=0.0)
-        a = tl.reshape(a, [BLOCK_M, BLOCK_K // 8, 2, 2, 2])  # k = 8 i + 4 b2 + 2 b1 + b0
-        even, odd = tl.split(a)  # b0
-        j0j4, j2j6 = tl.split(even)  # b1
-        j1j5, j3j7 = tl.split(odd)
-        j0, j4 = tl.split(j0j4)  # b2
-        j2, j6 = tl.split(j2j6)
-        j1, j5 = tl.split(j1j5)
-        j3, j7 = tl.split(j3j7)
-        return j0, j1, j2, j3, j4, j5, j6, j7
-    mask = a_valid[:, None] & (8 * i < K)[None, :]  # (K is a multiple of 32)
-    return (
-        tl.load(a_rows + (8 * i + 0)[None, :], mask=mask, other=0.0),
-        tl.load(a_rows + (8 * i + 1)[None, :], mask=mask, other=0.0),
-        tl.load(a_rows + (8 * i + 2)[None, :], mask=mask, other=0.0),
-        tl.load(a_rows + (8 * i + 3)[None, :], mask=mask, other=0.0),
-        tl.load(a_rows + (8 * i + 4)[None, :], mask=mask, other=0.0),
-        tl.load(a_rows + (8 * i + 5)[None, :], mask=mask, other=0.0),
-        tl.load(a_rows + (8 * i + 6)[None, :], mask=mask, other=0.0),
-        tl.load(a_rows + (8 * i + 7)[None, :], mask=mask, other=0.0),
-    )
-
-
-@triton.jit
-def _mxfp4_dots(x, words, scales, acc, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                UPCAST: tl.constexpr, DECODE_ASM: tl.constexpr):  # fmt: skip
-    """acc + the tile's 8 dots: x[j] (x[:, k0 + 8 i + j]) times code j of words (scales: their
-    scale bytes) decoded."""
-    scales = scales.to(tl.int32)
+    words = tl.load(w_words + i[:, None], mask=inside, other=0)  # [BLOCK_K / 8, BLOCK_N]
+    scales = tl.load(w_scales + (i // 4)[:, None], mask=inside, other=127).to(tl.int32)
+    columns = 8 * i
+    a_mask = a_valid[:, None] & (columns < K)[None, :]  # (K is a multiple of 32)
     if DECODE_ASM:
         scale_bits = tl.where(scales == 0, 0x40, scales << 7).to(tl.int16)  # 2^-127: subnormal
         codes = _e2m1_codes_asm(words, scale_bits)
         for j in tl.static_range(8):
-            acc = accumulate_dot(x[j], codes[j].to(DTYPE), acc, PRECISION, UPCAST)
+            a = tl.load(a_rows + (columns + j)[None, :], mask=a_mask, other=0.0)
+            acc = accumulate_dot(a, codes[j].to(DTYPE), acc, PRECISION, UPCAST)
     else:
         exponents = (scales - 127).to(tl.float32)
         for j in tl.static_range(8):
+            a = tl.load(a_rows + (columns + j)[None, :], mask=a_mask, other=0.0)
             w = _e2m1_code(words, exponents, j).to(DTYPE)
-            acc = accumulate_dot(x[j], w, acc, PRECISION, UPCAST)
+            acc = accumulate_dot(a, w, acc, PRECISION, UPCAST)
     return acc
-
-
-@triton.jit
-def _mxfp4_products(a_rows, a_valid, w_cols, up_cols, scale_cols, up_scale_cols, K, n_inside,
-                    acc, up, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DTYPE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                    DECODE_ASM: tl.constexpr, SPLIT_A: tl.constexpr,
-                    PREFETCH: tl.constexpr):  # fmt: skip
-    """The K loop for MXFP4 rows (module doc): acc (and if GATED up) + x . W^T over all of K,
-    each tile's x shared by the gate and up rows; PREFETCH: the next tile's words loaded
-    before this tile's dots."""
-    words, scales = _mxfp4_tile(w_cols, scale_cols, 0, K, n_inside, BLOCK_K)
-    up_words, up_scales = words, scales
-    if GATED:
-        up_words, up_scales = _mxfp4_tile(up_cols, up_scale_cols, 0, K, n_inside, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        if PREFETCH:
-            next_words, next_scales = _mxfp4_tile(w_cols, scale_cols, k0 + BLOCK_K, K,
-                                                  n_inside, BLOCK_K)  # fmt: skip
-            next_up_words, next_up_scales = next_words, next_scales
-            if GATED:
-                next_up_words, next_up_scales = _mxfp4_tile(
-                    up_cols, up_scale_cols, k0 + BLOCK_K, K, n_inside, BLOCK_K
-                )
-        else:
-            words, scales = _mxfp4_tile(w_cols, scale_cols, k0, K, n_inside, BLOCK_K)
-            if GATED:
-                up_words, up_scales = _mxfp4_tile(up_cols, up_scale_cols, k0, K, n_inside,
-                                                  BLOCK_K)  # fmt: skip
-        x = _x_eighths(a_rows, a_valid, k0, K, BLOCK_M, BLOCK_K, SPLIT_A)
-        acc = _mxfp4_dots(x, words, scales, acc, DTYPE, PRECISION, UPCAST, DECODE_ASM)
-        if GATED:
-            up = _mxfp4_dots(x, up_words, up_scales, up, DTYPE, PRECISION, UPCAST, DECODE_ASM)
-        if PREFETCH:
-            words, scales = next_words, next_scales
-            up_words, up_scales = next_up_words, next_up_scales
-    return acc, up
 
 
 @triton.jit
@@ -424,7 +343,6 @@ def _expert_gemm_kernel(
     WEIGHTS: tl.constexpr, BIASED: tl.constexpr, CLAMPED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, DECODE_ASM: tl.constexpr,
-    SPLIT_A: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """For the pairs p of sorted block m (expert e) and BLOCK_N outputs n (program (m, j)),
     with a = a[p // PAIRS_PER_ROW]: out[p, n] = a . w[e, n] (times weights[p] if WEIGHTED), or
@@ -453,14 +371,15 @@ def _expert_gemm_kernel(
         dtype = a_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if WEIGHTS == "mxfp4":
-            acc, up = _mxfp4_products(
-                a_rows, valid, w_cols, up_cols, scale_cols, scale_cols + up_offset, K, inside,
-                acc, up, GATED, BLOCK_M, BLOCK_K, dtype, PRECISION, UPCAST, DECODE_ASM,
-                SPLIT_A, PREFETCH,
-            )  # fmt: skip
-        else:
-            for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
+            if WEIGHTS == "mxfp4":
+                acc = _mxfp4_dots(a_rows, valid, w_cols, scale_cols, k0, K, inside, acc,
+                                  BLOCK_K, dtype, PRECISION, UPCAST, DECODE_ASM)  # fmt: skip
+                if GATED:
+                    up = _mxfp4_dots(a_rows, valid, up_cols, scale_cols + up_offset, k0, K,
+                                     inside, up, BLOCK_K, dtype, PRECISION, UPCAST,
+                                     DECODE_ASM)  # fmt: skip
+            else:
                 k = k0 + tl.arange(0, BLOCK_K)
                 a_mask = valid[:, None] & (k < K)[None, :]
                 a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0)
@@ -488,100 +407,6 @@ def _expert_gemm_kernel(
             acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
         out = out_ptr + pairs[:, None].to(tl.int64) * stride_out + n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & inside[None, :])
-
-
-@triton.jit
-def _row_eighths(x_row, k0, K, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr):
-    """x[k0 + 8 i + j] for j = 0..7 (one row), each [BLOCK_K / 8] float32: one load split in
-    registers (SPLIT_X), or 8 strided loads."""
-    if SPLIT_X:
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        x = tl.reshape(x, [BLOCK_K // 8, 2, 2, 2])  # k = 8 i + 4 b2 + 2 b1 + b0
-        even, odd = tl.split(x)
-        j0j4, j2j6 = tl.split(even)
-        j1j5, j3j7 = tl.split(odd)
-        j0, j4 = tl.split(j0j4)
-        j2, j6 = tl.split(j2j6)
-        j1, j5 = tl.split(j1j5)
-        j3, j7 = tl.split(j3j7)
-        return j0, j1, j2, j3, j4, j5, j6, j7
-    i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask = 8 * i < K
-    return (
-        tl.load(x_row + 8 * i + 0, mask=mask, other=0.0).to(tl.float32),
-        tl.load(x_row + 8 * i + 1, mask=mask, other=0.0).to(tl.float32),
-        tl.load(x_row + 8 * i + 2, mask=mask, other=0.0).to(tl.float32),
-        tl.load(x_row + 8 * i + 3, mask=mask, other=0.0).to(tl.float32),
-        tl.load(x_row + 8 * i + 4, mask=mask, other=0.0).to(tl.float32),
-        tl.load(x_row + 8 * i + 5, mask=mask, other=0.0).to(tl.float32),
-        tl.load(x_row + 8 * i + 6, mask=mask, other=0.0).to(tl.float32),
-        tl.load(x_row + 8 * i + 7, mask=mask, other=0.0).to(tl.float32),
-    )
-
-
-@triton.jit
-def _mxfp4_row_products(x_row, w_rows, s_rows, K, n_inside, acc, BLOCK_K: tl.constexpr,
-                        DECODE_ASM: tl.constexpr, SPLIT_X: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_N, BLOCK_K / 8] + each word's 8 codes times their columns of x (one row),
-    over all of K, in float32 on the CUDA cores (the caller sums acc's columns)."""
-    for k0 in range(0, K, BLOCK_K):
-        i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        inside = n_inside[:, None] & (i < K // 8)[None, :]
-        words = tl.load(w_rows + i[None, :], mask=inside, other=0)
-        scales = tl.load(s_rows + (i // 4)[None, :], mask=inside, other=127).to(tl.int32)
-        x = _row_eighths(x_row, k0, K, BLOCK_K, SPLIT_X)
-        if DECODE_ASM:
-            scale_bits = tl.where(scales == 0, 0x40, scales << 7).to(tl.int16)
-            codes = _e2m1_codes_asm(words, scale_bits)
-            for j in tl.static_range(8):
-                acc += codes[j].to(tl.float32) * x[j][None, :]
-        else:
-            exponents = (scales - 127).to(tl.float32)
-            for j in tl.static_range(8):
-                acc += _e2m1_code(words, exponents, j) * x[j][None, :]
-    return acc
-
-
-@triton.jit
-def _mxfp4_gemv_kernel(
-    a_ptr, w_ptr, scale_ptr, out_ptr, ids_ptr, weights_ptr, bias_ptr, N, K, gate_offset,
-    stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out, alpha, limit,
-    PAIRS_PER_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
-    BIASED: tl.constexpr, CLAMPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DECODE_ASM: tl.constexpr, SPLIT_X: tl.constexpr,
-):  # fmt: skip
-    """_expert_gemm_kernel's products for MXFP4 weights, one pair a program (p, j) instead of
-    a block of an expert's pairs: pair p (expert ids[p], x row p // PAIRS_PER_ROW) and BLOCK_N
-    outputs n, on the CUDA cores (a decode step's experts get about one pair each, and a
-    tensor-core tile of 16 rows would be one row and 15 of padding). Bias, activation and
-    routing weight as there."""
-    p = tl.program_id(0)
-    j = tl.program_id(1)
-    expert = tl.load(ids_ptr + p).to(tl.int64)
-    n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    inside = n < N
-    x_row = a_ptr + (p // PAIRS_PER_ROW).to(tl.int64) * stride_a
-    w_rows = w_ptr + expert * stride_we + n.to(tl.int64)[:, None] * stride_wn
-    s_rows = scale_ptr + expert * stride_se + n[:, None] * stride_sn
-    partial = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    acc = tl.sum(_mxfp4_row_products(x_row, w_rows, s_rows, K, inside, partial,
-                                     BLOCK_K, DECODE_ASM, SPLIT_X), axis=1)  # fmt: skip
-    if BIASED:
-        acc += tl.load(bias_ptr + expert * stride_be + n, mask=inside, other=0.0).to(tl.float32)
-    if GATED:
-        up = tl.sum(_mxfp4_row_products(
-            x_row, w_rows + gate_offset * stride_wn, s_rows + gate_offset * stride_sn, K,
-            inside, partial, BLOCK_K, DECODE_ASM, SPLIT_X,
-        ), axis=1)  # fmt: skip
-        if BIASED:
-            up_bias = bias_ptr + expert * stride_be + gate_offset + n
-            up += tl.load(up_bias, mask=inside, other=0.0).to(tl.float32)
-        acc = _activation(acc, up, alpha, limit, CLAMPED, out_ptr.dtype.element_ty)
-    if WEIGHTED:
-        acc *= tl.load(weights_ptr + p)
-    out = out_ptr + p.to(tl.int64) * stride_out + n
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @dataclass(frozen=True)
@@ -653,36 +478,6 @@ def _expert_gemm(
         BIASED=bias is not None, CLAMPED=clamped is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=_block_k(w, k, tiles),
         PRECISION=precision, UPCAST=upcast, DECODE_ASM=a.device.type != "cpu",
-        SPLIT_A=tiles.split_a, PREFETCH=tiles.prefetch,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
-
-
-def _mxfp4_gemv(
-    a: torch.Tensor,
-    w: _WeightOperands,
-    out: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor | None,
-    pairs_per_row: int,
-    tiles: _Tiles,
-    bias: torch.Tensor | None = None,
-    clamped: ClampedSwiGLU | None = None,
-) -> None:
-    """_expert_gemm for MXFP4 weights, a program a pair (_mxfp4_gemv_kernel): ids [P] the
-    pairs' experts."""
-    num_pairs, n = out.shape
-    grid = (num_pairs, triton.cdiv(n, tiles.block_n))
-    _mxfp4_gemv_kernel[grid](
-        a, w.codes, w.scales, out, ids, weights if weights is not None else out,
-        bias if bias is not None else out, n, a.shape[1], n, a.stride(0), w.codes.stride(0),
-        w.codes.stride(1), w.scales.stride(0), w.scales.stride(1),
-        bias.stride(0) if bias is not None else 0, out.stride(0),
-        clamped.alpha if clamped is not None else 0.0,
-        clamped.limit if clamped is not None else 0.0,
-        PAIRS_PER_ROW=pairs_per_row, GATED=weights is None, WEIGHTED=weights is not None,
-        BIASED=bias is not None, CLAMPED=clamped is not None, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, DECODE_ASM=a.device.type != "cpu", SPLIT_X=tiles.split_a,
         num_warps=tiles.num_warps,
     )  # fmt: skip
 
@@ -801,20 +596,12 @@ def fused_experts(
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     if num_pairs == 0:
         return out
+    tiles = _tiles(num_pairs, num_experts)
+    blocks = align_by_expert(topk_ids.contiguous(), num_experts, tiles.block_m)
     activated = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
+    _expert_gemm(x, _operands(w13, w13_scale), activated, blocks, None, top_k, tiles,
+                 biases[0], clamped)  # fmt: skip
     contributions = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    gemv_tiles = _gemv_tiles(num_pairs, num_experts) if isinstance(w13, Mxfp4Experts) else None
-    if gemv_tiles is not None:
-        ids = topk_ids.reshape(-1).contiguous()
-        _mxfp4_gemv(x, _operands(w13, None), activated, ids, None, top_k, gemv_tiles,
-                    biases[0], clamped)  # fmt: skip
-        _mxfp4_gemv(activated, _operands(w2, None), contributions, ids,
-                    topk_weights.reshape(-1), 1, gemv_tiles, biases[1])  # fmt: skip
-    else:
-        tiles = _tiles(num_pairs, num_experts)
-        blocks = align_by_expert(topk_ids.contiguous(), num_experts, tiles.block_m)
-        _expert_gemm(x, _operands(w13, w13_scale), activated, blocks, None, top_k, tiles,
-                     biases[0], clamped)  # fmt: skip
-        _expert_gemm(activated, _operands(w2, w2_scale), contributions, blocks,
-                     topk_weights.reshape(-1), 1, tiles, biases[1])  # fmt: skip
+    _expert_gemm(activated, _operands(w2, w2_scale), contributions, blocks,
+                 topk_weights.reshape(-1), 1, tiles, biases[1])  # fmt: skip
     return torch.sum(contributions.view(t, top_k, hidden), dim=1, out=out)

@@ -10,11 +10,8 @@ decode   x = I through the expert GEMM (each pair one column k, routing weight 1
 experts  fused_experts with MXFP4 weights against the reference on their dequantized weights
          (fp32), bf16 activations, 1 to 512 tokens; µs a call (a CUDA graph of 20 calls) for
          MXFP4 and for the same weights in bf16, and the expert bytes each reads a call.
-tiles    MXFP4 and bf16 experts at 1, 64 (and MXFP4 at 8 and 512) tokens over tile shapes,
-         pipeline stages, and for MXFP4 x loaded once and split in registers or by 8 strided
-         loads, the next tile's codes loaded ahead or not, and at 1 and 8 tokens a program a
-         pair on the CUDA cores (the module's _tiles / _gemv_tiles replaced for the sweep):
-         µs a call.
+tiles    MXFP4 at 1 token over BLOCK_N x BLOCK_K x 4 / 8 warps, at 64 tokens over half of
+         them (the module's _tiles replaced for the sweep): µs a call.
 compile  registers and spilled bytes of the expert GEMM's kernels (gated and not) for bf16
          and MXFP4 weights, as this GPU's Triton compiles them.
 """
@@ -39,6 +36,7 @@ from pagedserve.kernels import triton_moe as tm  # noqa: E402
 
 DEVICE = torch.device("cuda")
 EXPERTS, TOP_K, HIDDEN, INTER = 32, 4, 2880, 2880
+SWEEP = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128), (128, 256))  # BLOCK_N, BLOCK_K
 
 
 def graph_seconds(call: Callable[[], object]) -> float:
@@ -130,64 +128,31 @@ def experts() -> list[str]:
     return lines
 
 
-def sweep_configs(t: int, weights: str) -> list[tuple[str, dict]]:
-    """The settings swept for `weights` ("mxfp4" or "bf16") at t tokens: ("block", _Tiles
-    fields) for the blocked tensor-core kernel, ("pair", fields) for MXFP4's program a pair."""
-    if weights == "bf16":
-        shapes = [(64, 128, 4), (32, 128, 4)] if t < 64 else [(128, 64, 8)]
-        return [("block", dict(block_n=n, block_k=k, num_warps=w, num_stages=stages))
-                for n, k, w in shapes for stages in (2, 3, 4)]  # fmt: skip
-    if t <= 8:
-        blocked = [(32, 128, 4), (64, 128, 4)]
-        pairs = [(8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4), (64, 256, 8)]
-        return [("block", dict(block_n=n, block_k=k, num_warps=w, split_a=split, prefetch=early))
-                for n, k, w in blocked for split in (True,) for early in (False, True)] + [
-            ("pair", dict(block_m=1, block_n=n, block_k=k, num_warps=w, split_a=split))
-            for n, k, w in pairs for split in (True, False)
-        ]  # fmt: skip
-    shapes = {64: [(64, 256, 4), (128, 256, 8)], 512: [(64, 128, 4), (128, 128, 8)]}[t]
-    ahead = (False, True) if t < 512 else (False,)
-    return [("block", dict(block_n=n, block_k=k, num_warps=w, split_a=split, prefetch=early))
-            for n, k, w in shapes for split in (True, False) for early in ahead]  # fmt: skip
-
-
-SWEEPS = ("mxfp4:1", "mxfp4:8", "bf16:1", "mxfp4:64", "bf16:64", "mxfp4:512")
-
-
-def tiles(sweeps: list[str]) -> list[str]:
-    lines = ["| weights | tokens | program | tiles | µs a call |", "|---|---:|---|---|---:|"]
+def tiles() -> list[str]:
+    lines = ["| tokens | BLOCK_N | BLOCK_K | warps | MXFP4 µs |", "|---:|---:|---:|---:|---:|"]
     w13 = random_mxfp4(EXPERTS, 2 * INTER, HIDDEN, seed=1, scales=(118, 124))
     w2 = random_mxfp4(EXPERTS, HIDDEN, INTER, seed=2, scales=(118, 124))
-    dense = [quant_ref.dequantize_mxfp4(w.codes, w.scales, torch.bfloat16) for w in (w13, w2)]
-    planned, planned_pairs = tm._tiles, tm._gemv_tiles
-    runs = [(weights, int(t)) for weights, t in (sweep.split(":") for sweep in sweeps)]
+    planned = tm._tiles
     try:
-        for weights, t in runs:
+        for t, sizes in ((1, SWEEP), (64, SWEEP[1::2])):
             x = torch.randn(t, HIDDEN).to(DEVICE, torch.bfloat16)
-            routes = routing(t, seed=t)
-            operands = (w13, w2) if weights == "mxfp4" else dense
+            weights, ids = routing(t, seed=t)
             block_m = planned(t * TOP_K, EXPERTS).block_m
-            for program, settings in [("planned", {})] + sweep_configs(t, weights):
-                if program == "block":
-                    config = tm._Tiles(**{"block_m": block_m} | settings)
-                    tm._tiles, tm._gemv_tiles = (lambda *_, c=config: c), (lambda *_: None)
-                elif program == "pair":
-                    config = tm._Tiles(**settings)
-                    tm._gemv_tiles = lambda *_, c=config: c
-                else:
-                    pairs = planned_pairs(t * TOP_K, EXPERTS) if weights == "mxfp4" else None
-                    config = pairs or planned(t * TOP_K, EXPERTS)
-                try:
-                    call = functools.partial(tm.fused_experts, x, *operands, *routes)
-                    cell = f"{graph_seconds(call) * 1e6:.1f}"
-                except Exception as exc:  # a config the compiler refuses
-                    cell = f"failed: {type(exc).__name__}"
-                finally:
-                    tm._tiles, tm._gemv_tiles = planned, planned_pairs
-                lines.append(f"| {weights} | {t} | {program} | {config} | {cell} |")
-                print(lines[-1], flush=True)
+            for block_n, block_k in sizes:
+                for warps in (4, 8):
+                    config = tm._Tiles(block_m, block_n, block_k, warps)
+                    tm._tiles = lambda *_, config=config: config
+                    try:
+                        call = functools.partial(tm.fused_experts, x, w13, w2, weights, ids)
+                        cell = f"{graph_seconds(call) * 1e6:.1f}"
+                    except Exception as exc:  # a config the compiler refuses
+                        cell = f"failed: {type(exc).__name__}"
+                    finally:
+                        tm._tiles = planned
+                    lines.append(f"| {t} | {block_n} | {block_k} | {warps} | {cell} |")
+                    print(lines[-1], flush=True)
     finally:
-        tm._tiles, tm._gemv_tiles = planned, planned_pairs
+        tm._tiles = planned
     return lines
 
 
@@ -232,12 +197,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="+", default=["decode", "experts", "tiles", "compile"])
-    parser.add_argument("--sweeps", nargs="+", default=list(SWEEPS), help="weights:tokens")
     args = parser.parse_args()
     report = [f"# MXFP4 experts on {torch.cuda.get_device_name()}, "
               f"{datetime.datetime.now():%Y-%m-%d %H:%M}"]  # fmt: skip
-    parts = {"decode": decode, "experts": experts, "tiles": lambda: tiles(args.sweeps),
-             "compile": compiled}  # fmt: skip
+    parts = {"decode": decode, "experts": experts, "tiles": tiles, "compile": compiled}
     for title, run in parts.items():
         if title in args.only:
             report += [f"\n## {title}\n", *run()]
