@@ -22,14 +22,14 @@ import argparse
 import datetime
 import functools
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_moe import graph_seconds  # noqa: E402
 
 from pagedserve.kernels import moe_ref, quant_ref  # noqa: E402
 from pagedserve.kernels import triton_moe as tm  # noqa: E402
@@ -37,23 +37,6 @@ from pagedserve.kernels import triton_moe as tm  # noqa: E402
 DEVICE = torch.device("cuda")
 EXPERTS, TOP_K, HIDDEN, INTER = 32, 4, 2880, 2880
 SWEEP = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128), (128, 256))  # BLOCK_N, BLOCK_K
-
-
-def graph_seconds(call: Callable[[], object]) -> float:
-    """Seconds a call, replayed 200 times from a CUDA graph of 20 calls."""
-    call()
-    torch.cuda.synchronize()
-    timed = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(timed):
-        for _ in range(20):
-            call()
-    timed.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        timed.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / 200
 
 
 def random_mxfp4(experts: int, n: int, k: int, seed: int, scales: tuple[int, int]):
