@@ -4,7 +4,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= ROMEO:
-TEST_WORKERS ?= 2
 
 .PHONY: install run serve test lint bench-cpu clean
 
@@ -30,11 +29,9 @@ run: install
 serve: install
 	$(VENV)/bin/pagedserve serve
 
-# in TEST_WORKERS pytest-xdist workers, a test module to a worker (tests/conftest.py: tests that
-# bound a wall time run alone); TEST_WORKERS=0 runs them in this process
 test: install
 	$(VENV)/bin/ruff check pagedserve tests scripts
-	$(PY) -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -x --durations=15
 
 lint: install
 	$(VENV)/bin/ruff check pagedserve tests scripts

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx2 as httpx
 import psutil
@@ -21,24 +17,11 @@ from tests.test_openai_server import free_port
 PAGEDSERVE = [sys.executable, "-m", "pagedserve.api.cli"]
 
 
-@pytest.fixture
-def run_tmp() -> Iterator[Path]:
-    """An empty directory for the command's TMPDIR (its run directory, with the ipc sockets,
-    goes there): directly under the system's temporary directory, as pytest's tmp_path is not
-    (pytest-xdist nests it one level deeper), so that the socket paths stay within the 107
-    bytes an ipc address may have."""
-    path = Path(tempfile.mkdtemp(prefix="pagedserve-cli-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def test_generate_with_the_embedded_model_writes_english(run_tmp: Path) -> None:
+def test_generate_with_the_embedded_model_writes_english(tmp_path) -> None:
     result = subprocess.run(
         [*PAGEDSERVE, "generate", "ROMEO:", "--max-tokens", "40", "--temperature", "0",
          "--sampling-seed", "0"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(run_tmp)},
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     text = result.stdout.split("-" * 40)[0]
@@ -47,16 +30,16 @@ def test_generate_with_the_embedded_model_writes_english(run_tmp: Path) -> None:
     assert len(words) >= 10
     common = {"the", "and", "i", "to", "of", "a", "my", "you", "that", "is", "not", "me", "in"}
     assert sum(w.lower().strip(",.;:!?'") in common for w in words) >= 3, text
-    assert os.listdir(run_tmp) == []  # the run directory and its sockets are gone
+    assert os.listdir(tmp_path) == []  # the run directory and its sockets are gone
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_serve_stops_cleanly_on_ctrl_c_and_sigterm(run_tmp: Path, sig: signal.Signals) -> None:
+def test_serve_stops_cleanly_on_ctrl_c_and_sigterm(tmp_path, sig: signal.Signals) -> None:
     port = free_port()
     server = subprocess.Popen(
         [*PAGEDSERVE, "serve", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "TMPDIR": str(run_tmp)},
+        env={**os.environ, "TMPDIR": str(tmp_path)},
         # as from a terminal: a shell's background job (a CI runner's) inherits SIGINT ignored
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
@@ -76,12 +59,12 @@ def test_serve_stops_cleanly_on_ctrl_c_and_sigterm(run_tmp: Path, sig: signal.Si
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
         children = psutil.Process(server.pid).children(recursive=True)
         assert len(children) >= 4  # worker, scheduler, tokenizer, api server
-        assert os.listdir(run_tmp)  # the run directory with its ipc sockets
+        assert os.listdir(tmp_path)  # the run directory with its ipc sockets
         server.send_signal(sig)
         assert server.wait(timeout=30) in (0, 128 + sig, -sig, 130)
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert alive == []
-        assert os.listdir(run_tmp) == []
+        assert os.listdir(tmp_path) == []
     finally:
         if server.poll() is None:
             server.kill()

@@ -986,7 +986,6 @@ def test_a_body_must_be_json_within_the_size_and_depth_limits(server) -> None:
     assert httpx.post(base + "/v1/completions", json=brackets).status_code == 200
 
 
-@pytest.mark.alone  # a wall-time bound (tests/conftest.py)
 def test_responses_are_not_held_back_by_nagles_algorithm(server) -> None:
     """A response's headers and body go out in two writes: without TCP_NODELAY each waits for
     the client's delayed ACK (40 ms), so 20 small requests would take 0.8 s or more."""

@@ -94,7 +94,6 @@ def test_engine_profile_window_through_the_worker(tmp_path: Path) -> None:
     assert scheduler["handle"]["s"] > 0
 
 
-@pytest.mark.alone  # once, beside another worker's tests, the scheduler's file was missing
 def test_engine_profile_timelines_join_into_each_requests_first_token_path(
     tmp_path: Path,
 ) -> None:

@@ -170,7 +170,6 @@ with Client(sys.argv[1]) as client:
 ENCODE_STALL_MARGIN_S = 1.0
 
 
-@pytest.mark.alone  # a wall-time bound (tests/conftest.py)
 async def test_a_huge_prompt_is_refused_without_stalling_running_streams(
     engine: Supervisor,
 ) -> None:

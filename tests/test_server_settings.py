@@ -91,7 +91,6 @@ async def test_health_and_models_are_503_while_no_engine_answers(tmp_path, model
             assert models.json()["error"]["type"] == "service_unavailable"
 
 
-@pytest.mark.alone  # a wall-time bound (tests/conftest.py)
 def test_health_is_503_while_the_engine_is_stuck(server) -> None:
     supervisor, base = server
     assert httpx.get(base + "/health").status_code == 200

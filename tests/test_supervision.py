@@ -120,7 +120,6 @@ async def test_kill_9_during_20_streams_loses_no_request(engine, undisturbed, vi
     assert stats.num_free_blocks == stats.num_total_blocks  # nothing leaked
 
 
-@pytest.mark.alone  # a wall-time bound (tests/conftest.py)
 async def test_kill_9_of_the_api_server_other_connections_unaffected(engine, undisturbed) -> None:
     """ZeroMQ clients do not notice; the HTTP server is back within 5 s and serves new
     connections (streams open on the killed server end with it)."""
