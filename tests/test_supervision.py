@@ -20,10 +20,13 @@ import httpx2 as httpx
 import pytest
 
 from pagedserve import SamplingParams
+from pagedserve.actors import bus
+from pagedserve.actors.messages import ActorFailed
 from pagedserve.actors.supervisor import Supervisor
 from pagedserve.api.client import AsyncClient, Client
 from pagedserve.api.client_core import EngineRequestError
 from pagedserve.config import EngineConfig, ServerConfig, SupervisionConfig
+from tests.engine_settings import NO_STANDBY
 from tests.test_openai_server import free_port
 from tests.tiny_models import random_prompts, save_tiny_model
 
@@ -251,4 +254,32 @@ def test_the_restart_budget_is_a_rate_not_a_lifetime_count() -> None:
             solo_tokens(address, PROMPTS[0], greedy(4))
         assert refused.value.status_code == 503
     finally:
+        supervisor.stop()
+
+
+def test_a_failure_report_of_a_replaced_process_does_not_fail_its_successor() -> None:
+    """A process killed for a restart may report its own failure late (a worker whose peer rank
+    died sees its connection reset), after its successor was spawned: the report is not the
+    successor's failure to start, so the restart succeeds at its first try."""
+    # no standby: the successor loads the model, so the late report comes before it is ready
+    supervisor = Supervisor(EngineConfig(num_kv_blocks=128, supervision=NO_STANDBY))
+    supervisor.start()
+    ctx = bus.sync_context(supervisor.credentials)
+    try:
+        address = supervisor.addresses.engine_address
+        expected = solo_tokens(address, PROMPTS[0], greedy(4))
+        killed = supervisor.processes["worker"].pid
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while supervisor.processes["worker"].pid == killed:  # the successor is spawned
+            assert time.monotonic() < deadline, "the worker was not restarted"
+            time.sleep(0.005)
+        push = bus.push_socket(ctx, supervisor.addresses.supervisor)
+        push.send(bus.encode(ActorFailed("worker", "connection reset", pid=killed)))
+        push.close(linger=5000)
+        wait_for_restart(supervisor, "worker", 1)
+        assert solo_tokens(address, PROMPTS[0], greedy(4)) == expected
+        assert supervisor.restarts == {"worker": 1} and supervisor.dead_reason is None
+    finally:
+        ctx.destroy()
         supervisor.stop()

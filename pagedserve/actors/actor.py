@@ -141,7 +141,7 @@ class Actor:
 
     def report_failure(self, error: str) -> None:
         try:
-            self._tell_supervisor(ActorFailed(self.label, error))
+            self._tell_supervisor(ActorFailed(self.label, error, pid=os.getpid()))
         except zmq.ZMQError:
             pass
 

@@ -379,6 +379,9 @@ class ActorReady(msgspec.Struct, tag=True, kw_only=True):
 class ActorFailed(msgspec.Struct, tag=True):
     name: str
     error: str
+    # the reporting process: the supervisor ignores the report of one it no longer runs as
+    # `name` (0: unknown, never ignored)
+    pid: int = 0
 
 
 ClientRequests = GenerateRequest | AbortRequest | StatsRequest
