@@ -131,6 +131,18 @@ SKINNY_TUNED: dict[tuple[int, int, int, int], SkinnyConfig] = {
     (132, 1, 6144, 1024): SkinnyConfig(1, False, 4, 512, 2, 1, 1, "", "evict_first"),
     # qwen3-0.6b lm_head M=1 151936x1024: 74.4 -> 71.2 µs (cuBLAS 78.6)
     (132, 1, 151936, 1024): SkinnyConfig(1, False, 4, 512, 2, 1, 1, "", "evict_first"),
+    # The speculative benchmark's ~94M target (train_tiny_model.py's `target` preset), measured
+    # on an H100 (132 SMs), 2026-12-07, scripts/results/session33/call1/sweep_target.md.
+    # down M=1 640x1728: 3.9 -> 2.8 µs (cuBLAS 5.5)
+    (132, 1, 640, 1728): SkinnyConfig(1, False, 2, 2048, 8, 1, 1, "", "evict_first"),
+    # Its verify rows (M <= 16, with small_batch_gemm_rows = 16): qkv 1280x640 4.4 -> 3.5 µs
+    # (cuBLAS 3.9), o_proj 640x640 3.8 -> 3.3 (3.7), gate_up 3456x640 5.6 -> 4.3 (4.7), down
+    # 640x1728 5.0 -> 4.7 (5.3), lm_head 4096x640 5.8 -> 4.6 (4.8)
+    (132, 16, 1280, 640): SkinnyConfig(16, True, 16, 128, 4, 4, 1, ".cg", ""),
+    (132, 16, 640, 640): SkinnyConfig(16, True, 16, 128, 4, 4, 1, ".cg", ""),
+    (132, 16, 3456, 640): SkinnyConfig(16, True, 32, 128, 4, 4, 1, "", ""),
+    (132, 16, 640, 1728): SkinnyConfig(16, True, 32, 128, 4, 4, 4, ".cg", ""),
+    (132, 16, 4096, 640): SkinnyConfig(16, True, 32, 128, 4, 4, 1, "", "evict_first"),
 }
 _W_CACHE_MODIFIERS = ("", ".ca", ".cg", ".cv")
 _W_EVICTION_POLICIES = ("", "evict_first", "evict_last")
