@@ -165,8 +165,8 @@ def test_rounds_on_the_device_give_the_host_rounds_and_a_plain_engines_tokens(
 ) -> None:
     """Copy-heavy and random prompts, greedy, max_tokens that end requests inside a step's
     rounds, few KV blocks (preemption) and max_model_len 64 (length limits): the same tokens
-    with the rounds on the device, with them on the host, and without speculation; every
-    block free at the end."""
+    with the rounds on the device, with them on the host (where rounds without drafts run
+    ahead of the lookups), and without speculation; every block free at the end."""
     target = save_tiny_model("llama", tmp_path / "target")
     host = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                              prompt_lookup_max=3, num_rounds=4)  # fmt: skip
@@ -178,7 +178,14 @@ def test_rounds_on_the_device_give_the_host_rounds_and_a_plain_engines_tokens(
     prompts = [passage * 4, passage * 2 + passage[:3], other * 3, random_prompt]
     limits = [rng.choice([5, 11, 40, 64]) for _ in prompts]
     original = ngram_rounds.every_request_drafts
-    runs, device_calls = {}, []
+    runs, device_calls, ahead_calls = {}, [], []
+    decode_one = verify_step._decode_one
+
+    def counted_ahead(runner, rows, feed_index):  # noqa: ANN001, ANN202
+        ahead_calls.extend([1] * bool((feed_index >= 0).all()))  # fed: a round run ahead
+        return decode_one(runner, rows, feed_index)
+
+    monkeypatch.setattr(verify_step, "_decode_one", counted_ahead)
     specs = {"plain": None, "host": host, "device": device, "device where all draft": device}
     for name, spec in specs.items():
         monkeypatch.setattr(verify_step, "device_rounds",
@@ -203,6 +210,8 @@ def test_rounds_on_the_device_give_the_host_rounds_and_a_plain_engines_tokens(
             assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
         elif name != "device where all draft":
             assert len(device_calls) == calls_before
+        if name == "host":  # rounds without drafts ran ahead of the host's lookups
+            assert len(ahead_calls) > 3
     assert runs["host"] == runs["plain"]
     assert runs["device"] == runs["plain"]
     assert runs["device where all draft"] == runs["plain"]
