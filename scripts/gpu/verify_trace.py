@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -29,7 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 import torch  # noqa: E402
 from spec_anatomy import SpecSession, git_revision, sync, target_dir  # noqa: E402
 
-from pagedserve.actors.worker import startup  # noqa: E402
+from pagedserve.actors.worker import startup, verify_step  # noqa: E402
 from pagedserve.actors.worker.model_runner import ModelRunner  # noqa: E402
 from pagedserve.actors.worker.profiling import idle_summary, kernel_table  # noqa: E402
 from pagedserve.config import EngineConfig, SpeculativeConfig  # noqa: E402
@@ -38,6 +39,7 @@ CONTEXT = 200
 BLOCKS = 128
 ROOM = 600  # tokens a request may add (SpecSession holds 700 past its context)
 T = TypeVar("T")
+RUNS_AHEAD = verify_step._runs_ahead
 
 
 def make_runner(
@@ -115,18 +117,25 @@ def phase(runner: ModelRunner, k: int, run: Callable[[SpecSession], T]) -> T:
 
 
 def variant(
-    target: Path, k: int, rounds: int, gemm_rows: int, on_device: bool, iters: int, device: str
-) -> list[str]:
+    target: Path, k: int, rounds: int, gemm_rows: int, on_device: bool, iters: int, device: str,
+    run_ahead: bool = True,
+) -> list[str]:  # fmt: skip
+    if not run_ahead:  # the host's rounds without drafts each synced, as before d3298d5
+        with mock.patch.object(verify_step, "_runs_ahead", lambda *args: False):
+            return variant(target, k, rounds, gemm_rows, on_device, iters, device)
     runner = make_runner(target, k, rounds, gemm_rows, on_device, device)
     steps = max(2, min(iters, ROOM // (rounds * (1 + k))))  # within the request's blocks
     plain_ms, _ = phase(runner, k, lambda s: timed_steps(s, False, iters))
     spec_ms, emitted = phase(runner, k, lambda s: timed_steps(s, True, steps))
     where = "on the device" if on_device else "on the host"
+    if verify_step._runs_ahead is not RUNS_AHEAD:
+        where += " (rounds without drafts synced, not run ahead)"
     lines = [
         f"\n### n-gram k={k}, {rounds} round(s) a step {where}, Triton GEMM up to {gemm_rows} "
         "row(s)\n",
         f"- synced: plain step {plain_ms:.3f} ms; speculative step {spec_ms:.3f} ms "
-        f"({spec_ms / rounds:.3f} a round), {emitted:.1f} tokens a step",
+        f"({spec_ms / rounds:.3f} a round), {emitted:.1f} tokens a step, "
+        f"{spec_ms / max(emitted, 1e-9):.3f} ms a token",
         "\nplain decode steps:",
         *phase(runner, k, lambda s: traced(s, False, 10)),
         "\nspeculative steps:",
@@ -150,6 +159,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--device-rounds", action="store_true", help="also rounds_on_device")
+    parser.add_argument(
+        "--no-run-ahead", action="store_true",
+        help="also host rounds whose rounds without drafts are each synced (not run ahead)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -164,6 +177,9 @@ def main() -> int:
             for on_device in (False, True) if rounds > 1 and args.device_rounds else (False,):
                 lines += variant(target, args.k, rounds, gemm_rows, on_device, args.iters,
                                  args.device)  # fmt: skip
+            if rounds > 1 and args.no_run_ahead:
+                lines += variant(target, args.k, rounds, gemm_rows, False, args.iters,
+                                 args.device, run_ahead=False)  # fmt: skip
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
     return 0
