@@ -18,7 +18,7 @@ import torch
 
 from pagedserve.actors.messages import AddRequest, SamplingParams, StepPlan
 from pagedserve.actors.scheduler.scheduler import Scheduler
-from pagedserve.actors.worker import ngram_rounds, startup, verify_step
+from pagedserve.actors.worker import ngram_rounds, run_ahead, startup, verify_step
 from pagedserve.actors.worker.model_runner import ModelRunner
 from pagedserve.actors.worker.speculative import NgramProposer
 from pagedserve.config import EngineConfig, SpeculativeConfig
@@ -179,13 +179,13 @@ def test_rounds_on_the_device_give_the_host_rounds_and_a_plain_engines_tokens(
     limits = [rng.choice([5, 11, 40, 64]) for _ in prompts]
     original = ngram_rounds.every_request_drafts
     runs, device_calls, ahead_calls = {}, [], []
-    decode_one = verify_step._decode_one
+    decode_one = run_ahead._decode_one
 
     def counted_ahead(runner, rows, feed_index):  # noqa: ANN001, ANN202
         ahead_calls.extend([1] * bool((feed_index >= 0).all()))  # fed: a round run ahead
         return decode_one(runner, rows, feed_index)
 
-    monkeypatch.setattr(verify_step, "_decode_one", counted_ahead)
+    monkeypatch.setattr(run_ahead, "_decode_one", counted_ahead)
     specs = {"plain": None, "host": host, "device": device, "device where all draft": device}
     for name, spec in specs.items():
         monkeypatch.setattr(verify_step, "device_rounds",

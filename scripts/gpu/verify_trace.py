@@ -39,7 +39,7 @@ CONTEXT = 200
 BLOCKS = 128
 ROOM = 600  # tokens a request may add (SpecSession holds 700 past its context)
 T = TypeVar("T")
-RUNS_AHEAD = verify_step._runs_ahead
+RUNS_AHEAD = verify_step.runs_ahead
 
 
 def make_runner(
@@ -121,14 +121,14 @@ def variant(
     run_ahead: bool = True,
 ) -> list[str]:  # fmt: skip
     if not run_ahead:  # the host's rounds without drafts each synced, as before d3298d5
-        with mock.patch.object(verify_step, "_runs_ahead", lambda *args: False):
+        with mock.patch.object(verify_step, "runs_ahead", lambda *args: False):
             return variant(target, k, rounds, gemm_rows, on_device, iters, device)
     runner = make_runner(target, k, rounds, gemm_rows, on_device, device)
     steps = max(2, min(iters, ROOM // (rounds * (1 + k))))  # within the request's blocks
     plain_ms, _ = phase(runner, k, lambda s: timed_steps(s, False, iters))
     spec_ms, emitted = phase(runner, k, lambda s: timed_steps(s, True, steps))
     where = "on the device" if on_device else "on the host"
-    if verify_step._runs_ahead is not RUNS_AHEAD:
+    if verify_step.runs_ahead is not RUNS_AHEAD:
         where += " (rounds without drafts synced, not run ahead)"
     lines = [
         f"\n### n-gram k={k}, {rounds} round(s) a step {where}, Triton GEMM up to {gemm_rows} "

@@ -29,6 +29,7 @@ so they verify no drafts and sample one masked row each; their matchers advance 
 
 from __future__ import annotations
 
+import functools
 from itertools import compress
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,8 @@ import torch
 
 from pagedserve.actors.messages import StepPlan, StepResult, TokenLogprobs
 from pagedserve.actors.worker.ngram_rounds import device_rounds, rounds_run_on_device
-from pagedserve.actors.worker.speculative import NgramProposer, num_accepted
+from pagedserve.actors.worker.run_ahead import rooms, runs_ahead, undrafted_rounds
+from pagedserve.actors.worker.speculative import num_accepted
 from pagedserve.actors.worker.step_inputs import check_plan_fits
 
 if TYPE_CHECKING:
@@ -169,8 +171,9 @@ def _rounds(runner: ModelRunner, plan: StepPlan, rows: np.ndarray) -> StepResult
     rounds: list[StepResult] = []
     verified: list[list[list[int]]] = []
     while True:
-        if not any(drafts) and _runs_ahead(runner, rows):
-            done = _undrafted_rounds(runner, plan, rows, spec.num_rounds - len(rounds))
+        if not any(drafts) and runs_ahead(runner, rows):
+            finish = functools.partial(_undrafted_result, runner, plan)
+            done = undrafted_rounds(runner, rows, spec.num_rounds - len(rounds), finish)
         else:
             done = [_round(runner, plan, num_scheduled, rows, drafts, decode_shaped=True)]
         rounds += done
@@ -230,110 +233,19 @@ def _finished(
     return result
 
 
-def _runs_ahead(runner: ModelRunner, rows: np.ndarray) -> bool:
-    """Whether rounds without drafts may run ahead (`_undrafted_rounds`): n-gram proposals
-    (looked up on the host's tokens) and plain greedy requests (their token is the argmax
-    the decode step writes into `sampled`, which the next decode step can be fed)."""
-    return isinstance(runner.proposer, NgramProposer) and runner.input_batch.all_plain_greedy(rows)
-
-
-def _undrafted_rounds(
-    runner: ModelRunner, plan: StepPlan, rows: np.ndarray, most: int
-) -> list[StepResult]:
-    """Up to `most` rounds that verify no drafts, each a one-token decode step, pipelined as
-    plain decode steps are: while the host reads a round's tokens and looks drafts up, the
-    next round's decode already runs, fed its token from the device's samples. A round whose
-    lookup proposes ends them, after the round run ahead of it (its lookup then proposes the
-    next verify's drafts); so does a request without room for another token."""
-    count = len(rows)
-    no_drafts: list[list[int]] = [[] for _ in rows]
-    host = _HostTokens(runner, count)
-    tokens = _decode_one(runner, rows, np.full(count, -1, np.int64))
-    results: list[StepResult] = []
-    while True:
-        ahead = len(results) + 2 <= most and _room(runner, rows) >= 1
-        copied = host.copy(tokens)  # before a decode run ahead overwrites `sampled`
-        if ahead:
-            tokens = _decode_one(runner, rows, np.arange(count, dtype=np.int64))
-        results.append(_undrafted_result(runner, plan, host.read(copied), no_drafts))
-        if not ahead:
-            return results
-        if any(results[-1].draft_token_ids):  # drafting resumes after the round run ahead
-            last = host.read(host.copy(tokens))
-            results.append(_undrafted_result(runner, plan, last, no_drafts))
-            return results
-
-
-def _decode_one(runner: ModelRunner, rows: np.ndarray, feed_index: np.ndarray) -> torch.Tensor:
-    """Queue one token of each request (its last known one, or with feed_index >= 0 the one
-    at that index of the last decode's samples) as a decode step; its samples on the device."""
-    batch = runner.input_batch
-    positions = batch.num_computed_tokens[rows].copy()
-    batch.num_computed_tokens[rows] = positions + 1
-    decoded = runner.run_decode(rows, positions, feed_index)
-    assert decoded is not None, "speculative decoding runs without pipeline stages"
-    return decoded[0]
-
-
-def _undrafted_result(
-    runner: ModelRunner, plan: StepPlan, sampled: list[int], no_drafts: list[list[int]]
-) -> StepResult:
+def _undrafted_result(runner: ModelRunner, plan: StepPlan, sampled: list[int]) -> StepResult:
+    """A round that verified no drafts: its one token a request, and the next proposals."""
     result = StepResult(step_id=plan.step_id, handles=[], sampled_token_ids=[])
     samples = (list(plan.scheduled), [1] * len(sampled), sampled, None)
-    return _finished(runner, plan, result, samples, no_drafts, None)
-
-
-def _room(runner: ModelRunner, rows: np.ndarray) -> int:
-    """The fewest tokens any of `rows` may still add past its next one (KV slots held, its
-    length limit, the model's length)."""
-    batch, max_len = runner.input_batch, runner.config.max_model_len
-    assert max_len is not None
-    num_tokens = batch.num_tokens[rows]
-    capacity = batch.num_blocks[rows] * runner.block_size
-    limit = np.minimum(batch.length_limit[rows], max_len)
-    return int(np.minimum(capacity - num_tokens, limit - 1 - num_tokens).min())
-
-
-class _HostTokens:
-    """Copies of decode steps' samples to the host, queued behind them (two pinned buffers
-    on a GPU, used in turn: a copy is read before the one after next is queued)."""
-
-    def __init__(self, runner: ModelRunner, count: int) -> None:
-        self.cuda = runner.device.type == "cuda"
-        self.buffers = [
-            torch.empty(count, dtype=torch.int64, pin_memory=True) for _ in range(2 * self.cuda)
-        ]
-        self.turn = 0
-
-    def copy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        if not self.cuda:
-            return tokens.clone(), None
-        host = self.buffers[self.turn].copy_(tokens, non_blocking=True)
-        self.turn ^= 1
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
-
-    @staticmethod
-    def read(copied: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[int]:
-        host, done = copied
-        if done is not None:
-            done.synchronize()
-        return host.tolist()
+    return _finished(runner, plan, result, samples, [[] for _ in sampled], None)
 
 
 def _within_room(
     runner: ModelRunner, rows: np.ndarray, proposals: list[list[int]]
 ) -> list[list[int]] | None:
-    """The proposals of another round, cut to the KV blocks each request holds and to its
-    length limit (max_tokens, the model's length): a round emits at most 1 + drafts tokens;
-    None when some request has no room for even its own next token (it has ended)."""
-    batch, max_len = runner.input_batch, runner.config.max_model_len
-    assert max_len is not None
-    num_tokens = batch.num_tokens[rows]
-    capacity = batch.num_blocks[rows] * runner.block_size
-    limit = np.minimum(batch.length_limit[rows], max_len)
-    room = np.minimum(capacity - num_tokens, limit - 1 - num_tokens)
+    """The proposals of another round, cut to each request's room (run_ahead.rooms): a round
+    emits at most 1 + drafts tokens; None when some request has no room for its next token."""
+    room = rooms(runner, rows)
     if (room < 0).any():
         return None
     return [proposed[: int(r)] for proposed, r in zip(proposals, room)]
