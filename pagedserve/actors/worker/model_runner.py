@@ -43,7 +43,7 @@ from pagedserve.actors.worker.static_rows import static_rows
 from pagedserve.actors.worker.step_inputs import StepInputBuilder, StepInputs
 from pagedserve.actors.worker.step_logits import RowOutputs, StepLogits
 from pagedserve.actors.worker.structured import StructuredOutputs
-from pagedserve.actors.worker.uploader import Uploader
+from pagedserve.actors.worker.uploader import SampledIds, Uploader
 from pagedserve.actors.worker.verify_step import speculative_step
 from pagedserve.config import EngineConfig, read_hf_config
 from pagedserve.models.layers import Attention
@@ -130,10 +130,7 @@ class ModelRunner(StaticPaths):
         self.device_wait_s = 0.0  # host time spent waiting for steps' sampled tokens
         self.setup_seconds: dict[str, float] = {}  # load_model and the start-up phases
         self._pending_index_buffer = np.full(config.max_num_seqs, -1, np.int64)
-        self._host_token_buffers = [
-            torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
-            for _ in range(2 if self.device.type == "cuda" else 0)
-        ]
+        self.sampled_ids = SampledIds(config.max_num_seqs, self.device)  # to the host
 
     def close(self) -> None:
         """Stop the threads the runner started (grammar compiles)."""
@@ -361,13 +358,7 @@ class ModelRunner(StaticPaths):
             step.logprobs = output.logprob_tensors
             token_ids = self.sampled[: len(step.handles)]
             token_ids.copy_(output.token_ids)  # the next step's fed tokens
-        if self.device.type == "cuda":
-            host = self._host_token_buffers[plan.step_id % 2][: len(step.handles)]
-            step.host_token_ids = host.copy_(token_ids, non_blocking=True)
-            step.done = torch.cuda.Event()
-            step.done.record()
-        else:
-            step.host_token_ids = token_ids.clone()  # the next step overwrites `sampled`
+        step.host_token_ids, step.done = self.sampled_ids.copy(token_ids, plan.step_id)
         return step
 
     def _pending_index(self) -> np.ndarray:

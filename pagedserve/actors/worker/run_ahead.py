@@ -7,7 +7,8 @@ n-grams match) is a one-token decode step; synced, it cost ~0.57 ms on an H100 w
 target where a pipelined plain step costs ~0.40 ms (scripts/results/session33.md). So such rounds
 run ahead: the next round's decode is queued, fed its token from the device's samples (the
 argmax the decode graph writes into `sampled`: plain greedy requests only), before the host
-reads this round's tokens, from a pinned copy queued behind the decode, and looks drafts up.
+reads this round's tokens, from a copy queued behind the decode (the runner's SampledIds: no
+step is in flight beside a speculative one), and looks drafts up.
 A round whose lookup proposes ends the run after the round run ahead of it, whose lookup then
 proposes the next verify's drafts; so does a request without room for another token.
 """
@@ -38,20 +39,19 @@ def undrafted_rounds(
 ) -> list[StepResult]:
     """Up to `most` rounds that verify no drafts, each a decode step of one token a request;
     finish(tokens) accepts a round's tokens (one a request) and proposes the next drafts."""
-    count = len(rows)
-    host = _HostTokens(runner, count)
+    count, to_host = len(rows), runner.sampled_ids.copy
     tokens = _decode_one(runner, rows, np.full(count, -1, np.int64))
     results: list[StepResult] = []
-    while True:
+    while True:  # round r's copy goes to slot r % 2, read before slot r + 2's copy
         ahead = len(results) + 2 <= most and bool((rooms(runner, rows) >= 1).all())
-        copied = host.copy(tokens)  # before a decode run ahead overwrites `sampled`
+        copied = to_host(tokens, len(results))  # before a decode run ahead overwrites `sampled`
         if ahead:
             tokens = _decode_one(runner, rows, np.arange(count, dtype=np.int64))
-        results.append(finish(host.read(copied)))
+        results.append(finish(_read(copied)))
         if not ahead:
             return results
         if any(results[-1].draft_token_ids):  # drafting resumes after the round run ahead
-            results.append(finish(host.read(host.copy(tokens))))
+            results.append(finish(_read(to_host(tokens, len(results)))))
             return results
 
 
@@ -78,29 +78,9 @@ def _decode_one(runner: ModelRunner, rows: np.ndarray, feed_index: np.ndarray) -
     return decoded[0]
 
 
-class _HostTokens:
-    """Copies of decode steps' samples to the host, queued behind them (two pinned buffers
-    on a GPU, used in turn: a copy is read before the one after next is queued)."""
-
-    def __init__(self, runner: ModelRunner, count: int) -> None:
-        self.cuda = runner.device.type == "cuda"
-        self.buffers = [
-            torch.empty(count, dtype=torch.int64, pin_memory=True) for _ in range(2 * self.cuda)
-        ]
-        self.turn = 0
-
-    def copy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        if not self.cuda:
-            return tokens.clone(), None
-        host = self.buffers[self.turn].copy_(tokens, non_blocking=True)
-        self.turn ^= 1
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
-
-    @staticmethod
-    def read(copied: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[int]:
-        host, done = copied
-        if done is not None:
-            done.synchronize()
-        return host.tolist()
+def _read(copied: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[int]:
+    """The ids of a copy made by the runner's SampledIds, once it has run."""
+    host, done = copied
+    if done is not None:
+        done.synchronize()
+    return host.tolist()

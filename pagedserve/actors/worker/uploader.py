@@ -52,6 +52,26 @@ class PinnedStaging:
         self.turn ^= 1
 
 
+class SampledIds:
+    """Copies of sampled token ids to the host, queued behind the kernels that write them: on
+    a GPU into pinned buffer `slot % 2` (of `rows` ids; wait for the event, and read the copy
+    before that slot is copied into again), on the CPU a clone."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        count = 2 if device.type == "cuda" else 0
+        self.buffers = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(count)]
+
+    def copy(
+        self, token_ids: torch.Tensor, slot: int
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if not self.buffers:
+            return token_ids.clone(), None
+        host = self.buffers[slot % 2][: len(token_ids)].copy_(token_ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+
 class Uploader:
     def __init__(self, device: torch.device, capacity: int = 1 << 20) -> None:
         self.device = device
