@@ -77,7 +77,7 @@ EXAMPLES: list[msgspec.Struct] = [
     m.StepResult(step_id=4, handles=[7], sampled_token_ids=[9], logprobs=[None]),
     m.Shutdown("bye"),
     m.ActorReady(name="worker", pid=1, num_kv_blocks=100),
-    m.ActorFailed("worker", "boom"),
+    m.ActorFailed("worker", "boom", pid=1),
     sm.Heartbeat(
         sm.ActorStats(
             name="worker",

@@ -380,8 +380,8 @@ class ActorFailed(msgspec.Struct, tag=True):
     name: str
     error: str
     # the reporting process: the supervisor ignores the report of one it no longer runs as
-    # `name` (0: unknown, never ignored)
-    pid: int = 0
+    # `name` (a process killed for a restart may report late)
+    pid: int
 
 
 ClientRequests = GenerateRequest | AbortRequest | StatsRequest

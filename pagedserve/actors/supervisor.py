@@ -218,12 +218,12 @@ class Supervisor:
             self._failures[message.name] = message.error
 
     def _runs_as(self, label: str, pid: int) -> bool:
-        """Whether process `pid` (0: unknown) is the one running as `label`. A process killed for
-        a restart may have reported its own failure first (a worker whose peer rank died: the
-        connection reset), and the report may arrive once its successor has started: it is not
-        the successor's failure to start."""
+        """Whether process `pid` is the one running as `label`. A process killed for a restart
+        may have reported its own failure first (a worker whose peer rank died: the connection
+        reset), and the report may arrive once its successor has started: it is not the
+        successor's failure to start."""
         process = self._processes.running.get(label)
-        return process is None or pid == 0 or process.pid == pid
+        return process is None or process.pid == pid
 
     def _wait_ready(
         self, labels: set[str], timeout_s: float, watched: set[str]

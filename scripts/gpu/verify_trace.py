@@ -13,6 +13,7 @@ device's busy time and window per step, its largest idle gaps, and the kernels b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -39,7 +40,6 @@ CONTEXT = 200
 BLOCKS = 128
 ROOM = 600  # tokens a request may add (SpecSession holds 700 past its context)
 T = TypeVar("T")
-RUNS_AHEAD = verify_step.runs_ahead
 
 
 def make_runner(
@@ -120,16 +120,24 @@ def variant(
     target: Path, k: int, rounds: int, gemm_rows: int, on_device: bool, iters: int, device: str,
     run_ahead: bool = True,
 ) -> list[str]:  # fmt: skip
-    if not run_ahead:  # the host's rounds without drafts each synced, as before d3298d5
-        with mock.patch.object(verify_step, "runs_ahead", lambda *args: False):
-            return variant(target, k, rounds, gemm_rows, on_device, iters, device)
+    # run_ahead off: the host's rounds without drafts each synced, as before d3298d5
+    never = mock.patch.object(verify_step, "runs_ahead", lambda *args: False)
+    with contextlib.nullcontext() if run_ahead else never:
+        lines = measure(target, k, rounds, gemm_rows, on_device, iters, device)
+    if not run_ahead:
+        lines[0] = lines[0].replace("on the host", "on the host (rounds without drafts synced)")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def measure(
+    target: Path, k: int, rounds: int, gemm_rows: int, on_device: bool, iters: int, device: str
+) -> list[str]:
     runner = make_runner(target, k, rounds, gemm_rows, on_device, device)
     steps = max(2, min(iters, ROOM // (rounds * (1 + k))))  # within the request's blocks
     plain_ms, _ = phase(runner, k, lambda s: timed_steps(s, False, iters))
     spec_ms, emitted = phase(runner, k, lambda s: timed_steps(s, True, steps))
     where = "on the device" if on_device else "on the host"
-    if verify_step.runs_ahead is not RUNS_AHEAD:
-        where += " (rounds without drafts synced, not run ahead)"
     lines = [
         f"\n### n-gram k={k}, {rounds} round(s) a step {where}, Triton GEMM up to {gemm_rows} "
         "row(s)\n",
@@ -144,7 +152,6 @@ def variant(
     runner.close()
     if device == "cuda":
         torch.cuda.empty_cache()
-    print("\n".join(lines), flush=True)
     return lines
 
 
