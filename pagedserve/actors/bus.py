@@ -12,8 +12,8 @@ Topology (same host: ipc:// sockets in a private run directory; `tcp://` works t
 A client reaches the engine by one *engine address* (addresses.py: where each socket lives).
 
 Every socket is made from an engine context (`async_context` / `sync_context`), which carries
-the run's credentials (security.py: CURVE on every socket, ipc socket files 0600) and counts the
-frames its channels move (`Traffic`, reported in heartbeats).
+the run's credentials (security.py: PLAIN on ipc sockets, whose files are 0600; CURVE on tcp)
+and counts the frames its channels move (`Traffic`, reported in heartbeats).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket
     sock.setsockopt(zmq.RCVHWM, 0)
     security = ctx.__dict__.get("security")
     if security is not None and security.credentials is not None:
-        secure(sock, security.credentials, server=bind)
+        secure(sock, security.credentials, server=bind, address=address)
     if bind:
         sock.bind(address)
         if address.startswith("ipc://"):  # only this user, whatever the umask
@@ -339,7 +339,7 @@ def dealer_socket(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket
     sock.setsockopt(zmq.RCVHWM, 0)
     security = ctx.__dict__.get("security")
     if security is not None and security.credentials is not None:
-        secure(sock, security.credentials, server=False)
+        secure(sock, security.credentials, server=False, address=address)
     sock.connect(address)
     return sock
 

@@ -1,20 +1,27 @@
-"""Who may talk to the engine: per-run CURVE keys, checked on every connection.
+"""Who may talk to the engine: per-run credentials, checked on every connection.
 
-Every engine socket speaks ZeroMQ CURVE (encrypted, authenticated). The binding side of a
-channel is the CURVE server and holds the run's *server* key pair; the connecting side is a
-CURVE client and must know the server's public key and hold the run's *client* key pair, whose
-public key a ZAP handler in every binding process checks. A process without the run's
-credentials cannot complete the handshake, so nothing it sends reaches an actor.
+Every engine socket authenticates the process at its other end when they connect; a ZAP handler
+(a thread) in every binding process admits only the run's credentials. A process without them
+cannot complete the handshake, so nothing it sends reaches an actor. Two mechanisms, by the
+socket's transport:
+- ipc:// (one machine): ZeroMQ PLAIN, the run's password in the handshake frame. The socket
+  files are 0600 in the 0700 run directory, so only this user's processes can connect at all,
+  and the frames never leave the kernel. After the handshake a frame costs nothing more: CURVE
+  encrypted and authenticated every frame, ~15-35 µs of each step plan's round trip
+  (scripts/results/session34.md).
+- tcp:// (across machines): ZeroMQ CURVE (encrypted, authenticated). The binding side is the
+  CURVE server and holds the run's *server* key pair; the connecting side is a CURVE client and
+  must know the server's public key and hold the run's *client* key pair, whose public key the
+  ZAP handler checks.
 
-Where the keys come from:
-- by default, random keys made for each run; the supervisor writes the client's part to
+Where the credentials come from:
+- by default, random ones made for each run; the supervisor writes the clients' part to
   `<run_dir>/credentials` (mode 0600, in the 0700 run directory) for external ZeroMQ clients,
   which read it from there (`Client("ipc://<run_dir>")`) or from a path they are given;
-- with an API key (`pagedserve serve --api-key KEY`), keys derived from it: no file is
+- with an API key (`pagedserve serve --api-key KEY`), credentials derived from it: no file is
   written, and a ZeroMQ client needs the key (`Client(address, credentials=KEY)`), like an
   HTTP client.
-Internal actors receive the server keys on their standard input, never in argv or the
-environment.
+Internal actors receive them on their standard input, never in argv or the environment.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import secrets
 
 import msgspec
 import zmq
@@ -29,12 +37,15 @@ import zmq.auth.thread
 
 CREDENTIALS_FILE = "credentials"
 ZAP_DOMAIN = b"pagedserve"
+PLAIN_USERNAME = b"pagedserve"
 
 
 class Credentials(msgspec.Struct, kw_only=True):
-    """The run's keys (Z85 text): the server's public key and the client key pair for
-    everyone; the server's secret key for the engine's own processes only."""
+    """The run's credentials (Z85 text): the ipc password, the server's public key and the
+    client key pair for everyone; the server's secret key for the engine's own processes
+    only."""
 
+    password: bytes
     server_public: bytes
     client_public: bytes
     client_secret: bytes
@@ -45,16 +56,18 @@ class Credentials(msgspec.Struct, kw_only=True):
         server_public, server_secret = zmq.curve_keypair()
         client_public, client_secret = zmq.curve_keypair()
         return cls(
+            password=zmq.utils.z85.encode(secrets.token_bytes(32)),
             server_public=server_public, server_secret=server_secret,
             client_public=client_public, client_secret=client_secret,
         )  # fmt: skip
 
     @classmethod
     def from_api_key(cls, api_key: str) -> Credentials:
-        """Keys derived from an API key: whoever holds the key can talk to the engine."""
+        """Credentials derived from an API key: whoever holds the key can talk to the engine."""
         server_secret = _derived_secret(api_key, b"server")
         client_secret = _derived_secret(api_key, b"client")
         return cls(
+            password=_derived_secret(api_key, b"password"),
             server_public=zmq.curve_public(server_secret), server_secret=server_secret,
             client_public=zmq.curve_public(client_secret), client_secret=client_secret,
         )  # fmt: skip
@@ -75,7 +88,8 @@ class Credentials(msgspec.Struct, kw_only=True):
 
 
 def _derived_secret(api_key: str, role: bytes) -> bytes:
-    """A CURVE secret key from the API key (a slow KDF: a weak key is costly to guess)."""
+    """A CURVE secret key (or the password) from the API key (a slow KDF: a weak key is
+    costly to guess)."""
     seed = hashlib.pbkdf2_hmac("sha256", api_key.encode(), b"pagedserve-curve-" + role, 100_000)
     return zmq.utils.z85.encode(seed)
 
@@ -98,12 +112,29 @@ def client_credentials(address: str, credentials: Credentials | str | None) -> C
     raise PermissionError(f"{address}: a tcp:// engine needs credentials (its API key)")
 
 
-def secure(sock: zmq.Socket, credentials: Credentials, server: bool) -> None:
-    """Make `sock` a CURVE server (it binds) or client (it connects) with the run's keys."""
+def uses_plain(address: str) -> bool:
+    """Whether a socket at `address` speaks PLAIN (ipc://) rather than CURVE (module doc)."""
+    return address.startswith("ipc://")
+
+
+def secure(sock: zmq.Socket, credentials: Credentials, server: bool, address: str) -> None:
+    """Make `sock` the server (it binds) or the client (it connects) of its transport's
+    mechanism: PLAIN for an ipc:// address, CURVE for any other. A server needs the server's
+    secret (an engine process, whose context runs the ZAP handler; ZAP is enforced, so a
+    server without a handler refuses every peer instead of admitting it)."""
     if server:
+        if not credentials.server_secret:
+            raise PermissionError(f"{address}: only the engine's own processes bind sockets")
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, credentials.server_secret)
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        if uses_plain(address):
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
+        else:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, credentials.server_secret)
+    elif uses_plain(address):
+        sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USERNAME)
+        sock.setsockopt(zmq.PLAIN_PASSWORD, credentials.password)
     else:
         sock.setsockopt(zmq.CURVE_SERVERKEY, credentials.server_public)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, credentials.client_public)
@@ -111,7 +142,7 @@ def secure(sock: zmq.Socket, credentials: Credentials, server: bool) -> None:
 
 
 class _KnownClient:
-    """The ZAP check: the connecting key (Z85) is the run's client key."""
+    """The ZAP check of CURVE: the connecting key (Z85) is the run's client key."""
 
     def __init__(self, client_public: bytes) -> None:
         self.client_public = client_public
@@ -120,11 +151,25 @@ class _KnownClient:
         return hmac.compare_digest(key, self.client_public)
 
 
-def start_authenticator(
-    ctx: zmq.Context, credentials: Credentials
-) -> zmq.auth.thread.ThreadAuthenticator:
-    """A ZAP handler (a thread) for `ctx`: only the run's client key may connect."""
-    authenticator = zmq.auth.thread.ThreadAuthenticator(ctx)
+class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
+    """pyzmq's ZAP handler thread, with a PLAIN check that compares the password in constant
+    time against the run's and never logs it."""
+
+    def __init__(self, ctx: zmq.Context, password: bytes) -> None:
+        super().__init__(ctx)
+        self._password = password
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        known = domain == ZAP_DOMAIN.decode() and username == PLAIN_USERNAME.decode()
+        if known and hmac.compare_digest(password.encode(), self._password):
+            return True, b"OK"
+        return False, b"Invalid credentials"
+
+
+def start_authenticator(ctx: zmq.Context, credentials: Credentials) -> _Authenticator:
+    """A ZAP handler (a thread) for `ctx`: only the run's password (PLAIN) or client key
+    (CURVE) may connect."""
+    authenticator = _Authenticator(ctx, credentials.password)
     authenticator.start()
     authenticator.configure_curve_callback(
         ZAP_DOMAIN.decode(), credentials_provider=_KnownClient(credentials.client_public)

@@ -24,7 +24,9 @@ Variants, run in interleaved rounds so that a busy machine disturbs them alike:
                     halt polling ends after ~200 µs)
   floor-paced-spin  floor-paced with both ends polling in a loop instead of sleeping in the
                     kernel: what busy waiting (one CPU each) would buy
-Every socket speaks CURVE, as the engine's do; `--no-curve` adds rows without it.
+`--auth` picks how the sockets authenticate, a row each: `plain` (the engine's way on ipc: the
+run's password in the handshake only), `curve` (every frame encrypted and authenticated, as the
+engine's ipc sockets did before session 34; tcp sockets still do), `none`.
 `--reply-delay-ms D` makes the echo sleep D ms before each answer (a step on the device): the
 row's round trip is then the time beyond D, and an inbox whose poll (`--poll-first-ms`, the
 engine's bus.POLL_FIRST_S by default; one row each) is shorter than D waits on the loop.
@@ -51,7 +53,7 @@ import numpy as np
 import zmq
 from harness import latency_cells, percentiles, row
 
-from pagedserve.actors import bus
+from pagedserve.actors import bus, security
 from pagedserve.actors.addresses import Addresses
 from pagedserve.actors.messages import (
     AddRequest,
@@ -66,6 +68,7 @@ from pagedserve.actors.scheduler.scheduler import Scheduler
 from pagedserve.actors.security import Credentials
 from pagedserve.config import BUS_SPIN_US, EngineConfig
 
+AUTHS = ("plain", "curve", "none")
 WARM_UP = 200  # round trips not counted: connections, allocations
 PROMPT_LEN = 20
 BLOCK_SIZE = 16
@@ -139,12 +142,30 @@ async def drive(run_dir: str, credentials: Credentials | None, decodes: int, n: 
     return samples
 
 
+ENGINE_USES_PLAIN = security.uses_plain
+
+
+def use_mechanism(auth: str) -> None:
+    """Make this process's engine channels speak `auth`'s mechanism: `curve` on ipc too
+    (security.uses_plain picks the mechanism by address), else the engine's choice."""
+    security.uses_plain = (lambda address: False) if auth == "curve" else ENGINE_USES_PLAIN
+
+
 def floor_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
-                 keys: Credentials | None) -> zmq.Socket:  # fmt: skip
-    """A plain socket; with keys, CURVE as the engine sets it (the binding end the server)."""
+                 keys: Credentials | None, auth: str) -> zmq.Socket:  # fmt: skip
+    """A plain socket; with keys, PLAIN or CURVE as the engine sets it (the binding end the
+    server, checked by its process's ZAP handler)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
+    if keys is not None and bind:
+        sock.setsockopt(zmq.ZAP_DOMAIN, security.ZAP_DOMAIN)
+    if keys is not None and auth == "plain":
+        if bind:
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
+        else:
+            sock.setsockopt(zmq.PLAIN_USERNAME, security.PLAIN_USERNAME)
+            sock.setsockopt(zmq.PLAIN_PASSWORD, keys.password)
+    elif keys is not None:
         if bind:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
@@ -164,16 +185,17 @@ def typical_frames(decodes: int, epoch: int) -> tuple[bytes, bytes]:
     return bus.encode(plan), bus.encode(worker_result(plan))
 
 
-def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: int,
+def floor(run_dir: str, keys: Credentials | None, auth: str, role: str, decodes: int, n: int,
           epoch: int, delay_s: float, variant: str = "floor") -> list[float]:  # fmt: skip
     """The same frames by synchronous sockets: `role` "echo" answers, "drive" times; the
     paced variants plan and apply each step untimed between round trips (module doc)."""
     addresses, ctx, drives = Addresses(run_dir), zmq.Context(), role == "drive"
+    authenticator = security.start_authenticator(ctx, keys) if keys and drives else None
     plans = floor_socket(
-        ctx, zmq.PUSH if drives else zmq.PULL, addresses.worker_inbox(0), drives, keys
+        ctx, zmq.PUSH if drives else zmq.PULL, addresses.worker_inbox(0), drives, keys, auth
     )
     results = floor_socket(
-        ctx, zmq.PULL if drives else zmq.PUSH, addresses.scheduler_inbox, drives, keys
+        ctx, zmq.PULL if drives else zmq.PUSH, addresses.scheduler_inbox, drives, keys, auth
     )
     plan, result = typical_frames(decodes, epoch)
     spin = variant == "floor-paced-spin"
@@ -196,6 +218,7 @@ def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: in
         if scheduler is not None and step is not None:  # the echo's bytes are a typical result
             scheduler.update_from_result(worker_result(step))
     plans.send(b"x") if drives else None
+    authenticator.stop() if authenticator is not None else None
     ctx.destroy(linger=0)
     return samples
 
@@ -207,12 +230,14 @@ def receive(sock: zmq.Socket, spin: bool) -> bytes:
     return sock.recv()
 
 
-def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int,
+def measure(variant: str, decodes: int, n: int, auth: str, epoch: int,
             echo_cpu: int | None, poll_ms: float, delay_ms: float) -> list[float]:  # fmt: skip
     run_dir = tempfile.mkdtemp(prefix="bus-profile-")
-    credentials = Credentials.generate() if secure else None
-    keys = msgspec.json.encode(credentials).decode() if credentials else ""
     command = [sys.executable, __file__, "--echo", run_dir, "--variants", variant]
+    command += ["--auth", auth]
+    use_mechanism(auth)
+    credentials = None if auth == "none" else Credentials.generate()
+    keys = msgspec.json.encode(credentials).decode() if credentials else ""
     command += ["--epoch", str(epoch), "--poll-first-ms", str(poll_ms)]
     command += ["--reply-delay-ms", str(delay_ms)]
     command += [] if echo_cpu is None else ["--cpus", str(echo_cpu), str(echo_cpu)]
@@ -222,7 +247,7 @@ def measure(variant: str, decodes: int, n: int, secure: bool, epoch: int,
     child.stdin.close()  # type: ignore[union-attr]
     try:
         if variant.startswith("floor"):
-            return floor(run_dir, credentials, "drive", decodes, n, epoch, delay_ms / 1e3,
+            return floor(run_dir, credentials, auth, "drive", decodes, n, epoch, delay_ms / 1e3,
                          variant)  # fmt: skip
         return anyio.run(drive, run_dir, credentials, decodes, n, epoch, poll_ms / 1e3,
                          delay_ms / 1e3, spin_of(variant))  # fmt: skip
@@ -238,9 +263,11 @@ def spin_of(variant: str) -> float:
 def run_echo(args: argparse.Namespace) -> None:
     keys = sys.stdin.read()
     credentials = msgspec.json.decode(keys, type=Credentials) if keys else None
-    variant, delay_s = args.variants[0], args.reply_delay_ms / 1e3
+    variant, auth, delay_s = args.variants[0], args.auth[0], args.reply_delay_ms / 1e3
+    use_mechanism(auth)
     if variant.startswith("floor"):
-        floor(args.echo, credentials, "echo", args.decodes[0], 0, args.epoch, delay_s, variant)
+        floor(args.echo, credentials, auth, "echo", args.decodes[0], 0, args.epoch, delay_s,
+              variant)  # fmt: skip
     else:
         poll_first_s = 0.0 if variant == "bus-worker-waits" else args.poll_first_ms[0] / 1e3
         anyio.run(echo, args.echo, credentials, poll_first_s, delay_s, spin_of(variant))
@@ -253,7 +280,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3000, help="per variant, all rounds")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--no-curve", action="store_true", help="add rows without CURVE")
+    parser.add_argument("--auth", nargs="+", choices=AUTHS, default=["plain"],
+                        help="how the sockets authenticate, a row each (module doc)")  # fmt: skip
     parser.add_argument("--epoch", type=int, default=0,
                         help="the scheduler's (0: a fresh engine; from 1, after a restart, "
                         "handles and step ids are above 2**40 and take 9 bytes each)")  # fmt: skip
@@ -272,25 +300,24 @@ def main() -> None:
         return run_echo(args)
     echo_cpu = None if args.cpus is None else args.cpus[1]
     print(f"reply delay {args.reply_delay_ms} ms (round trips are the time beyond it)\n")
-    print("| decodes | CURVE | path | poll ms | plan bytes | result bytes | p50 µs each round "
+    print("| decodes | auth | path | poll ms | plan bytes | result bytes | p50 µs each round "
           "| round trip µs p50 | p90 | p99 |")  # fmt: skip
     print("|---:|:---:|---|---:|---:|---:|---|---:|---:|---:|")
     for decodes in args.decodes:
         polls = {v: [0.0] if v.startswith("floor") else args.poll_first_ms for v in args.variants}
-        cases = [(v, True, p) for v in args.variants for p in polls[v]]
-        cases += [(v, False, p) for v in args.variants for p in polls[v]] if args.no_curve else []
-        samples: dict[tuple[str, bool, float], list[list[float]]] = {c: [] for c in cases}
+        cases = [(v, a, p) for a in args.auth for v in args.variants for p in polls[v]]
+        samples: dict[tuple[str, str, float], list[list[float]]] = {c: [] for c in cases}
         for _ in range(args.rounds):
-            for variant, secure, poll in cases:
+            for variant, auth, poll in cases:
                 n = args.iterations // args.rounds
-                samples[variant, secure, poll].append(measure(
-                    variant, decodes, n, secure, args.epoch, echo_cpu, poll, args.reply_delay_ms
+                samples[variant, auth, poll].append(measure(
+                    variant, decodes, n, auth, args.epoch, echo_cpu, poll, args.reply_delay_ms
                 ))  # fmt: skip
         plan, result = typical_frames(decodes, args.epoch)
-        for (variant, secure, poll), rounds in samples.items():
+        for (variant, auth, poll), rounds in samples.items():
             each = " / ".join(f"{percentiles(r)['p50_us']:.0f}" for r in rounds)
             pooled = percentiles([s for r in rounds for s in r])
-            cells = [decodes, "yes" if secure else "no", variant, f"{poll:g}", len(plan),
+            cells = [decodes, auth, variant, f"{poll:g}", len(plan),
                      len(result), each]  # fmt: skip
             print(row(cells + latency_cells(pooled)), flush=True)
 
