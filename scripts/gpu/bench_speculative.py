@@ -9,8 +9,10 @@
    - batch 1, greedy, 256 output tokens per Shakespeare prompt, without speculation and with
      the draft model (--draft-k): time per output token, streamed through the ZeroMQ client
      ((last - first) / (tokens - 1), median over the prompts), and the acceptance rate;
-   - the same on copy-heavy prompts (a passage, then its first line again; 5 times), without
-     speculation and with n-gram (--ngram-k);
+   - the same on copy-heavy prompts (a passage, then its first line again), without
+     speculation and with n-gram (--ngram-k): `copy` is one passage (Julius Caesar) 5 times,
+     `copy-held-out` 5 passages of the data's validation split, text the target never
+     trained on (so what it copies is in its context, not in its weights);
    - batch 64 x 256 tokens with each: output tokens/s (median of 7 runs after a warm-up run),
      speculation switched off above batch 16 (disable_by_batch_size, --disable-above).
    The plain, draft and n-gram engines run in turn --passes times, and a plain engine once
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 from statistics import median
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,15 +69,48 @@ PASSAGE = (
     "When that the poor have cried, Caesar hath wept:\nAmbition should be made of sterner "
     "stuff:\nYet Brutus says he was ambitious;\nAnd Brutus is an honourable man.\n"
 )  # long enough that copying it again covers the 256 output tokens
+
+
+def copy_prompt(passage: str) -> str:
+    """A passage, then its first line again and the start of its second: the target continues
+    by copying."""
+    lines = passage.split("\n")
+    return passage + "\n" + lines[0] + "\n" + lines[1][:12]
+
+
 # the one copy prompt 5 times: batch 1's median then rides over one stalled run
-COPY_PROMPTS = [PASSAGE + "\n" + PASSAGE.split("\n")[0] + "\n" + PASSAGE.split("\n")[1][:12]] * 5
+COPY_PROMPTS = [copy_prompt(PASSAGE)] * 5
 
 
-def train_target(data: str, out: Path, time_limit: int, copy_frac: float) -> dict:
-    """Train for the steps the H200 runs in `time_limit` (~9 a second with the evals: session 6
-    ran 600 in 67 s), so that the cosine schedule ends and a seed gives one model; the time
-    limit stops a slower machine."""
-    steps = max(100, 8 * time_limit)
+def held_out_passages(data: str, count: int, tokens: int = 400) -> list[str]:
+    """`count` passages of the validation split (`prepare`'s val.npy, decoded with its
+    tokenizer), evenly spaced, each ~`tokens` tokens cut to whole lines of text."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(data) / "tokenizer" / "tokenizer.json"))
+    ids = np.load(Path(data) / "val.npy")
+    passages = []
+    for i in range(count):
+        start = (i * (len(ids) - 2 * tokens)) // count
+        text = tokenizer.decode(ids[start : start + 2 * tokens].tolist())
+        lines = [line for line in text.split("\n")[1:-1] if line.strip()]
+        passage, length = [], 0
+        for line in lines:  # whole lines up to ~`tokens` tokens
+            passage.append(line)
+            length += len(tokenizer.encode(line).ids) + 1
+            if length >= tokens:
+                break
+        passages.append("\n".join(passage) + "\n")
+    return passages
+
+
+def train_target(data: str, out: Path, time_limit: int, copy_frac: float,
+                 steps: int | None) -> dict:  # fmt: skip
+    """Train `steps` steps (by default those the H200 runs in `time_limit`: ~9 a second with
+    the evals, session 6 ran 600 in 67 s), so that the cosine schedule ends and a seed gives
+    one model; the time limit stops a slower machine (an H100 host runs 5.8-6.2 steps a
+    second: give it steps it finishes, for the same model on every host)."""
+    steps = steps or max(100, 8 * time_limit)
     command = [sys.executable, str(ROOT / "scripts" / "train_tiny_model.py"), "train",
                "--preset", "target", "--data", data, "--out", str(out), "--device", "cuda",
                "--steps", str(steps), "--batch", "32", "--seq-len", "512", "--lr", "1e-3",
@@ -184,7 +220,11 @@ def configs(args: argparse.Namespace) -> list[Config]:
     """(name, speculative_config, prompt sets, further LLM arguments) of each engine: the
     issue's rows, --full more; with --gemm-rows, the speculative rows again with the Triton
     GEMM up to that many rows (small_batch_gemm_rows)."""
-    shakespeare, copy = {"shakespeare": PROMPTS}, {"copy": COPY_PROMPTS}
+    shakespeare = {"shakespeare": PROMPTS}
+    copy = {"copy": COPY_PROMPTS}
+    if not args.smoke:
+        held_out = held_out_passages(args.data, 5)
+        copy |= {"copy-held-out": [copy_prompt(p) for p in held_out]}
     draft = lambda k: {"model": DRAFT, "num_speculative_tokens": k}  # noqa: E731
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
              "prompt_lookup_min": 2}  # fmt: skip
@@ -227,6 +267,8 @@ def main() -> None:
     parser.add_argument("--data", required=True, help="what `train_tiny_model.py prepare` wrote")
     parser.add_argument("--out", required=True)
     parser.add_argument("--train-seconds", type=int, default=120, help="training time limit")
+    parser.add_argument("--train-steps", type=int, default=None,
+                        help="training steps (default: 8 a second of --train-seconds)")  # fmt: skip
     parser.add_argument(
         "--copy-frac", type=float, default=0.5,
         help="share of the target's training windows that repeat their start (train "
@@ -263,7 +305,8 @@ def main() -> None:
         target, training = Path(ROOT / "pagedserve" / "assets" / "tiny-shakespeare"), {}
     else:
         shutil.rmtree(target, ignore_errors=True)
-        training = train_target(args.data, target, args.train_seconds, args.copy_frac)
+        training = train_target(args.data, target, args.train_seconds, args.copy_frac,
+                                args.train_steps)  # fmt: skip
     print(json.dumps(training), flush=True)
     runs = []
     for name, spec, prompt_sets, engine in configs(args):
