@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.tiny_models import record_tokenizer_class
+
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # the column packed at nibble i of a word
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -82,6 +84,7 @@ def _write(source: Path, target: Path, state: dict[str, torch.Tensor], qconfig: 
     config = json.loads((target / "config.json").read_text())
     config["quantization_config"] = qconfig
     (target / "config.json").write_text(json.dumps(config))
+    record_tokenizer_class(target)
 
 
 def _group_index(k: int, group: int, act_order: bool, seed: int) -> torch.Tensor:

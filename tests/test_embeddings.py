@@ -48,6 +48,7 @@ from tests.tiny_models import (
     load_hf_model,
     merge_lora,
     random_prompts,
+    record_tokenizer_class,
     save_lora_adapter,
     save_tiny_model,
 )
@@ -137,6 +138,7 @@ def mean_model(models, tmp_path_factory) -> Path:
     """The Llama with a sentence-transformers layout of mean pooling and no Normalize."""
     path = tmp_path_factory.mktemp("st") / "llama"
     shutil.copytree(models["llama"], path)
+    record_tokenizer_class(path)  # a new directory: mean_engine's actors find its record
     return add_sentence_transformers_layout(path, "pooling_mode_mean_tokens", normalize=False)
 
 

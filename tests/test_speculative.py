@@ -52,21 +52,35 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = copy_heavy_prompts(400)
 
 
-def run(path: Path | str, **engine) -> tuple[list[list[int]], object]:
+def run_on(llm: LLM) -> tuple[list[list[int]], object]:
     """PROMPTS, then the last one again (a prefix-cache hit); token ids of the first run."""
-    with LLM(str(path), skip_tokenizer_init=True, supervision=NO_STANDBY, **engine) as llm:
-        outputs = llm.generate(PROMPTS, GREEDY)
-        again = llm.generate(PROMPTS[-1:], GREEDY)
-        stats = llm.get_stats()
+    outputs = llm.generate(PROMPTS, GREEDY)
+    again = llm.generate(PROMPTS[-1:], GREEDY)
+    stats = llm.get_stats()
     assert token_ids(again) == token_ids(outputs[-1:])
     assert stats.num_free_blocks == stats.num_total_blocks  # every KV block free afterwards
     return token_ids(outputs), stats
 
 
+def run(path: Path | str, **engine) -> tuple[list[list[int]], object]:
+    with LLM(str(path), skip_tokenizer_init=True, supervision=NO_STANDBY, **engine) as llm:
+        return run_on(llm)
+
+
 @pytest.fixture(scope="module")
-def plain(tiny: dict[str, Path]) -> dict[str, list[list[int]]]:
+def plain_llama(tiny: dict[str, Path]):
+    """The Llama target's engine without speculation: the greedy reference of `plain` and of
+    the switching test (one engine start for both)."""
+    with LLM(
+        str(tiny["llama"]), skip_tokenizer_init=True, num_kv_blocks=256, supervision=NO_STANDBY
+    ) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def plain(tiny: dict[str, Path], plain_llama: LLM) -> dict[str, list[list[int]]]:
     """The greedy outputs without speculation, per architecture."""
-    return {arch: run(tiny[arch], num_kv_blocks=256)[0] for arch in ("llama", "qwen3")}
+    return {"llama": run_on(plain_llama)[0], "qwen3": run(tiny["qwen3"], num_kv_blocks=256)[0]}
 
 
 @pytest.mark.parametrize(
@@ -117,7 +131,7 @@ def generate_with_late_arrivals(llm: LLM, params: list[SamplingParams]) -> list[
 
 
 def test_speculation_switching_off_and_on_with_the_batch_size_keeps_greedy_output(
-    tiny: dict[str, Path],
+    tiny: dict[str, Path], plain_llama: LLM
 ) -> None:
     """disable_by_batch_size: speculation stops when requests arrive while one speculates
     (its verify step in flight) and starts again as they finish (max_tokens differ); the
@@ -126,18 +140,17 @@ def test_speculation_switching_off_and_on_with_the_batch_size_keeps_greedy_outpu
             "disable_by_batch_size": 2}  # fmt: skip
     params = [SamplingParams(temperature=0.0, max_tokens=60 - 9 * i, ignore_eos=True)
               for i in range(len(PROMPTS))]  # fmt: skip
-    outputs = {}
-    for name, extra in (("plain", {}), ("switching", {"speculative_config": spec})):
-        with LLM(
-            str(tiny["llama"]),
-            skip_tokenizer_init=True,
-            num_kv_blocks=256,
-            supervision=NO_STANDBY,
-            **extra,
-        ) as llm:
-            outputs[name] = generate_with_late_arrivals(llm, params)
-            stats = llm.get_stats()
-    assert outputs["switching"] == outputs["plain"]
+    plain = generate_with_late_arrivals(plain_llama, params)
+    with LLM(
+        str(tiny["llama"]),
+        skip_tokenizer_init=True,
+        num_kv_blocks=256,
+        supervision=NO_STANDBY,
+        speculative_config=spec,
+    ) as llm:
+        switching = generate_with_late_arrivals(llm, params)
+        stats = llm.get_stats()
+    assert switching == plain
     assert stats.spec_num_draft_tokens > 0
 
 

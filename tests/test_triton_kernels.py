@@ -830,7 +830,7 @@ def test_lora_kernels_in_the_model_runner(tmp_path, monkeypatch: pytest.MonkeyPa
     the shrink / expand kernels in every projection; requests 0 and 2 run with an adapter and
     give the merged model's greedy tokens, request 1 the base model's."""
     from pagedserve.actors.messages import LoRARequest
-    from tests import test_model_parity as parity
+    from tests import mini_scheduler
     from tests.tiny_models import (
         hf_greedy,
         load_hf_model,
@@ -839,10 +839,10 @@ def test_lora_kernels_in_the_model_runner(tmp_path, monkeypatch: pytest.MonkeyPa
         save_tiny_model,
     )
 
-    monkeypatch.setattr(parity, "MAX_NEW_TOKENS", 6)
+    monkeypatch.setattr(mini_scheduler, "MAX_NEW_TOKENS", 6)
     base = save_tiny_model("llama", tmp_path / "base")
     adapter = save_lora_adapter(base, tmp_path / "adapter", seed=1)
-    runner = parity.make_runner(base, enable_lora=True, max_lora_rank=8)
+    runner = mini_scheduler.make_runner(base, enable_lora=True, max_lora_rank=8)
     runner.lora_slots.use_kernels(64)  # as on a GPU
     lora, execute = LoRARequest("a", 1, str(adapter)), runner.execute
 
@@ -853,8 +853,8 @@ def test_lora_kernels_in_the_model_runner(tmp_path, monkeypatch: pytest.MonkeyPa
 
     runner.execute = with_adapter
     prompts = [[5, 17, 99, 3, 42] * 3, [7] * 9, list(range(30, 52))]
-    params = parity.SamplingParams(temperature=0.0, logprobs=0, max_tokens=6)
-    requests = parity.MiniScheduler(prompts, params).run(runner)
+    params = mini_scheduler.SamplingParams(temperature=0.0, logprobs=0, max_tokens=6)
+    requests = mini_scheduler.MiniScheduler(prompts, params).run(runner)
     merged, plain = merge_lora(base, adapter), load_hf_model(base)
     for request, prompt in zip(requests, prompts):
         model = merged if request.handle in (0, 2) else plain

@@ -124,7 +124,23 @@ def save_tiny_model(
     model = auto.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    record_tokenizer_class(path)
     return path
+
+
+def record_tokenizer_class(path: Path) -> None:
+    """Load the tokenizer at `path` once here (milliseconds: this process has torch), as an
+    engine's actors load it, so that AutoTokenizer's choice of class is recorded for the
+    directory (actors/chat.py's TokenizerClassRecord, keyed by its path and files). The
+    tokenizer, detokenizer and API server of every engine started on it then build that class
+    directly, as on any later start of a model, instead of each importing torch for the choice:
+    about 2 s of each first start on a 2-core machine. Call it again after changing a deciding
+    file (config.json...); a directory without a tokenizer is left alone. The first load's
+    own path is test_tokenizer_load.py's."""
+    from pagedserve.actors.chat import load_tokenizer
+
+    if (Path(path) / "tokenizer_config.json").is_file():
+        load_tokenizer(str(path))
 
 
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
