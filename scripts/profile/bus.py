@@ -152,27 +152,13 @@ def use_mechanism(auth: str) -> None:
 
 
 def floor_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
-                 keys: Credentials | None, auth: str) -> zmq.Socket:  # fmt: skip
-    """A plain socket; with keys, PLAIN or CURVE as the engine sets it (the binding end the
-    server, checked by its process's ZAP handler)."""
+                 keys: Credentials | None) -> zmq.Socket:  # fmt: skip
+    """A plain socket; with keys, secured as the engine's (security.secure: the mechanism
+    use_mechanism picked, the binding end the server, checked by its process's ZAP handler)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None and bind:
-        sock.setsockopt(zmq.ZAP_DOMAIN, security.ZAP_DOMAIN)
-    if keys is not None and auth == "plain":
-        if bind:
-            sock.setsockopt(zmq.PLAIN_SERVER, 1)
-        else:
-            sock.setsockopt(zmq.PLAIN_USERNAME, security.PLAIN_USERNAME)
-            sock.setsockopt(zmq.PLAIN_PASSWORD, keys.password)
-    elif keys is not None:
-        if bind:
-            sock.setsockopt(zmq.CURVE_SERVER, 1)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
-        else:
-            sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
+    if keys is not None:
+        security.secure(sock, keys, server=bind, address=address)
     sock.bind(address) if bind else sock.connect(address)
     return sock
 
@@ -185,17 +171,17 @@ def typical_frames(decodes: int, epoch: int) -> tuple[bytes, bytes]:
     return bus.encode(plan), bus.encode(worker_result(plan))
 
 
-def floor(run_dir: str, keys: Credentials | None, auth: str, role: str, decodes: int, n: int,
+def floor(run_dir: str, keys: Credentials | None, role: str, decodes: int, n: int,
           epoch: int, delay_s: float, variant: str = "floor") -> list[float]:  # fmt: skip
     """The same frames by synchronous sockets: `role` "echo" answers, "drive" times; the
     paced variants plan and apply each step untimed between round trips (module doc)."""
     addresses, ctx, drives = Addresses(run_dir), zmq.Context(), role == "drive"
     authenticator = security.start_authenticator(ctx, keys) if keys and drives else None
     plans = floor_socket(
-        ctx, zmq.PUSH if drives else zmq.PULL, addresses.worker_inbox(0), drives, keys, auth
+        ctx, zmq.PUSH if drives else zmq.PULL, addresses.worker_inbox(0), drives, keys
     )
     results = floor_socket(
-        ctx, zmq.PULL if drives else zmq.PUSH, addresses.scheduler_inbox, drives, keys, auth
+        ctx, zmq.PULL if drives else zmq.PUSH, addresses.scheduler_inbox, drives, keys
     )
     plan, result = typical_frames(decodes, epoch)
     spin = variant == "floor-paced-spin"
@@ -247,7 +233,7 @@ def measure(variant: str, decodes: int, n: int, auth: str, epoch: int,
     child.stdin.close()  # type: ignore[union-attr]
     try:
         if variant.startswith("floor"):
-            return floor(run_dir, credentials, auth, "drive", decodes, n, epoch, delay_ms / 1e3,
+            return floor(run_dir, credentials, "drive", decodes, n, epoch, delay_ms / 1e3,
                          variant)  # fmt: skip
         return anyio.run(drive, run_dir, credentials, decodes, n, epoch, poll_ms / 1e3,
                          delay_ms / 1e3, spin_of(variant))  # fmt: skip
@@ -266,8 +252,7 @@ def run_echo(args: argparse.Namespace) -> None:
     variant, auth, delay_s = args.variants[0], args.auth[0], args.reply_delay_ms / 1e3
     use_mechanism(auth)
     if variant.startswith("floor"):
-        floor(args.echo, credentials, auth, "echo", args.decodes[0], 0, args.epoch, delay_s,
-              variant)  # fmt: skip
+        floor(args.echo, credentials, "echo", args.decodes[0], 0, args.epoch, delay_s, variant)
     else:
         poll_first_s = 0.0 if variant == "bus-worker-waits" else args.poll_first_ms[0] / 1e3
         anyio.run(echo, args.echo, credentials, poll_first_s, delay_s, spin_of(variant))
