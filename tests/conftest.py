@@ -5,6 +5,13 @@ import inspect
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# OpenMP's idle threads sleep rather than spin (GNU OpenMP, torch's, spins a while after each
+# parallel region by default). Every process here (this one, each engine's actors, each rank of
+# a tensor- or pipeline-parallel engine) runs a thread per core, so on a machine of few cores a
+# spinning thread takes the CPU another rank or actor is waiting for: the multi-rank tests ran
+# ~18% faster on 2 cores. Thread counts, so results, are unchanged; a value set outside wins.
+# Set before anything loads OpenMP; the engines' processes inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _patch_interpreted_calls_once_per_launch() -> None:
