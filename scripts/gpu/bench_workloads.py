@@ -11,7 +11,8 @@ W3 latency: batch 1, 128-token prompt, 256 output tokens, time per output token.
 W1/W2 run with max_num_seqs 1024 and max_num_batched_tokens 16384 (vLLM's offline defaults on
 this GPU); W3 and start-up with pagedserve's defaults (256 / 8192).
 Start-up: from LLM(...) to the first request accepted (Qwen3-0.6B dummy, CUDA graphs on).
-profile: the device idle time between worker steps, from a torch.profiler window (W3, W1).
+profile: the device idle time between worker steps and the kernels of a step, from a
+   torch.profiler window (W3, W1; --profile-runs W2 too).
 transformers runs only the first --hf-prompts requests of W1/W2 (it needs minutes where
 pagedserve needs seconds); its tok/s are over the tokens it was asked for.
 """
@@ -27,7 +28,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -186,27 +189,33 @@ def latency(args: argparse.Namespace) -> list[str]:
 def profile(args: argparse.Namespace) -> list[str]:
     """Where the time goes: a torch.profiler window over 20 worker steps (device busy time and
     the idle gaps between kernels), and the worker's and scheduler's loop phases over the whole
-    run (pagedserve.actors.worker.profiling). W3's batch-1 decode and the whole of W1."""
+    run (pagedserve.actors.worker.profiling). --profile-runs picks them: W3 (Qwen3-0.6B's
+    batch-1 decode), W1 and W2 (the whole workload; the window in its decode steps)."""
     from pagedserve.config import ProfileConfig
 
-    model, num, input_len, output_len = WORKLOADS["W1"]
-    vocab = int(read_hf_config(model)["vocab_size"])
     settings = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
-    runs = {
-        "W3 Qwen3-0.6B batch 1": (
+
+    def offline_run(name: str) -> Callable[[ProfileConfig], Any]:
+        model, num, input_len, output_len = WORKLOADS[name]
+        vocab = int(read_hf_config(model)["vocab_size"])
+        workload = bench.random_workload(num, input_len, output_len, vocab, seed=0)
+        return lambda prof: bench.run_pagedserve(
+            workload, engine_args(model, profile=prof, **settings)
+        )
+
+    every_run = {  # (label, what runs, the window's first step)
+        "W3": (
+            "W3 Qwen3-0.6B batch 1",
             lambda prof: bench.latency_pagedserve(
                 engine_args(QWEN, max_num_seqs=8, profile=prof), 128, 256, iters=1
             ),
             120,
         ),
-        "W1 (all 256 requests)": (
-            lambda prof: bench.run_pagedserve(
-                bench.random_workload(num, input_len, output_len, vocab, seed=0),
-                engine_args(model, profile=prof, **settings),
-            ),
-            300,
-        ),
+        "W1": ("W1 (all 256 requests)", offline_run("W1"), 300),
+        # W2's 15 or so mixed steps take the prompts; step 100 decodes ~800 requests
+        "W2": ("W2 (all 1,000 requests)", offline_run("W2"), 100),
     }
+    runs = {every_run[key][0]: every_run[key][1:] for key in args.profile_runs}
     idle = [
         "### Device idle time (torch.profiler window over 20 worker steps)\n",
         "| run | first step | wall µs/step | GPU busy µs/step | idle | gaps > 10 µs "
@@ -301,6 +310,10 @@ def main() -> int:
     parser.add_argument("--hf-cb", action="store_true")
     parser.add_argument("--hf-latency", action="store_true")
     parser.add_argument("--startup-ab", action="store_true", help="more cold starts")
+    parser.add_argument(
+        "--profile-runs", nargs="+", choices=["W3", "W1", "W2"], default=["W3", "W1"],
+        help="profile: the runs it profiles",
+    )  # fmt: skip
     parser.add_argument("--tp", type=int, default=1, help="W3: tensor_parallel_size")
     parser.add_argument("--w3-cublas", action="store_true", help="W3 also with cuBLAS GEMMs")
     parser.add_argument(
