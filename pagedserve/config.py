@@ -1,7 +1,7 @@
 """One typed configuration object, passed explicitly to every actor.
 
-`EngineConfig` is a msgspec Struct so that it crosses process boundaries as plain bytes
-(`encode_config` / `decode_config`), the same codec the bus uses. `resolve()` fills every
+`EngineConfig` is a msgspec Struct so that it crosses process boundaries as plain msgpack, the
+codec the bus uses (inside the supervisor's `ActorLaunch`). `resolve()` fills every
 "auto" field from the model directory once, in the parent process, so each actor sees the
 same concrete values.
 """
@@ -571,15 +571,3 @@ def read_hf_config(model_path: str, overrides: dict[str, Any] | None = None) -> 
     (and what they imply of a score head made from the LM head: `with_score_head_method`)."""
     with open(os.path.join(model_path, "config.json")) as f:
         return with_score_head_method(json.load(f) | (overrides or {}))
-
-
-_codec_encoder = msgspec.msgpack.Encoder()
-_codec_decoder = msgspec.msgpack.Decoder(EngineConfig)
-
-
-def encode_config(config: EngineConfig) -> bytes:
-    return _codec_encoder.encode(config)
-
-
-def decode_config(data: bytes) -> EngineConfig:
-    return _codec_decoder.decode(data)
