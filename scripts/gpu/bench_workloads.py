@@ -100,12 +100,18 @@ def step_log_lines(directory: Path, label: str) -> list[str]:
     return lines
 
 
+def workload_of(name: str) -> tuple[str, bench.Workload]:
+    """W1's or W2's model and its requests (seed 0)."""
+    model, num, input_len, output_len = WORKLOADS[name]
+    vocab = int(read_hf_config(model)["vocab_size"])
+    return model, bench.random_workload(num, input_len, output_len, vocab, seed=0)
+
+
 def offline(name: str, hf_prompts: int, args: argparse.Namespace) -> list[str]:
     from pagedserve.config import ProfileConfig
 
-    model, num, input_len, output_len = WORKLOADS[name]
-    vocab = int(read_hf_config(model)["vocab_size"])
-    workload = bench.random_workload(num, input_len, output_len, vocab, seed=0)
+    model, workload = workload_of(name)
+    _, num, input_len, output_len = WORKLOADS[name]
     settings = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
     rows, details = [], []
     for attempt in range(args.repeat):
@@ -196,12 +202,11 @@ def profile(args: argparse.Namespace) -> list[str]:
     settings = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
 
     def offline_run(name: str) -> Callable[[ProfileConfig], Any]:
-        model, num, input_len, output_len = WORKLOADS[name]
-        vocab = int(read_hf_config(model)["vocab_size"])
-        workload = bench.random_workload(num, input_len, output_len, vocab, seed=0)
-        return lambda prof: bench.run_pagedserve(
-            workload, engine_args(model, profile=prof, **settings)
-        )
+        def run(prof: ProfileConfig) -> Any:
+            model, workload = workload_of(name)
+            return bench.run_pagedserve(workload, engine_args(model, profile=prof, **settings))
+
+        return run
 
     every_run = {  # (label, what runs, the window's first step)
         "W3": (
