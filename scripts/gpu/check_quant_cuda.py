@@ -2,6 +2,8 @@
 
     bash scripts/gpu/run.sh quant_cuda        # the install step builds csrc/ first, then this
     python3 scripts/gpu/check_quant_cuda.py --out "$OUT/quant_cuda.md"   # once built
+    python3 scripts/gpu/check_quant_cuda.py --models llama8b --schemes int4 fp8 --rows 1 4 \
+        --out "$OUT/quant_ab.md"   # every check, timing only these cases (a kernel A/B)
 
 It builds nothing: the kernel is the library `python -m pagedserve.kernels.build` made (run.sh's
 install step); without it the script says why and exits 2.
@@ -258,19 +260,28 @@ def time_bf16(case: Case, weights: list[torch.Tensor], x: torch.Tensor) -> None:
     case.cublas = time_us(lambda i: F.linear(x, weights[i]), copies)
 
 
-def run_timing(checks: Checks, deadline: float) -> tuple[list[Case], list[str]]:
+@dataclass(frozen=True)
+class TimingScope:
+    """What the timing phase covers (the command line's filters)."""
+
+    models: tuple[str, ...] = tuple(MODELS)
+    schemes: tuple[str, ...] = ("fp8", "int8", "int4")
+    rows: tuple[int, ...] = TIME_ROWS
+
+
+def run_timing(checks: Checks, deadline: float, scope: TimingScope) -> tuple[list[Case], list[str]]:
     cases, skipped = [], []
-    for model, shapes in MODELS.items():
-        for name, n, k in shapes:
+    for model in scope.models:
+        for name, n, k in MODELS[model]:
             w_bf16 = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
             dense = [w_bf16, *(w_bf16.clone() for _ in range(copies_for(n * k * 2) - 1))]
-            xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in TIME_ROWS}
+            xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in scope.rows}
             bf16: dict[int, Case] = {}
-            for scheme in ("fp8", "int8", "int4"):
+            for scheme in scope.schemes:
                 variant = "int4-asym" if scheme == "int4" else scheme
                 copies = copies_for(weight_bytes(scheme, n, k))
                 w = make_weight(variant, n, k, torch.bfloat16, False, copies)
-                for m in TIME_ROWS:
+                for m in scope.rows:
                     case = Case(model, name, n, k, scheme, m, w.nbytes)
                     if time.perf_counter() > deadline:
                         skipped.append(case.title)
@@ -380,7 +391,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="markdown report path")
     parser.add_argument("--time-limit", type=float, default=150.0, help="s before timing stops")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=tuple(MODELS),
+        default=tuple(MODELS),
+        help="models whose shapes are timed (all are checked)",
+    )
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        choices=("fp8", "int8", "int4"),
+        default=("fp8", "int8", "int4"),
+        help="schemes timed (all are checked)",
+    )
+    parser.add_argument("--rows", nargs="+", type=int, default=TIME_ROWS, help="M values timed")
     args = parser.parse_args()
+    scope = TimingScope(tuple(args.models), tuple(args.schemes), tuple(args.rows))
     started = time.perf_counter()
     try:
         cuda_quant.load_extension()
@@ -397,7 +424,7 @@ def main() -> int:
     checks = Checks()
     run_checks(checks)
     print(f"checks done in {time.perf_counter() - started:.0f} s", flush=True)
-    cases, skipped = run_timing(checks, started + args.time_limit)
+    cases, skipped = run_timing(checks, started + args.time_limit, scope)
     header.append(f"total {time.perf_counter() - started:.0f} s\n")
     text = report(header, checks, cases, skipped, num_sms)
     if args.out:
