@@ -4,6 +4,7 @@
     python3 scripts/gpu/check_quant_cuda.py --out "$OUT/quant_cuda.md"   # once built
     python3 scripts/gpu/check_quant_cuda.py --models llama8b --schemes int4 fp8 --rows 1 4 \
         --out "$OUT/quant_ab.md"   # every check, timing only these cases (a kernel A/B)
+    python3 scripts/gpu/check_quant_cuda.py --time-only ...   # no checks (a known baseline)
 
 It builds nothing: the kernel is the library `python -m pagedserve.kernels.build` made (run.sh's
 install step); without it the script says why and exits 2.
@@ -406,6 +407,9 @@ def main() -> int:
         help="schemes timed (all are checked)",
     )
     parser.add_argument("--rows", nargs="+", type=int, default=TIME_ROWS, help="M values timed")
+    parser.add_argument(
+        "--time-only", action="store_true", help="skip the checks phase (a baseline's timing)"
+    )
     args = parser.parse_args()
     scope = TimingScope(tuple(args.models), tuple(args.schemes), tuple(args.rows))
     started = time.perf_counter()
@@ -422,7 +426,8 @@ def main() -> int:
               f"weight copies rotated beyond {COPIES_BYTES / 1e6:.0f} MB; GB/s: weight bytes "
               "/ time\n"]  # fmt: skip
     checks = Checks()
-    run_checks(checks)
+    if not args.time_only:
+        run_checks(checks)
     print(f"checks done in {time.perf_counter() - started:.0f} s", flush=True)
     cases, skipped = run_timing(checks, started + args.time_limit, scope)
     header.append(f"total {time.perf_counter() - started:.0f} s\n")
