@@ -374,6 +374,31 @@ def _store_tile(
 
 
 @triton.jit
+def split_k_finish(acc, out_ptr, bias_ptr, partial_ptr, counter_ptr, rm, rn, M, N,
+                   stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Store this split's partial tile (program (t, s): partial[s, t]); the tile's last program
+    to arrive (counter[t] counts arrivals, acq_rel) sums the partials in split order, stores
+    the output and resets counter[t] to 0 (the skinny GEMVs' split-K, here and triton_quant)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    split_stride = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
+    tile = (pid_n * BLOCK_M + rm[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    row_ok = rm[:, None] < M
+    tl.store(partial_ptr + pid_k * split_stride + tile, acc, mask=row_ok)
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, num_splits):  # split order: independent of the arrival order
+            total += tl.load(partial_ptr + s * split_stride + tile, mask=row_ok, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+        _store_tile(out_ptr, bias_ptr, total, rm, rn, M, N, stride_om, HAS_BIAS)
+        tl.store(counter_ptr + pid_n, 0)
+
+
+@triton.jit
 def _skinny_linear_kernel(
     x_ptr,
     w_ptr,
@@ -430,20 +455,8 @@ def _skinny_linear_kernel(
         acc = _fma_mainloop(x_ptrs, w_ptrs, k_start, k_end, M, K, BLOCK_M, BLOCK_N, BLOCK_K,
                             EVEN_K, W_CACHE, W_EVICT, PDL)  # fmt: skip
     if SPLIT:
-        num_splits = tl.num_programs(1)
-        split_stride = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
-        tile = (pid_n * BLOCK_M + rm[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        row_ok = rm[:, None] < M
-        tl.store(partial_ptr + pid_k * split_stride + tile, acc, mask=row_ok)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, num_splits):  # split order: independent of the arrival order
-                total += tl.load(partial_ptr + s * split_stride + tile, mask=row_ok, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
-            _store_tile(out_ptr, bias_ptr, total, rm, rn, M, N, stride_om, HAS_BIAS)
-            tl.store(counter_ptr + pid_n, 0)
+        split_k_finish(acc, out_ptr, bias_ptr, partial_ptr, counter_ptr, rm, rn, M, N,
+                       stride_om, BLOCK_M, BLOCK_N, HAS_BIAS)  # fmt: skip
     else:
         _store_tile(out_ptr, bias_ptr, acc, rm, rn, M, N, stride_om, HAS_BIAS)
 

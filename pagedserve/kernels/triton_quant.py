@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.quant_ref import FP8_DTYPE, FP8_MAX, IntWeight
-from pagedserve.kernels.triton_gemv import _counters, _num_sms, _store_tile
+from pagedserve.kernels.triton_gemv import _counters, _num_sms, _store_tile, split_k_finish
 from pagedserve.kernels.triton_ops import _round, _round_fp8, await_inputs
 
 WQ_GEMV_MAX_ROWS = 16
@@ -775,34 +775,10 @@ def _quant_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, par
                                     EVEN_K, KIND, CONVERT, UNPACK, ACCUMULATE,
                                     W_EVICT, PDL)  # fmt: skip
     if SPLIT:
-        _split_k_finish(acc, out_ptr, bias_ptr, partial_ptr, counter_ptr, rm, rn, M, N,
-                        stride_om, BLOCK_M, BLOCK_N, HAS_BIAS)  # fmt: skip
+        split_k_finish(acc, out_ptr, bias_ptr, partial_ptr, counter_ptr, rm, rn, M, N,
+                       stride_om, BLOCK_M, BLOCK_N, HAS_BIAS)  # fmt: skip
     else:
         _store_tile(out_ptr, bias_ptr, acc, rm, rn, M, N, stride_om, HAS_BIAS)
-
-
-@triton.jit
-def _split_k_finish(acc, out_ptr, bias_ptr, partial_ptr, counter_ptr, rm, rn, M, N,
-                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):  # fmt: skip
-    """Store this split's partial tile; the tile's last program to arrive sums the partials in
-    split order, stores the output and resets the tile's counter (triton_gemv's scheme)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_splits = tl.num_programs(1)
-    split_stride = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
-    tile = (pid_n * BLOCK_M + rm[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    row_ok = rm[:, None] < M
-    tl.store(partial_ptr + pid_k * split_stride + tile, acc, mask=row_ok)
-    tl.debug_barrier()  # every thread's partial is written before the release below
-    arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(0, num_splits):  # split order: independent of the arrival order
-            total += tl.load(partial_ptr + s * split_stride + tile, mask=row_ok, other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
-        _store_tile(out_ptr, bias_ptr, total, rm, rn, M, N, stride_om, HAS_BIAS)
-        tl.store(counter_ptr + pid_n, 0)
 
 
 @triton.jit
