@@ -1,6 +1,6 @@
-// The C++ CPU kernels of pagedserve (float32, AVX-512); see pagedserve/kernels/attention.py
-// (the section 'The C++ CPU kernels') for what each computes. Built with
-// torch.utils.cpp_extension.load_inline on first use.
+// The C++ CPU kernels of pagedserve (float32; AVX-512, or AVX2 + FMA); see
+// pagedserve/kernels/attention.py (the section 'The C++ CPU kernels') for what each computes.
+// Built at install (pagedserve/kernels/cpu_kernels.py picks the instruction set of the CPU).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,30 +15,41 @@
 
 namespace {
 
-// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 fx = _mm512_roundscale_ps(
-      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, fx);
-}
+// ---- 16 float lanes ---------------------------------------------------------------------------
+// The kernels compute on V16: one __m512 where the build targets AVX-512, two __m256 (lanes 0-7,
+// 8-15) where it targets AVX2 + FMA. Each operation is the AVX-512 instruction or its AVX2 pair.
 
-constexpr int MAX_GROUP = 8;
+#if defined(__AVX512F__)
+
+using V16 = __m512;
+
+inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+inline V16 load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, V16 v) { _mm512_storeu_ps(p, v); }
+// the first n lanes (0 <= n <= 16) of p, zeros beyond; store only the first n
+inline V16 load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
+inline void store_first(float* p, V16 v, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
+inline V16 keep_first(V16 v, int64_t n) { return _mm512_maskz_mov_ps(first_lanes(n), v); }
+inline V16 set1(float x) { return _mm512_set1_ps(x); }
+inline V16 zeros() { return _mm512_setzero_ps(); }
+inline V16 add(V16 a, V16 b) { return _mm512_add_ps(a, b); }
+inline V16 sub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
+inline V16 mul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
+inline V16 div(V16 a, V16 b) { return _mm512_div_ps(a, b); }
+inline V16 max(V16 a, V16 b) { return _mm512_max_ps(a, b); }
+inline V16 fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }    // a b + c
+inline V16 fnmadd(V16 a, V16 b, V16 c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+inline V16 round_nearest(V16 v) {
+  return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline V16 times_pow2(V16 y, V16 n) { return _mm512_scalef_ps(y, n); }  // y 2^n, n integral
+inline float sum_lanes(V16 v) { return _mm512_reduce_add_ps(v); }
+inline float max_lane(V16 v) { return _mm512_reduce_max_ps(v); }
 
 // r[l] = sum of the 16 lanes of a[l], for 16 vectors at once (a transpose-and-add tree:
 // 45 shuffles and adds instead of 16 horizontal reductions).
-inline __m512 reduce16(__m512* a) {
-  __m512 b[8], c[4], d[2];
+inline V16 reduce16(V16* a) {
+  V16 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
                          _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -52,93 +63,197 @@ inline __m512 reduce16(__m512* a) {
                        _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
+#else  // AVX2 + FMA
+
+struct V16 {
+  __m256 lo, hi;
+};
+
+// lane i of the half starting at lane `base` is kept when base + i < n
+inline __m256i first_lanes(int64_t n, int base) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - base),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, V16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+inline V16 load_first(const float* p, int64_t n) {
+  return {_mm256_maskload_ps(p, first_lanes(n, 0)), _mm256_maskload_ps(p + 8, first_lanes(n, 8))};
+}
+inline void store_first(float* p, V16 v, int64_t n) {
+  _mm256_maskstore_ps(p, first_lanes(n, 0), v.lo);
+  _mm256_maskstore_ps(p + 8, first_lanes(n, 8), v.hi);
+}
+inline V16 keep_first(V16 v, int64_t n) {
+  return {_mm256_and_ps(v.lo, _mm256_castsi256_ps(first_lanes(n, 0))),
+          _mm256_and_ps(v.hi, _mm256_castsi256_ps(first_lanes(n, 8)))};
+}
+inline V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 zeros() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 sub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 div(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline V16 max(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 fmadd(V16 a, V16 b, V16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V16 fnmadd(V16 a, V16 b, V16 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V16 round_nearest(V16 v) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(v.lo, kMode), _mm256_round_ps(v.hi, kMode)};
+}
+// y 2^n for integral n in [-126, 127]: n added to y's exponent field
+inline __m256 times_pow2(__m256 y, __m256 n) {
+  const __m256i bits = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), bits));
+}
+inline V16 times_pow2(V16 y, V16 n) { return {times_pow2(y.lo, n.lo), times_pow2(y.hi, n.hi)}; }
+inline float sum_lanes(V16 v) {
+  const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+inline float max_lane(V16 v) {
+  const __m256 m8 = _mm256_max_ps(v.lo, v.hi);
+  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+}
+
+// reduce16 of the AVX-512 build, each step on the two halves: unpack and shuffle_ps act within
+// 128-bit lanes (so on each half alike); shuffle_f32x4 0x88 / 0xDD pick 128-bit lanes (0, 2) /
+// (1, 3) of each operand, which are the low / high lanes of its two halves (permute2f128).
+inline V16 reduce16(V16* a) {
+  V16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {
+    const V16 x = a[2 * i], y = a[2 * i + 1];
+    b[i] = {_mm256_add_ps(_mm256_unpacklo_ps(x.lo, y.lo), _mm256_unpackhi_ps(x.lo, y.lo)),
+            _mm256_add_ps(_mm256_unpacklo_ps(x.hi, y.hi), _mm256_unpackhi_ps(x.hi, y.hi))};
+  }
+  for (int i = 0; i < 4; ++i) {
+    const V16 x = b[2 * i], y = b[2 * i + 1];
+    c[i] = {_mm256_add_ps(_mm256_shuffle_ps(x.lo, y.lo, 0x44), _mm256_shuffle_ps(x.lo, y.lo, 0xEE)),
+            _mm256_add_ps(_mm256_shuffle_ps(x.hi, y.hi, 0x44), _mm256_shuffle_ps(x.hi, y.hi, 0xEE))};
+  }
+  const auto lanes_02 = [](__m256 lo, __m256 hi) { return _mm256_permute2f128_ps(lo, hi, 0x20); };
+  const auto lanes_13 = [](__m256 lo, __m256 hi) { return _mm256_permute2f128_ps(lo, hi, 0x31); };
+  const auto shuffle_add = [&](V16 x, V16 y) {  // shuffle_f32x4(x, y, 0x88) + (.., 0xDD)
+    return V16{_mm256_add_ps(lanes_02(x.lo, x.hi), lanes_13(x.lo, x.hi)),
+               _mm256_add_ps(lanes_02(y.lo, y.hi), lanes_13(y.lo, y.hi))};
+  };
+  for (int i = 0; i < 2; ++i) d[i] = shuffle_add(c[2 * i], c[2 * i + 1]);
+  return shuffle_add(d[0], d[1]);
+}
+
+#endif
+
+// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial).
+inline V16 exp16(V16 x) {
+  x = max(x, set1(-87.0f));
+  const V16 fx = round_nearest(mul(x, set1(1.44269504088896341f)));
+  x = fnmadd(fx, set1(0.693359375f), x);
+  x = fnmadd(fx, set1(-2.12194440e-4f), x);
+  V16 y = set1(1.9875691500e-4f);
+  y = fmadd(y, x, set1(1.3981999507e-3f));
+  y = fmadd(y, x, set1(8.3334519073e-3f));
+  y = fmadd(y, x, set1(4.1665795894e-2f));
+  y = fmadd(y, x, set1(1.6666665459e-1f));
+  y = fmadd(y, x, set1(5.0000001201e-1f));
+  y = fmadd(y, mul(x, x), add(x, set1(1.0f)));
+  return times_pow2(y, fx);
+}
+
+constexpr int MAX_GROUP = 8;
+
 // One (request, kv head): G query heads against the request's L keys. D = 16 * C.
 template <int C, int G>
 void decode_one(const float* const* q_rows, float* const* out_rows, const float* k_base,
                 const float* v_base, const int32_t* table, int64_t L, int64_t block_size,
                 float scale, float* scores) {
   constexpr int D = 16 * C;
-  __m512 qv[G][C];
+  V16 qv[G][C];
   float row_max[G], row_sum[G];
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c)
-      qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q_rows[g] + 16 * c), _mm512_set1_ps(scale));
+      qv[g][c] = mul(load(q_rows[g] + 16 * c), set1(scale));
     row_max[g] = -std::numeric_limits<float>::infinity();
   }
-  __m512 tile_max[G];
-  for (int g = 0; g < G; ++g) tile_max[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  V16 tile_max[G];
+  for (int g = 0; g < G; ++g) tile_max[g] = set1(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = 0, i = 0; j0 < L; j0 += block_size, ++i) {  // pass 1: scores
     const float* kb = k_base + static_cast<int64_t>(table[i]) * block_size * D;
     const int64_t n = std::min<int64_t>(block_size, L - j0);
     int64_t t = 0;
     for (; t + 16 <= n; t += 16) {  // 16 keys at a time
-      __m512 partial[G][16];
+      V16 partial[G][16];
       for (int u = 0; u < 16; ++u) {
-        __m512 kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kb + (t + u) * D + 16 * c);
+        V16 kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = load(kb + (t + u) * D + 16 * c);
         for (int g = 0; g < G; ++g) {
-          __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-          for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+          V16 acc = mul(qv[g][0], kv[0]);
+          for (int c = 1; c < C; ++c) acc = fmadd(qv[g][c], kv[c], acc);
           partial[g][u] = acc;
         }
       }
       for (int g = 0; g < G; ++g) {
-        const __m512 sv = reduce16(partial[g]);
-        _mm512_storeu_ps(scores + g * L + j0 + t, sv);
-        tile_max[g] = _mm512_max_ps(tile_max[g], sv);
+        const V16 sv = reduce16(partial[g]);
+        store(scores + g * L + j0 + t, sv);
+        tile_max[g] = max(tile_max[g], sv);
       }
     }
     for (; t < n; ++t) {
-      __m512 kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kb + t * D + 16 * c);
+      V16 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load(kb + t * D + 16 * c);
       for (int g = 0; g < G; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-        const float s = _mm512_reduce_add_ps(acc);
+        V16 acc = mul(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) acc = fmadd(qv[g][c], kv[c], acc);
+        const float s = sum_lanes(acc);
         scores[g * L + j0 + t] = s;
         row_max[g] = std::max(row_max[g], s);
       }
     }
   }
   for (int g = 0; g < G; ++g)
-    row_max[g] = std::max(row_max[g], _mm512_reduce_max_ps(tile_max[g]));
+    row_max[g] = std::max(row_max[g], max_lane(tile_max[g]));
   for (int g = 0; g < G; ++g) {  // pass 2: p = exp(s - max), sums
     float* s = scores + g * L;
-    const __m512 m = _mm512_set1_ps(row_max[g]);
-    __m512 sum = _mm512_setzero_ps();
+    const V16 m = set1(row_max[g]);
+    V16 sum = zeros();
     int64_t j = 0;
     for (; j + 16 <= L; j += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
-      _mm512_storeu_ps(s + j, e);
-      sum = _mm512_add_ps(sum, e);
+      const V16 e = exp16(sub(load(s + j), m));
+      store(s + j, e);
+      sum = add(sum, e);
     }
     if (j < L) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << (L - j)) - 1u);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m));
-      _mm512_mask_storeu_ps(s + j, mask, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+      const V16 e = exp16(sub(load_first(s + j, L - j), m));
+      store_first(s + j, e, L - j);
+      sum = add(sum, keep_first(e, L - j));
     }
-    row_sum[g] = _mm512_reduce_add_ps(sum);
+    row_sum[g] = sum_lanes(sum);
   }
-  __m512 acc[G][C];  // pass 3: sum_j p_j V_j
+  V16 acc[G][C];  // pass 3: sum_j p_j V_j
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[g][c] = zeros();
   for (int64_t j0 = 0, i = 0; j0 < L; j0 += block_size, ++i) {
     const float* vb = v_base + static_cast<int64_t>(table[i]) * block_size * D;
     const int64_t n = std::min<int64_t>(block_size, L - j0);
     for (int64_t t = 0; t < n; ++t) {
-      __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vb + t * D + 16 * c);
+      V16 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load(vb + t * D + 16 * c);
       for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * L + j0 + t]);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+        const V16 p = set1(scores[g * L + j0 + t]);
+        for (int c = 0; c < C; ++c) acc[g][c] = fmadd(p, vv[c], acc[g][c]);
       }
     }
   }
   for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.0f / row_sum[g]);
+    const V16 inv = set1(1.0f / row_sum[g]);
     for (int c = 0; c < C; ++c)
-      _mm512_storeu_ps(out_rows[g] + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+      store(out_rows[g] + 16 * c, mul(acc[g][c], inv));
   }
 }
 
@@ -210,30 +325,27 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
 
 // ---- per-token kernels (float32, rows contiguous in the last dim) -----------------------------
 
-inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
-
 // y = weight * (x * rsqrt(mean(x^2) + eps)) for one row of n floats (sum of squares in float32,
 // 16 lanes then a tree; x * r and the weight product rounded separately, as in transformers).
 inline void rms_row(const float* x, const float* w, float* y, int64_t n, float eps) {
-  __m512 acc = _mm512_setzero_ps();
+  V16 acc = zeros();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    const V16 v = load(x + i);
+    acc = add(acc, mul(v, v));
   }
   if (i < n) {
-    const __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), x + i);
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    const V16 v = load_first(x + i, n - i);
+    acc = add(acc, mul(v, v));
   }
-  const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(n);
-  const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+  const float mean = sum_lanes(acc) / static_cast<float>(n);
+  const V16 r = set1(1.0f / std::sqrt(mean + eps));
   for (i = 0; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_loadu_ps(w + i),
-                                          _mm512_mul_ps(_mm512_loadu_ps(x + i), r)));
+    store(y + i, mul(load(w + i),
+                                          mul(load(x + i), r)));
   if (i < n) {
-    const __mmask16 m = tail_mask(n - i);
-    const __m512 xr = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), r);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), xr));
+    const V16 xr = mul(load_first(x + i, n - i), r);
+    store_first(y + i, mul(load_first(w + i, n - i), xr), n - i);
   }
 }
 
@@ -272,7 +384,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
       float* rr = rp + t * rs;
       int64_t i = 0;
       for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(rr + i, _mm512_add_ps(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(rr + i)));
+        store(rr + i, add(load(xr + i), load(rr + i)));
       for (; i < n; ++i) rr[i] = xr[i] + rr[i];
       rms_row(rr, wp, xr, n, static_cast<float>(eps));
     }
@@ -303,12 +415,12 @@ void rotary_inplace(at::Tensor qk, const at::Tensor& positions, const at::Tensor
         float* x = p + t * s0 + h * s1;
         int64_t i = 0;
         for (; i + 16 <= half; i += 16) {
-          const __m512 x1 = _mm512_loadu_ps(x + i), x2 = _mm512_loadu_ps(x + half + i);
-          const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
-          const __m512 y1 = _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv));
-          const __m512 y2 = _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv));
-          _mm512_storeu_ps(x + i, y1);
-          _mm512_storeu_ps(x + half + i, y2);
+          const V16 x1 = load(x + i), x2 = load(x + half + i);
+          const V16 cv = load(c + i), sv = load(s + i);
+          const V16 y1 = sub(mul(x1, cv), mul(x2, sv));
+          const V16 y2 = add(mul(x2, cv), mul(x1, sv));
+          store(x + i, y1);
+          store(x + half + i, y2);
         }
         for (; i < half; ++i) {
           const float x1 = x[i], x2 = x[half + i];
@@ -328,18 +440,18 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const V16 one = set1(1.0f);
   at::parallel_for(0, T, 32, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* g = xp + t * xs;
       const float* u = g + n;
       float* o = op + t * os;
       for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = i + 16 <= n ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - i);
-        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(one, e));
-        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(m, u + i)));
+        const int64_t lanes = std::min<int64_t>(16, n - i);
+        const V16 gv = load_first(g + i, lanes);
+        const V16 e = exp16(sub(zeros(), gv));
+        const V16 sig = div(gv, add(one, e));
+        store_first(o + i, mul(sig, load_first(u + i, lanes)), lanes);
       }
     }
   });

@@ -354,7 +354,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # each is resident and prefetches its weights while the kernel before it drains, and waits
     # for it in-kernel (csrc/grid_dependency.h); also inside CUDA graphs
     dependent_launch: bool = True
-    # CPU: the C++ kernels of csrc/cpu_kernels.cpp (AVX-512 machines) where they load; off:
+    # CPU: the C++ kernels of csrc/cpu_kernels.cpp (AVX-512 / AVX2 machines) where they load; off:
     # the pure-torch paths (the same math)
     cpu_kernels: bool = True
     # CUDA: compile the start-up's Triton kernels in parallel threads, by a compile-only dry run

@@ -4,7 +4,7 @@
 kernel is built, found already built, or skipped with the reason on one line; a kernel that
 is not built leaves the engine on its pure-torch / Triton path (with a warning at start).
 
-  * the C++ CPU kernels (kernels.cpu_kernels), where the CPU has AVX-512;
+  * the C++ CPU kernels (kernels.cpu_kernels), where the CPU has AVX-512 or AVX2;
   * the CUDA decode kernel (kernels.cuda_attention) for each architecture of --cuda-arch, else
     of TORCH_CUDA_ARCH_LIST, else of the visible GPUs; where torch has CUDA and nvcc is found;
   * the CUDA quantized GEMV (kernels.cuda_quant) for those architectures from sm_90 on.
@@ -77,7 +77,7 @@ def build_all(out: Path, requested_archs: list[str]) -> bool:
     if cpu_can_run_kernels():
         jobs.append(("C++ CPU kernels", cpu_kernels_spec))
     else:
-        print("C++ CPU kernels: skipped (this CPU has no AVX-512; the pure-torch paths run)")
+        print("C++ CPU kernels: skipped (no AVX-512 or AVX2 on this CPU; the pure-torch paths run)")
     archs, reason = cuda_archs(requested_archs)
     if reason:
         print(f"CUDA decode kernel: skipped ({reason}; the Triton kernels run)")

@@ -5,7 +5,7 @@ Layout, per layer: k_cache, v_cache of shape [num_kv_heads, num_blocks, block_si
 so a request's context for one kv head is a list of contiguous [block_size, head_dim] tiles.
 
 Decode (q_len == 1), the hot path, runs one of two ways:
- * the C++ kernel of csrc/cpu_kernels.cpp (float32, AVX-512; see kernels.cpu_kernels): one
+ * the C++ kernel of csrc/cpu_kernels.cpp (float32, AVX-512 / AVX2; kernels.cpu_kernels): one
    call per layer covers every decode request, reading each K/V tile in place, once, for the
    G query heads of its kv head; no gather, no padding;
  * otherwise pure torch: requests sorted by context length and cut into a few buckets, each

@@ -1,7 +1,7 @@
-"""The C++ CPU kernels of csrc/cpu_kernels.cpp (float32, AVX-512): built at install
-(kernels.build), loaded here as torch ops (`torch.ops.pagedserve_cpu.*`). Off when
-EngineConfig.cpu_kernels is off, when the CPU lacks AVX-512 or when they are not built for
-these sources: the pure-torch paths then run, same math.
+"""The C++ CPU kernels of csrc/cpu_kernels.cpp (float32, AVX-512 or AVX2 + FMA: the CPU's): built
+at install (kernels.build), loaded here as torch ops (`torch.ops.pagedserve_cpu.*`). Off when
+EngineConfig.cpu_kernels is off, when the CPU has neither instruction set or when they are not
+built for these sources: the pure-torch paths then run, same math.
 
 paged_decode: per (kv head h, request b), its G = num_heads / num_kv_heads query heads at
 once, block by block through the block table, reading each K/V row once and in place:
@@ -27,22 +27,34 @@ from pagedserve.kernels.extensions import CSRC_DIR, ExtensionSpec, built_library
 
 logger = logging.getLogger(__name__)
 
-_AVX512_FLAGS = ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma")
+# the compiler flags of each instruction set the kernels are built for (csrc/cpu_kernels.cpp's
+# V16: one 512-bit register, or two 256-bit ones), by torch's name for the CPU's capability
+ISA_FLAGS = {
+    "AVX512": ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma"),
+    "AVX2": ("-mavx2", "-mfma"),
+}
 _loaded: bool | None = None  # this process's load_cpu_kernels() result (torch ops are global)
 
 
+def cpu_isa() -> str:
+    """The CPU's vector instruction set as torch detects it ("AVX512", "AVX2", "DEFAULT", ...)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def cpu_kernels_spec() -> ExtensionSpec:
+    """The kernels built for this CPU's instruction set (AVX2's flags where it has neither)."""
+    flags = ISA_FLAGS.get(cpu_isa(), ISA_FLAGS["AVX2"])
     return ExtensionSpec(
         base_name="pagedserve_cpu_kernels",
         sources=(CSRC_DIR / "cpu_kernels.cpp",),
-        cflags=("-O3", "-ffp-contract=off", *_AVX512_FLAGS, "-fopenmp"),
+        cflags=("-O3", "-ffp-contract=off", *flags, "-fopenmp"),
         ldflags=("-fopenmp",),
     )
 
 
 def cpu_can_run_kernels() -> bool:
-    """Whether this CPU runs the kernels (AVX-512, as torch detects it)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+    """Whether this CPU runs the kernels (AVX-512 or AVX2, as torch detects it)."""
+    return cpu_isa() in ISA_FLAGS
 
 
 def find_cpu_kernels(directory: Path | None = None) -> Path | None:
@@ -51,7 +63,7 @@ def find_cpu_kernels(directory: Path | None = None) -> Path | None:
     is missing). Never builds, never waits."""
     directory = extensions.BUILT_DIR if directory is None else directory
     if not cpu_can_run_kernels():
-        logger.info("the C++ CPU kernels need AVX-512; using the pure-torch paths")
+        logger.info("the C++ CPU kernels need AVX-512 or AVX2; using the pure-torch paths")
         return None
     library = built_library(cpu_kernels_spec(), directory)
     if library is None:
