@@ -1,6 +1,6 @@
-// The C++ CPU kernels of pagedserve (float32; AVX-512, or AVX2 + FMA); see
-// pagedserve/kernels/attention.py (the section 'The C++ CPU kernels') for what each computes.
-// Built at install (pagedserve/kernels/cpu_kernels.py picks the instruction set of the CPU).
+// The C++ CPU kernels of pagedserve (float32; AVX-512, or AVX2 + FMA); what each computes is in
+// pagedserve/kernels/cpu_kernels.py's docstring, which also picks the CPU's instruction set for
+// the build (at install: python -m pagedserve.kernels.build).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
