@@ -104,10 +104,16 @@ inline V16 round_nearest(V16 v) {
   constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   return {_mm256_round_ps(v.lo, kMode), _mm256_round_ps(v.hi, kMode)};
 }
-// y 2^n for integral n in [-126, 127]: n added to y's exponent field
+// y 2^n for integral n >= -126 (exp16's range; larger n saturate at 254, past overflow) and y
+// in [0.5, 2): y 2^(n / 2) (exact) times 2^(n - n / 2), so that the result over- or underflows
+// in one rounding, as scalef's does
 inline __m256 times_pow2(__m256 y, __m256 n) {
-  const __m256i bits = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), bits));
+  const __m256i k = _mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(254.0f)));
+  const __m256i half = _mm256_srai_epi32(k, 1);
+  const auto pow2 = [](__m256i e) {  // 2^e for e in [-126, 127]
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+  };
+  return _mm256_mul_ps(_mm256_mul_ps(y, pow2(half)), pow2(_mm256_sub_epi32(k, half)));
 }
 inline V16 times_pow2(V16 y, V16 n) { return {times_pow2(y.lo, n.lo), times_pow2(y.hi, n.hi)}; }
 inline float sum_lanes(V16 v) {
@@ -150,7 +156,8 @@ inline V16 reduce16(V16* a) {
 
 #endif
 
-// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial).
+// exp(x) (Cephes expf: range reduction by ln 2, degree-6 polynomial), exact to ~1 ulp for
+// x <= 0; x >= -87 after the clamp, and large x overflow to inf (silu_and_mul's exp(-g)).
 inline V16 exp16(V16 x) {
   x = max(x, set1(-87.0f));
   const V16 fx = round_nearest(mul(x, set1(1.44269504088896341f)));

@@ -245,6 +245,15 @@ def test_cpu_silu_and_mul(kernels: None) -> None:
     torch.testing.assert_close(out, ops.silu_and_mul(x), atol=1e-5, rtol=1e-5)
 
 
+def test_cpu_silu_and_mul_at_extreme_gates(kernels: None) -> None:
+    """exp(-g) past float range (g far below -88) gives silu(g) -> -0, not garbage."""
+    gates = torch.tensor([-1e30, -1e4, -100.0, -89.0, -88.7, -87.5, -20.0, 0.0, 100.0, 1e30])
+    x = torch.cat([gates.repeat(2), torch.full((20,), 3.0)]).view(1, 40)
+    out = torch.empty(1, 20)
+    torch.ops.pagedserve_cpu.silu_and_mul(out, x)
+    torch.testing.assert_close(out, ops.silu_and_mul(x), atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_write_kv_head_major(kernels: None) -> None:
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache = torch.zeros(2, 5, 4, 32), torch.zeros(2, 5, 4, 32)
