@@ -23,13 +23,15 @@ namespace {
 
 using V16 = __m512;
 
-inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+using Mask16 = __mmask16;  // lanes kept by a masked load, store or move
+
+inline Mask16 first_lanes(int64_t n) { return static_cast<Mask16>((1u << n) - 1u); }  // n <= 16
 inline V16 load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, V16 v) { _mm512_storeu_ps(p, v); }
-// the first n lanes (0 <= n <= 16) of p, zeros beyond; store only the first n
-inline V16 load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
-inline void store_first(float* p, V16 v, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
-inline V16 keep_first(V16 v, int64_t n) { return _mm512_maskz_mov_ps(first_lanes(n), v); }
+// the kept lanes of p (zeros elsewhere); store only the kept lanes; zero the others of v
+inline V16 load_masked(const float* p, Mask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline void store_masked(float* p, V16 v, Mask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline V16 keep_masked(V16 v, Mask16 m) { return _mm512_maskz_mov_ps(m, v); }
 inline V16 set1(float x) { return _mm512_set1_ps(x); }
 inline V16 zeros() { return _mm512_setzero_ps(); }
 inline V16 add(V16 a, V16 b) { return _mm512_add_ps(a, b); }
@@ -69,23 +71,27 @@ struct V16 {
   __m256 lo, hi;
 };
 
-// lane i of the half starting at lane `base` is kept when base + i < n
-inline __m256i first_lanes(int64_t n, int base) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - base),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+struct Mask16 {  // all-ones lanes are kept
+  __m256i lo, hi;
+};
+
+inline Mask16 first_lanes(int64_t n) {  // n <= 16
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return {_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane),
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - 8), lane)};
 }
 inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline void store(float* p, V16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
-inline V16 load_first(const float* p, int64_t n) {
-  return {_mm256_maskload_ps(p, first_lanes(n, 0)), _mm256_maskload_ps(p + 8, first_lanes(n, 8))};
+inline V16 load_masked(const float* p, Mask16 m) {
+  return {_mm256_maskload_ps(p, m.lo), _mm256_maskload_ps(p + 8, m.hi)};
 }
-inline void store_first(float* p, V16 v, int64_t n) {
-  _mm256_maskstore_ps(p, first_lanes(n, 0), v.lo);
-  _mm256_maskstore_ps(p + 8, first_lanes(n, 8), v.hi);
+inline void store_masked(float* p, V16 v, Mask16 m) {
+  _mm256_maskstore_ps(p, m.lo, v.lo);
+  _mm256_maskstore_ps(p + 8, m.hi, v.hi);
 }
-inline V16 keep_first(V16 v, int64_t n) {
-  return {_mm256_and_ps(v.lo, _mm256_castsi256_ps(first_lanes(n, 0))),
-          _mm256_and_ps(v.hi, _mm256_castsi256_ps(first_lanes(n, 8)))};
+inline V16 keep_masked(V16 v, Mask16 m) {
+  return {_mm256_and_ps(v.lo, _mm256_castsi256_ps(m.lo)),
+          _mm256_and_ps(v.hi, _mm256_castsi256_ps(m.hi))};
 }
 inline V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V16 zeros() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -236,9 +242,10 @@ void decode_one(const float* const* q_rows, float* const* out_rows, const float*
       sum = add(sum, e);
     }
     if (j < L) {
-      const V16 e = exp16(sub(load_first(s + j, L - j), m));
-      store_first(s + j, e, L - j);
-      sum = add(sum, keep_first(e, L - j));
+      const Mask16 tail = first_lanes(L - j);
+      const V16 e = exp16(sub(load_masked(s + j, tail), m));
+      store_masked(s + j, e, tail);
+      sum = add(sum, keep_masked(e, tail));
     }
     row_sum[g] = sum_lanes(sum);
   }
@@ -342,7 +349,7 @@ inline void rms_row(const float* x, const float* w, float* y, int64_t n, float e
     acc = add(acc, mul(v, v));
   }
   if (i < n) {
-    const V16 v = load_first(x + i, n - i);
+    const V16 v = load_masked(x + i, first_lanes(n - i));
     acc = add(acc, mul(v, v));
   }
   const float mean = sum_lanes(acc) / static_cast<float>(n);
@@ -351,8 +358,9 @@ inline void rms_row(const float* x, const float* w, float* y, int64_t n, float e
     store(y + i, mul(load(w + i),
                                           mul(load(x + i), r)));
   if (i < n) {
-    const V16 xr = mul(load_first(x + i, n - i), r);
-    store_first(y + i, mul(load_first(w + i, n - i), xr), n - i);
+    const Mask16 tail = first_lanes(n - i);
+    const V16 xr = mul(load_masked(x + i, tail), r);
+    store_masked(y + i, mul(load_masked(w + i, tail), xr), tail);
   }
 }
 
@@ -454,11 +462,11 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
       const float* u = g + n;
       float* o = op + t * os;
       for (int64_t i = 0; i < n; i += 16) {
-        const int64_t lanes = std::min<int64_t>(16, n - i);
-        const V16 gv = load_first(g + i, lanes);
+        const Mask16 lanes = first_lanes(std::min<int64_t>(16, n - i));
+        const V16 gv = load_masked(g + i, lanes);
         const V16 e = exp16(sub(zeros(), gv));
         const V16 sig = div(gv, add(one, e));
-        store_first(o + i, mul(sig, load_first(u + i, lanes)), lanes);
+        store_masked(o + i, mul(sig, load_masked(u + i, lanes)), lanes);
       }
     }
   });

@@ -65,6 +65,7 @@ MODELS = {
 CHECK_ROWS = (1, 2, 4, 8, 16)
 TIME_ROWS = (1, 4, 16)
 VARIANTS = ("fp8", "int8", "int4-sym", "int4-asym")
+SCHEMES = ("fp8", "int8", "int4")
 TOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
 GROUP = 128
 SWEEP = [GemvConfig(w, s, u) for w in (4, 8) for s in (None, 1, 2, 4, 8) for u in (2, 4)]
@@ -265,9 +266,9 @@ def time_bf16(case: Case, weights: list[torch.Tensor], x: torch.Tensor) -> None:
 class TimingScope:
     """What the timing phase covers (the command line's filters)."""
 
-    models: tuple[str, ...] = tuple(MODELS)
-    schemes: tuple[str, ...] = ("fp8", "int8", "int4")
-    rows: tuple[int, ...] = TIME_ROWS
+    models: tuple[str, ...]
+    schemes: tuple[str, ...]
+    rows: tuple[int, ...]
 
 
 def run_timing(checks: Checks, deadline: float, scope: TimingScope) -> tuple[list[Case], list[str]]:
@@ -333,7 +334,7 @@ def summary(cases: list[Case]) -> list[str]:
 def layer_sums(cases: list[Case]) -> list[str]:
     """Llama-3.1-8B, M = 1: LAYERS x the four projections (no LM head), per scheme."""
     lines = [f"Llama-3.1-8B batch 1, {LAYERS} layers x (qkv + o_proj + gate_up + down), ms:\n"]
-    for scheme in ("fp8", "int8", "int4"):
+    for scheme in SCHEMES:
         ones = [c for c in cases if c.model == "llama8b" and c.scheme == scheme and c.m == 1]
         if len(ones) < len(MODELS["llama8b"]) or not all(c.best() for c in ones):
             continue
@@ -402,8 +403,8 @@ def main() -> int:
     parser.add_argument(
         "--schemes",
         nargs="+",
-        choices=("fp8", "int8", "int4"),
-        default=("fp8", "int8", "int4"),
+        choices=SCHEMES,
+        default=SCHEMES,
         help="schemes timed (all are checked)",
     )
     parser.add_argument("--rows", nargs="+", type=int, default=TIME_ROWS, help="M values timed")
